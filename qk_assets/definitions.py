@@ -1,0 +1,38 @@
+"""The Dagster code location: every asset, check, sensor and job of the platform.
+
+Each module of :mod:`qk_assets.assets` is one stage of the lineage graph. Its assets are picked up
+automatically; a module may also export ``SENSORS``, ``JOBS`` and ``ASSET_CHECKS`` lists.
+"""
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
+
+from qk_assets import assets as assets_pkg
+from qk_assets.io_manager import ParquetIOManager
+from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_core.settings import Settings
+
+
+def asset_modules() -> list[ModuleType]:
+    names = sorted(m.name for m in pkgutil.iter_modules(assets_pkg.__path__))
+    return [importlib.import_module(f"{assets_pkg.__name__}.{n}") for n in names]
+
+
+def build_definitions(settings: Settings | None = None) -> Definitions:
+    settings = settings or Settings.from_env()
+    storage = StorageResource.from_settings(settings)
+    modules = asset_modules()
+    return Definitions(
+        assets=load_assets_from_modules(modules),
+        asset_checks=load_asset_checks_from_modules(modules),
+        sensors=[s for m in modules for s in getattr(m, "SENSORS", [])],
+        jobs=[j for m in modules for j in getattr(m, "JOBS", [])],
+        resources={
+            "storage": storage,
+            "io_manager": ParquetIOManager(storage=storage),
+            "device": TorchDeviceResource(device=settings.device),
+        },
+    )

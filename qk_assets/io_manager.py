@@ -1,0 +1,47 @@
+"""Parquet IO manager: every asset value is a pandas DataFrame stored under the storage root.
+
+Path: ``assets/<asset key path>/<partition key>.parquet`` (``_all.parquet`` when unpartitioned).
+Loading several upstream partitions (a report over all models, a trajectory over a series) yields a
+``dict[partition_key, DataFrame]`` holding only the partitions that exist; one partition yields the
+DataFrame itself.
+"""
+
+import pandas as pd
+import pyarrow as pa
+from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext, ResourceDependency
+
+from qk_assets.resources import StorageResource
+
+
+def asset_rel(key_path: list[str], partition: str | None) -> str:
+    return "assets/" + "/".join(key_path) + f"/{partition or '_all'}.parquet"
+
+
+class ParquetIOManager(ConfigurableIOManager):
+    storage: ResourceDependency[StorageResource]
+
+    def handle_output(self, context: OutputContext, obj: pd.DataFrame | None) -> None:
+        if obj is None:
+            return
+        if not isinstance(obj, pd.DataFrame):
+            raise TypeError(f"{context.asset_key.to_user_string()}: expected a DataFrame, got {type(obj)}")
+        partition = context.partition_key if context.has_asset_partitions else None
+        rel = asset_rel(context.asset_key.path, partition)
+        uri = self.storage.get().write_parquet(rel, pa.Table.from_pandas(obj, preserve_index=False))
+        context.add_output_metadata({"path": MetadataValue.path(uri), "rows": len(obj)})
+
+    def load_input(self, context: InputContext) -> pd.DataFrame | dict[str, pd.DataFrame]:
+        storage = self.storage.get()
+        key_path = context.asset_key.path
+        if not context.has_asset_partitions:
+            return storage.read_parquet(asset_rel(key_path, None)).to_pandas()
+        keys = list(context.asset_partition_keys)
+        downstream_partitioned = context.has_partition_key if hasattr(context, "has_partition_key") else False
+        if len(keys) == 1 and downstream_partitioned:
+            return storage.read_parquet(asset_rel(key_path, keys[0])).to_pandas()
+        out = {}
+        for key in keys:
+            rel = asset_rel(key_path, key)
+            if storage.exists(rel):
+                out[key] = storage.read_parquet(rel).to_pandas()
+        return out

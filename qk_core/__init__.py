@@ -1,0 +1,1 @@
+"""Science and I/O library of the QK geometry platform. Never imports Dagster."""

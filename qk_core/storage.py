@@ -1,0 +1,208 @@
+"""One storage root, local disk or S3, with atomic commits for every write.
+
+All artifact I/O of the platform goes through :class:`Storage`. Paths given to its methods are
+relative to the root (``"captures/smollm2-135m/manifest.json"``). A reader never sees a half-written
+object: local writes go to a hidden temporary file in the target folder and are renamed into place;
+S3 writes are single PUTs (or multipart uploads, which S3 makes visible only when complete) of a
+fully written local temporary file. Names starting with ``.tmp-`` are never listed.
+
+Credentials are never passed through here: s3fs/botocore read them from the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TMP_PREFIX = ".tmp-"
+
+
+class StorageError(RuntimeError):
+    """An artifact is missing or unreadable; the message names the file."""
+
+
+class Storage:
+    """A root folder (local path or ``s3://bucket/prefix``) with atomic Parquet/JSON/bytes I/O."""
+
+    def __init__(self, root: str | os.PathLike[str], s3_endpoint_url: str | None = None) -> None:
+        root = str(root)
+        self.is_s3 = root.startswith("s3://")
+        if self.is_s3:
+            opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
+            if s3_endpoint_url:
+                opts["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
+            self.fs = fsspec.filesystem("s3", **opts)
+            self.root = root[len("s3://") :].rstrip("/")
+        else:
+            self.fs = fsspec.filesystem("file")
+            self.root = str(Path(root).resolve())
+        self.url = ("s3://" + self.root) if self.is_s3 else self.root
+
+    @classmethod
+    def from_settings(cls, settings: Any = None) -> Storage:
+        from qk_core.settings import Settings
+
+        settings = settings or Settings.from_env()
+        return cls(settings.storage_root, settings.s3_endpoint_url)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # ---- paths -------------------------------------------------------------------------------
+    def full(self, rel: str) -> str:
+        """The backend path of ``rel`` (no scheme for S3, as fsspec expects)."""
+        rel = rel.strip("/")
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def uri(self, rel: str) -> str:
+        """A user-facing address of ``rel``: an absolute local path or an ``s3://`` URI."""
+        return ("s3://" + self.full(rel)) if self.is_s3 else self.full(rel)
+
+    def local_path(self, rel: str) -> Path | None:
+        """The local filesystem path of ``rel``, or None on S3."""
+        return None if self.is_s3 else Path(self.full(rel))
+
+    # ---- queries -----------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self.full(rel)))
+
+    def ls(self, rel: str = "", recursive: bool = False) -> list[str]:
+        """Relative paths of the files under ``rel`` (sorted; temporaries hidden; [] if absent)."""
+        base = self.full(rel)
+        if not self.fs.exists(base):
+            return []
+        if recursive:
+            names = self.fs.find(base)
+        else:
+            names = [e["name"] for e in self.fs.ls(base, detail=True) if e["type"] == "file"]
+        out = []
+        for name in names:
+            name = name[len("s3://") :] if name.startswith("s3://") else name
+            relname = name[len(self.root) :].strip("/")
+            if any(part.startswith(TMP_PREFIX) for part in relname.split("/")):
+                continue
+            out.append(relname)
+        return sorted(out)
+
+    def ls_dirs(self, rel: str = "") -> list[str]:
+        """Names (not paths) of the sub-folders directly under ``rel``."""
+        base = self.full(rel)
+        if not self.fs.exists(base):
+            return []
+        dirs = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(base, detail=True)
+                if e["type"] == "directory"]
+        return sorted(d for d in dirs if not d.startswith(TMP_PREFIX))
+
+    def info_token(self, rel: str) -> str:
+        """A cheap change token for ``rel`` (S3 ETag or local size+mtime)."""
+        info = self.fs.info(self.full(rel))
+        if self.is_s3:
+            return str(info.get("ETag", "")).strip('"')
+        return f"{info['size']}-{info.get('mtime', 0)}"
+
+    # ---- atomic writes -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def atomic_local_file(self, rel: str) -> Iterator[Path]:
+        """Yield a local temporary path; on success it becomes ``rel`` in one atomic step.
+
+        On error the temporary is deleted and ``rel`` (if it existed) stays as it was.
+        """
+        if self.is_s3:
+            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX)
+            os.close(fd)
+        else:
+            target = Path(self.full(rel))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = str(target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
+        try:
+            yield Path(tmp)
+            if self.is_s3:
+                self.fs.put_file(tmp, self.full(rel))
+            else:
+                os.replace(tmp, self.full(rel))
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        with self.atomic_local_file(rel) as tmp:
+            tmp.write_bytes(data)
+        return self.uri(rel)
+
+    def write_text(self, rel: str, text: str) -> str:
+        return self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_json(self, rel: str, obj: Any) -> str:
+        return self.write_bytes(rel, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+    def write_parquet(self, rel: str, table: pa.Table, **kwargs: Any) -> str:
+        """Write a whole Arrow table atomically."""
+        with self.atomic_local_file(rel) as tmp:
+            pq.write_table(table, tmp, **kwargs)
+        return self.uri(rel)
+
+    @contextlib.contextmanager
+    def parquet_writer(self, rel: str, schema: pa.Schema, **kwargs: Any) -> Iterator[pq.ParquetWriter]:
+        """Stream row groups into ``rel``; the file becomes visible only when the block succeeds."""
+        with self.atomic_local_file(rel) as tmp:
+            writer = pq.ParquetWriter(tmp, schema, **kwargs)
+            try:
+                yield writer
+            finally:
+                writer.close()
+
+    # ---- reads -------------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            with self.fs.open(self.full(rel), "rb") as f:
+                return f.read()
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_json(self, rel: str) -> Any:
+        try:
+            return json.loads(self.read_bytes(rel))
+        except json.JSONDecodeError as exc:
+            raise StorageError(f"{self.uri(rel)}: not valid JSON ({exc})") from exc
+
+    def parquet_file(self, rel: str) -> pq.ParquetFile:
+        """Open ``rel`` for row-group/column access without reading it whole."""
+        try:
+            if self.is_s3:
+                return pq.ParquetFile(self.fs.open(self.full(rel), "rb"))
+            return pq.ParquetFile(self.full(rel))
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
+
+    def read_parquet(self, rel: str, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
+        try:
+            if self.is_s3:
+                data = self.read_bytes(rel)
+                return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+            return pq.read_table(self.full(rel), columns=columns, filters=filters)
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
+
+    # ---- removal -----------------------------------------------------------------------------
+    def delete(self, rel: str, recursive: bool = False) -> None:
+        path = self.full(rel)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=recursive)
