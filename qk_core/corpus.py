@@ -136,15 +136,16 @@ def local_corpus(params: dict[str, Any]) -> pd.DataFrame:
 
 
 def longbench_pro_corpus(params: dict[str, Any]) -> tuple[pd.DataFrame, str]:
-    """LongBench-Pro via ``datasets`` (network or HF cache needed); returns (table, resolved revision)."""
+    """LongBench-Pro via ``datasets`` (hub or HF cache needed); returns (table, dataset fingerprint)."""
     import datasets  # heavy; imported only here
 
     repo, split = params["repo"], params.get("split", "test")
     revision = params.get("revision", "main")
-    ds = datasets.load_dataset(repo, split=split, revision=revision)
-    resolved = str((getattr(ds.info, "download_checksums", None) and revision) or revision)
-    fingerprint = getattr(ds, "_fingerprint", "")
-    return _select(list(ds), params, f"hf:{repo}@{revision}"), f"{resolved} ({fingerprint})"
+    try:
+        ds = datasets.load_dataset(repo, split=split, revision=revision)
+    except Exception as exc:  # offline, unknown revision, gated: say which dataset failed
+        raise CorpusError(f"hf:{repo}@{revision} (split {split}): cannot be loaded ({exc})") from exc
+    return _select(list(ds), params, f"hf:{repo}@{revision}"), str(getattr(ds, "_fingerprint", ""))
 
 
 def build_corpus(entry: CorpusEntry) -> tuple[pd.DataFrame, dict[str, str]]:
@@ -154,5 +155,6 @@ def build_corpus(entry: CorpusEntry) -> tuple[pd.DataFrame, dict[str, str]]:
         return sotu_corpus(p), {"source": p["url"], "sha256": p["sha256"]}
     if entry.kind == "local_file":
         return local_corpus(p), {"source": str(p["path"])}
-    df, rev = longbench_pro_corpus(p)
-    return df, {"source": f"hf:{p['repo']}", "split": p.get("split", "test"), "revision": rev}
+    df, fp = longbench_pro_corpus(p)
+    return df, {"source": f"hf:{p['repo']}", "split": p.get("split", "test"),
+                "revision": p.get("revision", "main"), "dataset_fingerprint": fp}
