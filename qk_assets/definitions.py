@@ -13,6 +13,7 @@ from dagster import Definitions, load_asset_checks_from_modules, load_assets_fro
 from qk_assets import assets as assets_pkg
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_assets.versioning import with_code_versions
 from qk_core.settings import Settings
 
 
@@ -26,7 +27,7 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     storage = StorageResource.from_settings(settings)
     modules = asset_modules()
     return Definitions(
-        assets=load_assets_from_modules(modules),
+        assets=with_code_versions(load_assets_from_modules(modules), modules),
         asset_checks=load_asset_checks_from_modules(modules),
         sensors=[s for m in modules for s in getattr(m, "SENSORS", [])],
         jobs=[j for m in modules for j in getattr(m, "JOBS", [])],

@@ -1,0 +1,374 @@
+"""``make demo``: materialise the whole lineage graph for the registry's demo models through Dagster.
+
+``python -m qk_assets.demo [--group demo] [--dry-run] [--force]``
+
+The demo loads the same code location as the UI (``qk_assets.defs``) and executes its implicit asset
+job against ``DagsterInstance.get()`` (the instance under ``$DAGSTER_HOME``), so every run and every
+materialisation shows up in ``make ui``. Assets are selected per partition set:
+
+- corpus-partitioned assets: the corpora the demo models read (``sotu-demo``);
+- model-partitioned assets: the demo models (``smollm2-135m``, ``gemma3-270m``), one run per model;
+- series-partitioned assets: series holding a demo model (none: the SmolLM3 series needs the hub);
+- unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
+
+Up-to-date rule (what a second ``make demo`` skips). An asset partition is recomputed when
+
+1. it has never been materialised, or
+2. its code version changed: the asset's code version (``qk_assets.versioning``: a hash of its module
+   and the own modules it imports) differs from the ``dagster/code_version`` of its latest
+   materialisation, or
+3. an upstream partition was materialised after it (event storage ids are monotonic), or
+4. its configuration changed: the fingerprint of its registry entry (model or corpus entry; for
+   unpartitioned assets the seed benchmark/reference files) differs from the ``qk/config`` tag of the run
+   that produced it (runs without the tag, e.g. launched from the UI, are trusted), or
+5. an upstream partition in this plan is recomputed (the rule propagates downstream).
+
+Runs follow the dependencies: each run holds the assets of one partition whose upstream work is done.
+A failed asset skips what depends on it; the report is built regardless (it marks what is missing).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
+from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+
+from qk_core.registry import Registry
+from qk_core.settings import DATA_DIR
+from qk_core.storage import Storage
+
+DEMO_TAG = "qk/demo"
+CONFIG_TAG = "qk/config"
+CODE_VERSION_TAG = "dagster/code_version"
+REPORT_KEY = AssetKey("report_html")
+REPORT_REL = "report/index.html"
+
+Node = tuple[AssetKey, str | None]
+
+
+def node_name(node: Node) -> str:
+    key, pk = node
+    return key.to_user_string() + (f"[{pk}]" if pk else "")
+
+
+# ---- what the demo selects --------------------------------------------------------------------
+def demo_partition_keys(registry: Registry, group: str) -> set[str]:
+    """Partition keys that belong to the demo: its models, their corpora and series holding them."""
+    models = set(registry.in_group(group))
+    corpora = {registry.model(m).corpus for m in models}
+    series = {s.name for s in registry.series.values() if models & set(s.checkpoint_keys)}
+    return models | corpora | series
+
+
+def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str) -> tuple[list[Node], list[str]]:
+    """The (asset, partition) pairs the demo materialises, and notes on the assets it leaves out."""
+    wanted = demo_partition_keys(registry, group)
+    nodes: list[Node] = []
+    notes: list[str] = []
+    for key in graph.toposorted_asset_keys:
+        node = graph.get(key)
+        if not node.is_materializable:
+            continue
+        if node.partitions_def is None:
+            nodes.append((key, None))
+            continue
+        keys = [k for k in node.partitions_def.get_partition_keys() if k in wanted]
+        if not keys:
+            notes.append(f"{key.to_user_string()}: no partition for the '{group}' models (skipped)")
+        nodes.extend((key, k) for k in keys)
+    return nodes, notes
+
+
+def upstream_nodes(graph: BaseAssetGraph, node: Node) -> list[Node]:
+    """Every upstream (asset, partition) of ``node`` under the graph's partition mappings."""
+    key, pk = node
+    out: list[Node] = []
+    for parent in sorted(graph.get(key).parent_keys, key=lambda k: k.to_user_string()):
+        pnode = graph.get(parent)
+        if not pnode.is_materializable:
+            continue
+        if pnode.partitions_def is None:
+            out.append((parent, None))
+            continue
+        result = graph.get_parent_partition_keys_for_child(pk, parent, key)
+        out.extend((parent, k) for k in sorted(result.partitions_subset.get_partition_keys()))
+    return out
+
+
+# ---- configuration fingerprints (rule 4) ------------------------------------------------------
+def _digest(obj: object) -> str:
+    blob = json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def config_fingerprint(registry: Registry, partition: str | None, data_dir: Path = DATA_DIR) -> str:
+    """Hash of what configures one partition beyond the code: its registry entry or the seed files."""
+    if partition in registry.models:
+        return _digest(dataclasses.asdict(registry.model(partition)))
+    if partition in registry.corpora:
+        return _digest(dataclasses.asdict(registry.corpus(partition)))
+    if partition in registry.series:
+        s = registry.series[partition]
+        return _digest([dataclasses.asdict(registry.model(k)) for k in s.checkpoint_keys])
+    files = sorted(p for sub in ("benchmarks", "reference") for p in (data_dir / sub).glob("*") if p.is_file())
+    return _digest({str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+
+
+# ---- the up-to-date rule ----------------------------------------------------------------------
+@dataclass
+class Decision:
+    node: Node
+    reason: str  # "" when up to date
+
+
+class Planner:
+    """Applies the module's up-to-date rule to the selected nodes against one instance."""
+
+    def __init__(self, instance: DagsterInstance, graph: BaseAssetGraph, registry: Registry) -> None:
+        self.instance, self.graph, self.registry = instance, graph, registry
+        self._latest: dict[Node, object] = {}
+        self._run_tags: dict[str, dict[str, str]] = {}
+
+    def latest(self, node: Node):  # -> EventLogRecord | None
+        if node not in self._latest:
+            key, pk = node
+            flt = AssetRecordsFilter(asset_key=key, asset_partitions=[pk] if pk else None)
+            recs = self.instance.fetch_materializations(flt, limit=1, ascending=False).records
+            self._latest[node] = recs[0] if recs else None
+        return self._latest[node]
+
+    def run_tags(self, run_id: str) -> dict[str, str]:
+        if run_id not in self._run_tags:
+            run = self.instance.get_run_by_id(run_id)
+            self._run_tags[run_id] = dict(run.tags) if run else {}
+        return self._run_tags[run_id]
+
+    def own_reason(self, node: Node) -> str:
+        """Rules 1-4 for one node ("" when it is up to date on its own)."""
+        key, pk = node
+        rec = self.latest(node)
+        if rec is None:
+            return "never materialised"
+        tags = rec.event_log_entry.tags or {}
+        mat = rec.asset_materialization
+        tags = {**tags, **(dict(mat.tags) if mat is not None and mat.tags else {})}
+        current = self.graph.get(key).code_version
+        if current and tags.get(CODE_VERSION_TAG) != current:
+            return f"code version {tags.get(CODE_VERSION_TAG, '?')[:8]} -> {current[:8]}"
+        for up in upstream_nodes(self.graph, node):
+            urec = self.latest(up)
+            if urec is not None and urec.storage_id > rec.storage_id:
+                return f"upstream {node_name(up)} is newer"
+        stored = self.run_tags(rec.run_id).get(CONFIG_TAG)
+        if stored is not None and stored != config_fingerprint(self.registry, pk):
+            return "configuration changed"
+        return ""
+
+    def decide(self, nodes: list[Node], force: bool = False) -> list[Decision]:
+        """Decisions in the (topological) order of ``nodes``, with rule 5 applied."""
+        redo: dict[Node, str] = {}
+        out = []
+        for node in nodes:
+            reason = "forced" if force else self.own_reason(node)
+            if not reason:
+                ups = [u for u in upstream_nodes(self.graph, node) if u in redo]
+                reason = f"upstream {node_name(ups[0])} is recomputed" if ups else ""
+            if reason:
+                redo[node] = reason
+            out.append(Decision(node, reason))
+        return out
+
+
+# ---- grouping into runs -----------------------------------------------------------------------
+@dataclass
+class Step:
+    """One Dagster run: assets of one partition (None: unpartitioned)."""
+
+    partition: str | None
+    keys: list[AssetKey] = field(default_factory=list)
+
+
+def group_steps(graph: BaseAssetGraph, todo_nodes: list[Node], order: list[str | None]) -> Iterator[Step]:
+    """Runs in dependency order; each holds every pending asset of one partition that can run now.
+
+    ``order`` ranks partitions when several could run (corpora, then models in registry order, then
+    unpartitioned). The caller may drop nodes from ``todo_nodes`` (a list it owns) between steps.
+    """
+    rank = {p: i for i, p in enumerate(order)}
+    while todo_nodes:
+        todo = set(todo_nodes)
+        deps = {n: [u for u in upstream_nodes(graph, n) if u in todo] for n in todo}
+        chosen: list[Node] = []
+        for part in sorted({pk for _, pk in todo}, key=lambda p: rank.get(p, len(rank))):
+            group = {n for n in todo if n[1] == part}
+            changed = True
+            while changed:
+                bad = {n for n in group if any(u not in group for u in deps[n])}
+                changed = bool(bad)
+                group -= bad
+            if group:
+                chosen = [n for n in todo_nodes if n in group]
+                break
+        if not chosen:
+            raise RuntimeError("no runnable step: dependency cycle among " + ", ".join(map(node_name, todo)))
+        for n in chosen:
+            todo_nodes.remove(n)
+        yield Step(chosen[0][1], [k for k, _ in chosen])
+
+
+# ---- execution --------------------------------------------------------------------------------
+@contextmanager
+def demo_lock(instance: DagsterInstance) -> Iterator[None]:
+    """One demo at a time per instance (a second one waits), so dead demo runs can be cleaned up."""
+    home = Path(instance.root_directory) if instance.root_directory else Path(os.environ.get("DAGSTER_HOME", "."))
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".qk-demo.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def fail_dead_demo_runs(instance: DagsterInstance) -> int:
+    """Mark runs of an interrupted earlier demo as failed and free their pool slots."""
+    runs = instance.get_runs(RunsFilter(tags={DEMO_TAG: "1"}, statuses=[
+        DagsterRunStatus.STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.NOT_STARTED,
+        DagsterRunStatus.QUEUED, DagsterRunStatus.CANCELING]))
+    for run in runs:
+        instance.report_run_failed(run, "the demo process that ran it is gone")
+        with contextlib.suppress(Exception):  # storage without concurrency support
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+    return len(runs)
+
+
+def run_step(defs: Definitions, instance: DagsterInstance, step: Step, tags: dict[str, str],
+             log_level: str) -> set[Node]:
+    """Execute one run; return the nodes it materialised."""
+    job = defs.resolve_implicit_job_def_def_for_assets(step.keys)
+    if job is None:
+        raise RuntimeError("no implicit asset job holds " + ", ".join(k.to_user_string() for k in step.keys))
+    result = job.execute_in_process(
+        instance=instance, asset_selection=step.keys, partition_key=step.partition, tags=tags,
+        raise_on_error=False, run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
+    )
+    done: set[Node] = set()
+    for ev in result.get_asset_materialization_events():
+        mat = ev.event_specific_data.materialization
+        done.add((mat.asset_key, mat.partition))
+    return done
+
+
+def _report_apart(steps: Iterable[Step]) -> Iterator[Step]:
+    """Run the report in a run of its own, so a failure next to it cannot skip it."""
+    for step in steps:
+        rest = [k for k in step.keys if k != REPORT_KEY]
+        if rest:
+            yield Step(step.partition, rest)
+        if len(rest) < len(step.keys):
+            yield Step(step.partition, [REPORT_KEY])
+
+
+def report_location(storage: Storage) -> str:
+    path = storage.local_path(REPORT_REL)
+    return path.as_uri() if path is not None else storage.uri(REPORT_REL)
+
+
+def partition_order(registry: Registry, group: str) -> list[str | None]:
+    models = registry.in_group(group)
+    corpora = sorted({registry.model(m).corpus for m in models})
+    return [*corpora, *models, *sorted(registry.series), None]
+
+
+def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
+             group: str = "demo", dry_run: bool = False, force: bool = False, log_level: str = "INFO",
+             out=sys.stdout) -> int:
+    """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
+
+    def say(msg: str) -> None:
+        print(msg, file=out, flush=True)
+
+    graph = defs.resolve_asset_graph()
+    nodes, notes = select_nodes(graph, registry, group)
+    say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
+        f"({', '.join(registry.in_group(group))}); Dagster instance {instance.root_directory}; "
+        f"storage {storage.url}")
+    for note in notes:
+        say(f"  note: {note}")
+    decisions = Planner(instance, graph, registry).decide(nodes, force=force)
+    todo = [d.node for d in decisions if d.reason]
+    for d in decisions:
+        say(f"  {'run ' if d.reason else 'ok  '} {node_name(d.node):<40} {d.reason or 'up to date'}")
+    if not todo:
+        say("demo: everything is up to date; nothing to compute")
+    if dry_run:
+        return 0
+    t_start = time.monotonic()
+    failed: set[Node] = set()
+    done_any = False
+    with demo_lock(instance):
+        cleaned = fail_dead_demo_runs(instance)
+        if cleaned:
+            say(f"demo: marked {cleaned} run(s) of an interrupted earlier demo as failed")
+        steps = _report_apart(group_steps(graph, todo, partition_order(registry, group)))
+        for i, step in enumerate(steps, 1):
+            blocked = [k for k in step.keys if k != REPORT_KEY and any(
+                u in failed for u in upstream_nodes(graph, (k, step.partition)))]
+            keys = [k for k in step.keys if k not in blocked]
+            for k in blocked:
+                failed.add((k, step.partition))
+                say(f"  skip {node_name((k, step.partition))}: an upstream asset failed")
+            if not keys:
+                continue
+            label = step.partition or "unpartitioned"
+            say(f"[run {i}] {label}: {', '.join(k.to_user_string() for k in keys)}")
+            t0 = time.monotonic()
+            tags = {DEMO_TAG: "1", CONFIG_TAG: config_fingerprint(registry, step.partition)}
+            done = run_step(defs, instance, Step(step.partition, keys), tags, log_level)
+            done_any = True
+            missing = [(k, step.partition) for k in keys if (k, step.partition) not in done]
+            failed.update(missing)
+            status = "ok" if not missing else "FAILED: " + ", ".join(map(node_name, missing))
+            say(f"[run {i}] {label}: {status} in {time.monotonic() - t0:.0f} s")
+    if done_any:
+        say(f"demo: finished in {time.monotonic() - t_start:.0f} s; "
+            f"{len(failed)} asset partition(s) failed or skipped")
+    if storage.exists(REPORT_REL):
+        say(f"report: {report_location(storage)}")
+    else:
+        say("report: not built (the report_html asset is not defined or failed)")
+    say("runs and materialisations: `make ui`, then http://127.0.0.1:3000")
+    return len(failed)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qk_assets.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--group", default="demo", help="registry group to materialise (default: demo)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and why; run nothing")
+    parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
+    parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    from qk_assets import defs
+    from qk_assets.partitions import registry
+
+    instance = DagsterInstance.get()
+    storage = Storage.from_settings()
+    failed = run_demo(defs, instance, registry(), storage, group=args.group, dry_run=args.dry_run,
+                      force=args.force, log_level=args.log_level)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Code versions for every asset, derived from the source it runs.
+
+An asset's code version is a hash of the source of the module that defines it and of every
+``qk_core`` / ``qk_assets`` module it imports, transitively (imports inside functions included).
+Editing any of those files gives the asset a new code version, so Dagster marks its materialisations
+stale ("has a new code version" in the UI) and ``make demo`` recomputes it; editing an unrelated module
+does not. An asset that declares its own ``code_version`` keeps it.
+"""
+
+import ast
+import hashlib
+import importlib.util
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from dagster import AssetsDefinition, AssetSpec
+
+OWN_PACKAGES = ("qk_core", "qk_assets")
+
+
+def _module_file(name: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return Path(spec.origin)
+
+
+def _imported_names(path: Path, module_name: str) -> set[str]:
+    """Every own-package module named by an import statement of ``path`` (any depth of the tree)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module_name if path.name == "__init__.py" else module_name.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            # ``from qk_core import metrics`` imports the submodule qk_core.metrics
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return {n for n in names if n.split(".")[0] in OWN_PACKAGES}
+
+
+@cache
+def module_closure(module_name: str) -> tuple[tuple[str, str], ...]:
+    """(module name, file path) of ``module_name`` and every own module it imports, transitively."""
+    seen: dict[str, Path] = {}
+    todo = [module_name]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name)
+        if path is None:
+            continue
+        seen[name] = path
+        todo.extend(_imported_names(path, name) - set(seen))
+    return tuple(sorted((n, str(p)) for n, p in seen.items()))
+
+
+def source_version(module_name: str) -> str:
+    """A short hash of the source of ``module_name`` and of the own modules it imports."""
+    digest = hashlib.sha256()
+    for name, path in module_closure(module_name):
+        digest.update(name.encode() + b"\0" + Path(path).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _defining_module(assets_def: AssetsDefinition, modules: Iterable[ModuleType]) -> str | None:
+    try:
+        fn = getattr(getattr(assets_def.op, "compute_fn", None), "decorated_fn", None)
+    except Exception:  # graph-backed assets have no single op
+        fn = None
+    if fn is not None and getattr(fn, "__module__", None):
+        return fn.__module__
+    for module in modules:
+        if any(v is assets_def for v in vars(module).values()):
+            return module.__name__
+    return None
+
+
+def with_code_versions(assets: Iterable[object], modules: list[ModuleType]) -> list[object]:
+    """Give every executable asset without a declared code version its source version."""
+    out = []
+    for a in assets:
+        if isinstance(a, AssetsDefinition) and a.is_executable:
+            module = _defining_module(a, modules)
+            if module:
+                version = source_version(module)
+
+                def _set(spec: AssetSpec, version: str = version) -> AssetSpec:
+                    return spec if spec.code_version else spec.replace_attributes(code_version=version)
+
+                a = a.map_asset_specs(_set)
+        out.append(a)
+    return out
