@@ -1,0 +1,301 @@
+"""Combined Q+K PCA per head (SPEC 2), and the pooled Q+K cloud shared with the planar rotation (SPEC 3).
+
+Everything is computed from float64 sufficient statistics of one head: per-kind means and centred scatter
+matrices of Q and K, their cross-scatter with position, and the pooled cloud's mean and scatter (the
+exact parallel-variance combination of the two kinds). The PCA is the exact eigendecomposition of the
+pooled d x d covariance in float64 (no randomised solver); Pearson correlations of projections with
+position follow in closed form from the same statistics, so the n x d rows are passed over once.
+
+Positions t are raw 0-based token positions (SPEC notation). Correlations are unit-free; explained
+variance is in squared vector units; explained-variance ratios and positional budgets are fractions of
+the pooled cloud's total variance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+TAXONOMY = ("position_dominated", "q_positional", "k_positional", "content", "mixed")
+
+
+class HeadInputError(ValueError):
+    """A head's rows cannot be analysed; ``status`` is a short code, the message says why."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def options_from_dict(cls: type, values: dict[str, Any] | None, where: str) -> Any:
+    values = dict(values or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class PCAOptions:
+    """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
+
+    n_components: int = 10
+    sign_threshold: float = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
+    taxonomy_low: float = 0.3
+    taxonomy_high: float = 0.7
+    min_rows: int = 10  # fewer Q or K rows than this: the head is reported, not analysed
+
+    def __post_init__(self) -> None:
+        if self.n_components < 1:
+            raise ValueError(f"n_components must be >= 1, got {self.n_components}")
+        if not 0 <= self.taxonomy_low <= self.taxonomy_high <= 1:
+            raise ValueError("need 0 <= taxonomy_low <= taxonomy_high <= 1")
+        if self.min_rows < 3:
+            raise ValueError("min_rows must be >= 3 (a Pearson correlation needs 3 rows)")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> PCAOptions:
+        return options_from_dict(cls, values, "pca options")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- the pooled cloud ----------------------------------------------------------------------------
+
+
+def validate_head(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, min_rows: int) -> None:
+    """Raise :class:`HeadInputError` when the head cannot be analysed (too few rows, non-finite, ...)."""
+    if q.ndim != 2 or k.ndim != 2 or q.shape[1] != k.shape[1] or q.shape[1] < 2:
+        raise HeadInputError("bad_shape", f"Q {q.shape} and K {k.shape} are not (n, d) with one d >= 2")
+    if len(q_pos) != len(q) or len(k_pos) != len(k):
+        raise HeadInputError("bad_shape", f"{len(q)} Q rows with {len(q_pos)} positions, "
+                                          f"{len(k)} K rows with {len(k_pos)} positions")
+    if len(q) < min_rows or len(k) < min_rows:
+        raise HeadInputError("too_few_rows", f"{len(q)} Q rows and {len(k)} K rows; need >= {min_rows} each")
+    bad_q = int((~np.isfinite(q)).any(axis=1).sum())
+    bad_k = int((~np.isfinite(k)).any(axis=1).sum())
+    if bad_q or bad_k:
+        raise HeadInputError("non_finite", f"{bad_q} Q rows and {bad_k} K rows hold NaN or inf")
+    for name, pos in (("Q", q_pos), ("K", k_pos)):
+        if np.ptp(np.asarray(pos)) == 0:
+            raise HeadInputError("constant_positions", f"all {name} rows sit at position {int(pos[0])}")
+
+
+@dataclass
+class PooledMoments:
+    """Float64 sufficient statistics of one head's Q rows, K rows and the pooled cloud (SPEC 2, 3).
+
+    ``S_*`` are centred scatter matrices (sums, not divided by n), ``s_*t`` centred cross-scatter of the
+    vectors with position, ``stt_*`` the centred scatter of position.
+    """
+
+    n_q: int
+    n_k: int
+    mu_q: np.ndarray
+    mu_k: np.ndarray
+    tq_mean: float
+    tk_mean: float
+    S_q: np.ndarray
+    S_k: np.ndarray
+    s_qt: np.ndarray
+    s_kt: np.ndarray
+    stt_q: float
+    stt_k: float
+    mu: np.ndarray = field(init=False)
+    t_mean: float = field(init=False)
+    S: np.ndarray = field(init=False)
+    s_xt: np.ndarray = field(init=False)
+    stt: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.n_q + self.n_k
+        self.mu = (self.n_q * self.mu_q + self.n_k * self.mu_k) / n
+        self.t_mean = (self.n_q * self.tq_mean + self.n_k * self.tk_mean) / n
+        dq, dk = self.mu_q - self.mu, self.mu_k - self.mu
+        eq, ek = self.tq_mean - self.t_mean, self.tk_mean - self.t_mean
+        self.S = self.S_q + self.S_k + self.n_q * np.outer(dq, dq) + self.n_k * np.outer(dk, dk)
+        self.s_xt = self.s_qt + self.s_kt + self.n_q * dq * eq + self.n_k * dk * ek
+        self.stt = self.stt_q + self.stt_k + self.n_q * eq * eq + self.n_k * ek * ek
+
+    @property
+    def n(self) -> int:
+        return self.n_q + self.n_k
+
+    @property
+    def d(self) -> int:
+        return int(self.mu.shape[0])
+
+    @property
+    def total_scatter(self) -> float:
+        return float(np.trace(self.S))
+
+
+def _kind_moments(x32: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, np.ndarray, float]:
+    x = np.asarray(x32, dtype=np.float64)
+    t = np.asarray(pos, dtype=np.float64)
+    mu = x.mean(axis=0)
+    xc = x - mu
+    tm = float(t.mean())
+    tc = t - tm
+    return mu, tm, xc.T @ xc, tc @ xc, float(tc @ tc)
+
+
+def pooled_moments(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray) -> PooledMoments:
+    """Sufficient statistics of the pooled Q+K cloud X (SPEC 2: Q rows stacked on K rows)."""
+    mq, tq, Sq, sq, tqq = _kind_moments(q, q_pos)
+    mk, tk, Sk, sk, tkk = _kind_moments(k, k_pos)
+    return PooledMoments(len(q), len(k), mq, mk, tq, tk, Sq, Sk, sq, sk, tqq, tkk)
+
+
+def projection_pearson(V: np.ndarray, S: np.ndarray, s_t: np.ndarray, stt: float) -> np.ndarray:
+    """Pearson(x·v_j, t) for every column v_j of V, from centred scatter S, cross-scatter s_t, stt.
+
+    NaN where the projection (or t) has no variance.
+    """
+    num = V.T @ s_t
+    var = np.einsum("ij,ij->j", V, S @ V)
+    den = np.sqrt(np.clip(var, 0.0, None) * stt)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(den > 0, num / den, np.nan)
+    return np.clip(r, -1.0, 1.0)
+
+
+# ---- PCA (SPEC 2) --------------------------------------------------------------------------------
+
+
+def sign_flips(r_q: np.ndarray, r_k: np.ndarray, threshold: float = 0.05) -> np.ndarray:
+    """SPEC 2 sign rule: +1/-1 per component so that r_q >= 0, or r_k >= 0 where |r_q| < threshold."""
+    r_q = np.nan_to_num(np.asarray(r_q, dtype=float))
+    r_k = np.nan_to_num(np.asarray(r_k, dtype=float))
+    ref = np.where(np.abs(r_q) < threshold, r_k, r_q)
+    return np.where(ref < 0, -1.0, 1.0)
+
+
+def classify(r_q: float | np.ndarray, r_k: float | np.ndarray, low: float = 0.3,
+             high: float = 0.7) -> np.ndarray | str:
+    """SPEC 2 taxonomy of PC0 (strict inequalities; r_q signed after the sign rule, r_k by magnitude).
+
+    position_dominated: r_q > high and |r_k| > high; q_positional: r_q > high and |r_k| < low;
+    k_positional: r_q < low and |r_k| > high; content: r_q < low and |r_k| < low; mixed otherwise
+    (including NaN and values exactly on a boundary).
+    """
+    rq = np.asarray(r_q, dtype=float)
+    ak = np.abs(np.asarray(r_k, dtype=float))
+    out = np.full(np.broadcast(rq, ak).shape, "mixed", dtype=object)
+    out[(rq > high) & (ak > high)] = "position_dominated"
+    out[(rq > high) & (ak < low)] = "q_positional"
+    out[(rq < low) & (ak > high)] = "k_positional"
+    out[(rq < low) & (ak < low)] = "content"
+    return out if out.ndim else str(out[()])
+
+
+@dataclass
+class PCAResult:
+    """One head's combined Q+K PCA (SPEC 2). Components are rows, signs already fixed."""
+
+    mean: np.ndarray  # (d,) pooled mean the projections are centred on
+    components: np.ndarray  # (n_components, d), orthonormal rows
+    explained_variance: np.ndarray  # eigenvalues of the pooled covariance (n - 1 denominator)
+    evr: np.ndarray  # explained-variance ratios (fraction of total variance)
+    r_q: np.ndarray  # Pearson(Q projection, t_Q) per component
+    r_k: np.ndarray  # Pearson(K projection, t_K) per component
+    taxonomy: str
+    pos_budget_q: float  # sum_j EVR_j r_q(j)^2 over the kept components
+    pos_budget_k: float
+    n_q: int
+    n_k: int
+
+    @property
+    def d(self) -> int:
+        return int(self.mean.shape[0])
+
+    def project(self, x: np.ndarray) -> np.ndarray:
+        """Project rows onto the kept components, centred on the pooled mean."""
+        return (np.asarray(x, dtype=np.float64) - self.mean) @ self.components.T
+
+
+def pca_from_moments(m: PooledMoments, options: PCAOptions | None = None) -> PCAResult:
+    """Exact float64 PCA of the pooled cloud from its moments (SPEC 2)."""
+    options = options or PCAOptions()
+    total = m.total_scatter
+    if not total > 0:
+        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    evals, evecs = np.linalg.eigh(m.S)
+    n_keep = min(options.n_components, m.d)
+    order = np.argsort(evals)[::-1][:n_keep]
+    lam = np.clip(evals[order], 0.0, None)
+    V = evecs[:, order]
+    r_q = projection_pearson(V, m.S_q, m.s_qt, m.stt_q)
+    r_k = projection_pearson(V, m.S_k, m.s_kt, m.stt_k)
+    signs = sign_flips(r_q, r_k, options.sign_threshold)
+    V, r_q, r_k = V * signs, r_q * signs, r_k * signs
+    evr = lam / total
+    tax = str(classify(float(r_q[0]), float(r_k[0]), options.taxonomy_low, options.taxonomy_high))
+    return PCAResult(
+        mean=m.mu, components=np.ascontiguousarray(V.T), explained_variance=lam / (m.n - 1), evr=evr,
+        r_q=r_q, r_k=r_k, taxonomy=tax,
+        pos_budget_q=float(np.nansum(evr * r_q**2)), pos_budget_k=float(np.nansum(evr * r_k**2)),
+        n_q=m.n_q, n_k=m.n_k)
+
+
+def analyse_pca(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
+                options: PCAOptions | None = None) -> PCAResult:
+    """Validate one head's rows and run the combined Q+K PCA (SPEC 2). Raises HeadInputError."""
+    options = options or PCAOptions()
+    validate_head(q, q_pos, k, k_pos, options.min_rows)
+    return pca_from_moments(pooled_moments(q, q_pos, k, k_pos), options)
+
+
+# ---- per-head table rows ---------------------------------------------------------------------------
+
+#: Units of the scalar per-head PCA columns (the unit column of the summaries).
+PCA_UNITS = {
+    "pc0_evr": "fraction of variance",
+    "pc0_r_q": "correlation",
+    "pc0_r_k": "correlation",
+    "pc0_abs_r_k": "correlation",
+    "pc1_evr": "fraction of variance",
+    "pc1_r_q": "correlation",
+    "pc1_r_k": "correlation",
+    "evr_kept": "fraction of variance",
+    "pos_budget_q": "fraction of variance",
+    "pos_budget_k": "fraction of variance",
+}
+
+
+def pca_record(result: PCAResult | None, *, error: HeadInputError | None = None) -> dict[str, Any]:
+    """The PCA part of one per-head row: scalars, per-component lists, status and reason."""
+    nan = float("nan")
+    if result is None:
+        err = error or HeadInputError("failed", "no result")
+        rec: dict[str, Any] = dict.fromkeys(PCA_UNITS, nan)
+        rec.update(status=err.status, reason=err.reason, taxonomy=None, n_components=0, evr=None,
+                   explained_variance=None, r_q=None, r_k=None, mean=None, components=None)
+        return rec
+    n_c = len(result.evr)
+
+    def at(arr: np.ndarray, j: int) -> float:
+        return float(arr[j]) if j < len(arr) else nan
+
+    return {
+        "status": "ok", "reason": "", "taxonomy": result.taxonomy, "n_components": n_c,
+        "pc0_evr": at(result.evr, 0), "pc0_r_q": at(result.r_q, 0), "pc0_r_k": at(result.r_k, 0),
+        "pc0_abs_r_k": abs(at(result.r_k, 0)),
+        "pc1_evr": at(result.evr, 1), "pc1_r_q": at(result.r_q, 1), "pc1_r_k": at(result.r_k, 1),
+        "evr_kept": float(result.evr.sum()),
+        "pos_budget_q": result.pos_budget_q, "pos_budget_k": result.pos_budget_k,
+        "evr": result.evr.astype(np.float64), "explained_variance": result.explained_variance,
+        "r_q": result.r_q, "r_k": result.r_k, "mean": result.mean,
+        "components": result.components.reshape(-1),  # row-major: component j = [j*d:(j+1)*d]
+    }
+
+
+def components_of(row: dict[str, Any] | Any) -> np.ndarray:
+    """(n_components, d) components back from a stored per-head row."""
+    flat = np.asarray(row["components"], dtype=np.float64)
+    return flat.reshape(int(row["n_components"]), int(row["d"]))
