@@ -1,0 +1,321 @@
+"""Planar rotation per head (SPEC 3): drift axis a, separation axis b and the positional bias strength.
+
+Built on the pooled Q+K cloud of SPEC 2 (:func:`qk_core.pca.pooled_moments`). Units: positions t are raw
+0-based tokens; slopes alpha are vector units per token ("per token") and, multiplied by the capture
+window L, "window-normalised (x L)"; mean projections mu are in vector units (uncentred projections);
+bias_strength = mu_Q^a · alpha_K per token, bias_strength_window = the same times L; correlations are
+unit-free; variance fractions are fractions of the pooled cloud's total variance; separation_strength is
+a fraction of the same-position pair-difference energy E|delta|^2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.linalg
+
+from qk_core.pca import (
+    HeadInputError,
+    PooledMoments,
+    options_from_dict,
+    pooled_moments,
+    projection_pearson,
+    validate_head,
+)
+
+SEPARATION_AXES = ("centroid", "eigen")
+
+
+@dataclass(frozen=True)
+class RotationOptions:
+    """Options of the planar rotation (SPEC 3); recorded with every output."""
+
+    separation: str = "centroid"  # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
+    complement: bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
+    complement_pairs: int = 4  # consecutive singular-vector pairs analysed
+    min_rows: int = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    min_pairs: int = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
+
+    def __post_init__(self) -> None:
+        if self.separation not in SEPARATION_AXES:
+            raise ValueError(f"separation must be one of {SEPARATION_AXES}, got {self.separation!r}")
+        if self.complement_pairs < 1:
+            raise ValueError("complement_pairs must be >= 1")
+        if self.min_rows < 3 or self.min_pairs < 1:
+            raise ValueError("min_rows must be >= 3 and min_pairs >= 1")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
+        return options_from_dict(cls, values, "rotation options")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RotationResult:
+    """One head's planar rotation (SPEC 3). Slopes per token; ``window`` = L for the x L variants."""
+
+    a: np.ndarray
+    b: np.ndarray  # NaN-filled when undefined (see notes)
+    alpha_q: float
+    alpha_k: float
+    mu_q_a: float
+    mu_k_a: float
+    mu_q_b: float
+    mu_k_b: float
+    r_q_a: float
+    r_k_a: float
+    var_frac_a: float
+    var_frac_b: float
+    separation_strength: float
+    n_pairs: int
+    orth_check: float  # max |Pearson(position, x·u)| over directions u orthogonal to a (must be ~0)
+    window: int
+    n_q: int
+    n_k: int
+    complement_share: np.ndarray | None = None  # per consecutive pair: share of complement variance
+    complement_circ_r: np.ndarray | None = None  # circular-linear correlation of the pair's angle with t
+    notes: list[str] = field(default_factory=list)
+    points: dict[str, np.ndarray] | None = None  # subsampled {a,b}-plane projections (figures)
+
+    @property
+    def bias_strength(self) -> float:
+        return self.mu_q_a * self.alpha_k
+
+    @property
+    def bias_strength_window(self) -> float:
+        return self.mu_q_a * self.alpha_k * self.window
+
+    @property
+    def plane_var_fraction(self) -> float:
+        return self.var_frac_a + self.var_frac_b
+
+
+def same_position_pairs(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray,
+                        k_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (iq, ik) of Q and K rows at the same (document, position); first occurrence of each."""
+    if len(q_pos) == 0 or len(k_pos) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, inv = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]), return_inverse=True)
+    span = int(max(np.max(q_pos), np.max(k_pos))) + 1
+    keys = inv.astype(np.int64) * span + np.concatenate([q_pos, k_pos]).astype(np.int64)
+    _, iq, ik = np.intersect1d(keys[: len(q_pos)], keys[len(q_pos):], return_indices=True)
+    return iq, ik
+
+
+def circular_linear_r(theta: np.ndarray, x: np.ndarray) -> float:
+    """Circular-linear correlation (Mardia) of angles ``theta`` with a linear variable ``x``, in [0, 1]."""
+    c, s = np.cos(theta), np.sin(theta)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.corrcoef(np.vstack([x, c, s]))
+        r_xc, r_xs, r_cs = r[0, 1], r[0, 2], r[1, 2]
+        r2 = (r_xc**2 + r_xs**2 - 2 * r_xc * r_xs * r_cs) / (1 - r_cs**2)
+    return float(np.sqrt(np.clip(r2, 0.0, 1.0))) if np.isfinite(r2) else float("nan")
+
+
+def orthogonal_complement_basis(a: np.ndarray) -> np.ndarray:
+    """(d, d-1) orthonormal basis of the complement of unit vector a (Householder reflection)."""
+    d = a.shape[0]
+    e = np.zeros(d)
+    e[0] = 1.0
+    u = a + np.copysign(1.0, a[0]) * e  # reflection mapping a to -sign(a0) e1, numerically stable
+    u /= np.linalg.norm(u)
+    H = np.eye(d) - 2.0 * np.outer(u, u)
+    return H[:, 1:]
+
+
+def max_orthogonal_position_r(m: PooledMoments, a: np.ndarray) -> float:
+    """SPEC 3 numerical check: max |Pearson| of pooled position with x·u over unit u ⟂ a.
+
+    Equals the multiple correlation of t on the complement coordinates: sqrt(c_U^T C_U^-1 c_U / var t).
+    """
+    U = orthogonal_complement_basis(a)
+    C = U.T @ m.S @ U
+    c = U.T @ m.s_xt
+    try:
+        sol = scipy.linalg.cho_solve(scipy.linalg.cho_factor(C, check_finite=False), c, check_finite=False)
+        r2 = float(c @ sol)
+    except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
+        w, V = np.linalg.eigh(C)
+        keep = w > w.max() * 1e-12
+        r2 = float(np.sum((V[:, keep].T @ c) ** 2 / w[keep]))
+    return float(np.sqrt(max(r2, 0.0) / m.stt)) if m.stt > 0 else float("nan")
+
+
+def _even_indices(n: int, m: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, min(n, m)).astype(np.int64)) if n else np.zeros(0, np.int64)
+
+
+def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
+                     k_doc: np.ndarray, *, window: int, options: RotationOptions | None = None,
+                     moments: PooledMoments | None = None, keep_points: int = 0) -> RotationResult:
+    """Planar rotation of one head (SPEC 3). Raises :class:`HeadInputError` for a head it cannot analyse.
+
+    ``moments`` (from :func:`pooled_moments` of the same rows) saves recomputing them when the PCA ran
+    first. ``keep_points`` > 0 keeps up to that many evenly spaced Q and K rows' {a, b} projections for figures.
+    """
+    options = options or RotationOptions()
+    validate_head(q, q_pos, k, k_pos, options.min_rows)
+    if moments is None:
+        moments = pooled_moments(q, q_pos, k, k_pos)
+    m = moments
+    total = m.total_scatter
+    if not total > 0:
+        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    notes: list[str] = []
+
+    # Drift axis: a = Cov(x, t) / |Cov(x, t)| over the pooled rows.
+    c_norm = float(np.linalg.norm(m.s_xt))
+    if not np.isfinite(c_norm) or c_norm <= 1e-12 * np.sqrt(total * m.stt):
+        raise HeadInputError("no_position_covariance", "Cov(x, t) of the pooled cloud is zero: no drift axis")
+    a = m.s_xt / c_norm
+
+    # Same-position pairs (needed for separation_strength and the eigen axis).
+    iq, ik = same_position_pairs(q_doc, q_pos, k_doc, k_pos)
+    n_pairs = len(iq)
+    delta = (np.asarray(q, np.float64)[iq] - np.asarray(k, np.float64)[ik]) if n_pairs >= options.min_pairs \
+        else None
+    if delta is None:
+        notes.append(f"{n_pairs} same-position Q/K pairs (< {options.min_pairs}): separation_strength undefined")
+
+    # Separation axis b, orthogonal to a.
+    dmu = m.mu_q - m.mu_k
+    b = np.full(m.d, np.nan)
+    if options.separation == "centroid":
+        v = dmu - a * (a @ dmu)
+        scale = np.linalg.norm(m.mu_q) + np.linalg.norm(m.mu_k) + np.sqrt(total / m.n)
+        # below float32 resolution of the centroid difference (or of the cloud): nothing left off a
+        if np.linalg.norm(v) > max(1e-6 * np.linalg.norm(dmu), 1e-12 * scale):
+            b = v / np.linalg.norm(v)
+        else:
+            notes.append("centroid separation axis undefined: Q and K centroids differ only along a")
+    elif delta is not None:
+        M = delta.T @ delta / n_pairs
+        P = np.eye(m.d) - np.outer(a, a)
+        _, V = np.linalg.eigh(P @ M @ P)
+        b = V[:, -1]
+        ref = b @ dmu
+        if ref == 0:
+            ref = b @ delta.mean(axis=0)
+        b = -b if ref < 0 else b
+    else:
+        notes.append("eigen separation axis undefined: too few same-position pairs")
+    b_ok = bool(np.all(np.isfinite(b)))
+
+    # Uncentred projections, slopes per token, means, correlations.
+    alpha_q = float(a @ m.s_qt / m.stt_q)
+    alpha_k = float(a @ m.s_kt / m.stt_k)
+    r_q_a = float(projection_pearson(a[:, None], m.S_q, m.s_qt, m.stt_q)[0])
+    r_k_a = float(projection_pearson(a[:, None], m.S_k, m.s_kt, m.stt_k)[0])
+    var_a = float(a @ m.S @ a) / total
+    var_b = float(b @ m.S @ b) / total if b_ok else float("nan")
+    sep = float("nan")
+    if delta is not None and b_ok:
+        energy = float(np.einsum("ij,ij->", delta, delta))
+        sep = float(np.sum((delta @ b) ** 2) / energy) if energy > 0 else float("nan")
+        if not energy > 0:
+            notes.append("same-position pairs have q = k exactly: separation_strength undefined")
+
+    res = RotationResult(
+        a=a, b=b, alpha_q=alpha_q, alpha_k=alpha_k,
+        mu_q_a=float(a @ m.mu_q), mu_k_a=float(a @ m.mu_k),
+        mu_q_b=float(b @ m.mu_q) if b_ok else float("nan"), mu_k_b=float(b @ m.mu_k) if b_ok else float("nan"),
+        r_q_a=r_q_a, r_k_a=r_k_a, var_frac_a=var_a, var_frac_b=var_b, separation_strength=sep,
+        n_pairs=n_pairs, orth_check=max_orthogonal_position_r(m, a), window=int(window),
+        n_q=m.n_q, n_k=m.n_k, notes=notes)
+
+    if options.complement:
+        res.complement_share, res.complement_circ_r = complement_analysis(
+            q, q_pos, k, k_pos, m, a, b if b_ok else None, options.complement_pairs)
+    if keep_points:
+        bb = b if b_ok else np.zeros(m.d)
+        iqp, ikp = _even_indices(m.n_q, keep_points), _even_indices(m.n_k, keep_points)
+        qs, ks = np.asarray(q[iqp], np.float64), np.asarray(k[ikp], np.float64)
+        res.points = {"q_a": qs @ a, "q_b": qs @ bb, "q_t": np.asarray(q_pos[iqp]),
+                      "k_a": ks @ a, "k_b": ks @ bb, "k_t": np.asarray(k_pos[ikp])}
+    return res
+
+
+def complement_analysis(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, m: PooledMoments,
+                        a: np.ndarray, b: np.ndarray | None, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Optional SPEC 3 complement analysis of the centred pooled cloud projected off span{a, b}.
+
+    Its singular vectors are the eigenvectors of P C P (P the projector onto the complement), sorted by
+    singular value. For consecutive pairs (v_0, v_1), (v_2, v_3), ...: the pair's share of the complement
+    variance and the circular-linear correlation of the angle atan2(x·v_{2i+1}, x·v_{2i}) with position.
+    """
+    axes = [a] if b is None else [a, b]
+    B = np.stack(axes, axis=1)
+    P = np.eye(m.d) - B @ B.T
+    w, V = np.linalg.eigh(P @ m.S @ P)
+    order = np.argsort(w)[::-1]
+    w, V = np.clip(w[order], 0.0, None), V[:, order]
+    total = float(w.sum())
+    n_use = min(n_pairs, (m.d - len(axes)) // 2)
+    shares = np.full(n_use, np.nan)
+    circ = np.full(n_use, np.nan)
+    if total <= 0 or n_use == 0:
+        return shares, circ
+    W = V[:, : 2 * n_use]
+    Y = np.vstack([np.asarray(q, np.float64), np.asarray(k, np.float64)]) @ W - m.mu @ W
+    t = np.concatenate([q_pos, k_pos]).astype(np.float64)
+    for i in range(n_use):
+        shares[i] = (w[2 * i] + w[2 * i + 1]) / total
+        circ[i] = circular_linear_r(np.arctan2(Y[:, 2 * i + 1], Y[:, 2 * i]), t)
+    return shares, circ
+
+
+# ---- per-head table rows ---------------------------------------------------------------------------
+
+#: Units of the scalar per-head rotation columns (the unit column of the summaries and metrics).
+ROTATION_UNITS = {
+    "alpha_q": "per token",
+    "alpha_k": "per token",
+    "abs_alpha_q": "per token",
+    "abs_alpha_k": "per token",
+    "alpha_q_window": "window-normalised (x L)",
+    "alpha_k_window": "window-normalised (x L)",
+    "abs_alpha_k_window": "window-normalised (x L)",
+    "mu_q_a": "vector units",
+    "mu_k_a": "vector units",
+    "mu_q_b": "vector units",
+    "mu_k_b": "vector units",
+    "bias_strength": "per token",
+    "bias_strength_window": "window-normalised (x L)",
+    "r_q_a": "correlation",
+    "r_k_a": "correlation",
+    "abs_r_q_a": "correlation",
+    "abs_r_k_a": "correlation",
+    "var_frac_a": "fraction of variance",
+    "var_frac_b": "fraction of variance",
+    "plane_var_fraction": "fraction of variance",
+    "separation_strength": "fraction of pair-difference energy",
+    "orth_check": "correlation",
+}
+
+
+def rotation_record(result: RotationResult | None, *, error: HeadInputError | None = None) -> dict[str, Any]:
+    """The rotation part of one per-head row: scalars, axes, complement lists, status, reason, notes."""
+    if result is None:
+        err = error or HeadInputError("failed", "no result")
+        rec: dict[str, Any] = dict.fromkeys(ROTATION_UNITS, float("nan"))
+        rec.update(status=err.status, reason=err.reason, notes="", n_pairs=0, a=None, b=None,
+                   complement_share=None, complement_circ_r=None)
+        return rec
+    r = result
+    L = r.window
+    return {
+        "status": "ok", "reason": "", "notes": "; ".join(r.notes), "n_pairs": r.n_pairs,
+        "alpha_q": r.alpha_q, "alpha_k": r.alpha_k, "abs_alpha_q": abs(r.alpha_q), "abs_alpha_k": abs(r.alpha_k),
+        "alpha_q_window": r.alpha_q * L, "alpha_k_window": r.alpha_k * L, "abs_alpha_k_window": abs(r.alpha_k) * L,
+        "mu_q_a": r.mu_q_a, "mu_k_a": r.mu_k_a, "mu_q_b": r.mu_q_b, "mu_k_b": r.mu_k_b,
+        "bias_strength": r.bias_strength, "bias_strength_window": r.bias_strength_window,
+        "r_q_a": r.r_q_a, "r_k_a": r.r_k_a, "abs_r_q_a": abs(r.r_q_a), "abs_r_k_a": abs(r.r_k_a),
+        "var_frac_a": r.var_frac_a, "var_frac_b": r.var_frac_b, "plane_var_fraction": r.plane_var_fraction,
+        "separation_strength": r.separation_strength, "orth_check": r.orth_check,
+        "a": r.a, "b": r.b,
+        "complement_share": r.complement_share, "complement_circ_r": r.complement_circ_r,
+    }

@@ -1,0 +1,229 @@
+"""Planar rotation (SPEC 3) against planted ground truth and brute-force checks.
+
+Ground truth: the planted parameters of synthetic clouds (tests/synthetic.py, expected_rotation),
+explicit projections and pairs computed here with plain numpy, and random directions for the
+orthogonal-complement check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal
+
+from qk_core.pca import HeadInputError, pooled_moments
+from qk_core.rotation import (
+    RotationOptions,
+    analyse_rotation,
+    circular_linear_r,
+    max_orthogonal_position_r,
+    rotation_record,
+    same_position_pairs,
+)
+
+D = 32
+
+SPECS = {
+    # recency: Q sits on the +a side, K drifts towards +a with position -> positive bias
+    "recency": HeadSpec(q=CloudSpec(slope=2e-3, m_a=3.0, m_b=2.0, sigma=0.5),
+                        k=CloudSpec(slope=1e-3, m_a=-1.0, m_b=-1.0, sigma=0.5)),
+    # primacy: K drifts against the side Q sits on -> negative bias
+    "primacy": HeadSpec(q=CloudSpec(slope=3e-3, m_a=-4.0, m_b=-1.5, sigma=0.7),
+                        k=CloudSpec(slope=-1e-3, m_a=2.0, m_b=1.0, sigma=0.7)),
+    # pooled drift is negative along the planted axis: a must come out flipped
+    "flipped": HeadSpec(q=CloudSpec(slope=-2e-3, m_a=1.0, m_b=0.5, sigma=0.5, content=2.0),
+                        k=CloudSpec(slope=-5e-4, m_a=0.0, m_b=-2.5, sigma=0.5, sigma_a=0.5)),
+}
+
+
+def run(head, **opts):
+    return analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc, window=head.window,
+                            options=RotationOptions(**opts))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_planted_quantities_are_recovered(name: str) -> None:
+    spec = SPECS[name]
+    head, axes = plant_head(spec, d=D, per_bucket=16, seed=len(name))
+    res = run(head)
+    exp = expected_rotation(spec, head.q_pos, head.k_pos, D, head.window)
+    assert res.a @ axes[0] == pytest.approx(exp["sign_a"], abs=2e-3)
+    assert res.b @ axes[1] == pytest.approx(exp["sign_b"], abs=5e-3)
+    assert name != "flipped" or exp["sign_a"] == -1.0
+    # slopes, means, bias: relative 4 %; correlations and fractions: absolute 0.015
+    for key in ("alpha_q", "alpha_k", "mu_q_a", "mu_q_b", "mu_k_b"):
+        assert getattr(res, key) == pytest.approx(exp[key], rel=0.04, abs=0.02), key
+    assert res.mu_k_a == pytest.approx(exp["mu_k_a"], abs=0.05)
+    assert res.bias_strength == pytest.approx(exp["bias_strength"], rel=0.04)
+    assert res.bias_strength_window == pytest.approx(exp["bias_strength_window"], rel=0.04)
+    assert res.bias_strength_window == pytest.approx(res.bias_strength * head.window, rel=1e-12)
+    assert np.sign(res.bias_strength) == (1 if name == "recency" else np.sign(exp["bias_strength"]))
+    for key in ("r_q_a", "r_k_a", "var_frac_a", "var_frac_b", "plane_var_fraction", "separation_strength"):
+        assert getattr(res, key) == pytest.approx(exp[key], abs=0.015), key
+    assert res.n_pairs == len(head.q)
+    assert res.orth_check < 1e-8
+
+
+def test_axes_and_projections_match_brute_force() -> None:
+    head, _ = plant_head(SPECS["recency"], d=D, per_bucket=8)
+    res = run(head)
+    q, k = head.q.astype(np.float64), head.k.astype(np.float64)
+    X, t = np.vstack([q, k]), np.concatenate([head.q_pos, head.k_pos]).astype(float)
+    c = (X - X.mean(0)).T @ (t - t.mean()) / (len(t) - 1)
+    assert np.allclose(res.a, c / np.linalg.norm(c), atol=1e-12)
+    assert np.cov(X @ res.a, t)[0, 1] > 0  # orientation: positive covariance with position
+    dmu = q.mean(0) - k.mean(0)
+    v = dmu - res.a * (res.a @ dmu)
+    assert np.allclose(res.b, v / np.linalg.norm(v), atol=1e-12)
+    assert abs(res.a @ res.b) < 1e-12
+    assert res.alpha_q == pytest.approx(np.polyfit(head.q_pos, q @ res.a, 1)[0], rel=1e-9)
+    assert res.alpha_k == pytest.approx(np.polyfit(head.k_pos, k @ res.a, 1)[0], rel=1e-9)
+    assert res.mu_q_a == pytest.approx(np.mean(q @ res.a), rel=1e-12)
+    assert res.mu_k_b == pytest.approx(np.mean(k @ res.b), rel=1e-12)
+    assert res.r_k_a == pytest.approx(np.corrcoef(k @ res.a, head.k_pos)[0, 1], abs=1e-12)
+    Xc = X - X.mean(0)
+    assert res.var_frac_b == pytest.approx(np.sum((Xc @ res.b) ** 2) / np.sum(Xc**2), rel=1e-9)
+    delta = q - k  # plant_head puts Q and K at the same positions in the same order
+    assert res.separation_strength == pytest.approx(np.mean((delta @ res.b) ** 2) / np.mean(np.sum(delta**2, 1)),
+                                                    rel=1e-9)
+
+
+def test_orthogonal_complement_check_is_zero_and_can_fail() -> None:
+    head, _ = plant_head(SPECS["primacy"], d=D, per_bucket=8)
+    res = run(head)
+    X = np.vstack([head.q, head.k]).astype(np.float64)
+    t = np.concatenate([head.q_pos, head.k_pos]).astype(float)
+    rng = np.random.default_rng(0)
+    U = rng.standard_normal((D, 200))
+    U -= np.outer(res.a, res.a @ U)
+    r = [abs(np.corrcoef(X @ U[:, j], t)[0, 1]) for j in range(U.shape[1])]
+    assert max(r) < 1e-10
+    assert res.orth_check < 1e-8
+    # the same check around a wrong axis finds the positional direction it left out
+    m = pooled_moments(head.q, head.q_pos, head.k, head.k_pos)
+    wrong = res.a + 0.5 * res.b
+    assert max_orthogonal_position_r(m, wrong / np.linalg.norm(wrong)) > 0.3
+
+
+def test_rotating_q_and_k_together_leaves_invariants_unchanged() -> None:
+    head, _ = plant_head(SPECS["flipped"], d=D, per_bucket=8)
+    R = random_orthogonal(D, 7)
+    rot = type(head)(**{**head.__dict__, "q": head.q.astype(np.float64) @ R, "k": head.k.astype(np.float64) @ R})
+    for sep in ("centroid", "eigen"):
+        a = run(head, separation=sep, complement=True)
+        b = run(rot, separation=sep, complement=True)
+        for key in ("alpha_q", "alpha_k", "mu_q_a", "mu_k_a", "mu_q_b", "mu_k_b", "bias_strength",
+                    "bias_strength_window", "r_q_a", "r_k_a", "var_frac_a", "var_frac_b", "plane_var_fraction",
+                    "separation_strength"):
+            assert getattr(b, key) == pytest.approx(getattr(a, key), rel=1e-5, abs=1e-9), (sep, key)
+        assert b.orth_check < 1e-8
+        assert np.allclose(a.a @ R, b.a, atol=1e-6) and np.allclose(a.b @ R, b.b, atol=1e-5)
+        assert np.allclose(a.complement_share, b.complement_share, atol=1e-6)
+        assert np.allclose(a.complement_circ_r, b.complement_circ_r, atol=1e-4)
+
+
+def test_eigen_axis_maximises_pair_separation_and_finds_planted_direction() -> None:
+    # Same-position differences vary most along c (content noise differs between Q and K), while the
+    # centroids differ along b: the eigen axis picks c, the centroid axis b.
+    spec = HeadSpec(q=CloudSpec(slope=2e-3, m_b=1.0, sigma=0.3, content=3.0),
+                    k=CloudSpec(slope=1e-3, m_b=-1.0, sigma=0.3))
+    head, axes = plant_head(spec, d=D, per_bucket=8)
+    cen, eig = run(head), run(head, separation="eigen")
+    assert abs(cen.b @ axes[1]) > 0.99 and abs(eig.b @ axes[2]) > 0.99
+    assert abs(eig.a @ eig.b) < 1e-12
+    assert eig.separation_strength > cen.separation_strength
+    # brute force: the eigen axis maximises E[(b·delta)^2] over unit b orthogonal to a
+    delta = head.q.astype(np.float64) - head.k.astype(np.float64)
+    rng = np.random.default_rng(1)
+    B = rng.standard_normal((D, 500))
+    B -= np.outer(eig.a, eig.a @ B)
+    B /= np.linalg.norm(B, axis=0)
+    brute = np.max(np.mean((delta @ B) ** 2, axis=0)) / np.mean(np.sum(delta**2, axis=1))
+    assert eig.separation_strength >= brute
+    # when the centroid difference dominates, both options agree on b and its orientation
+    spec2 = HeadSpec(q=CloudSpec(slope=2e-3, m_b=3.0, sigma=0.3), k=CloudSpec(slope=1e-3, m_b=-3.0, sigma=0.3))
+    head2, axes2 = plant_head(spec2, d=D, per_bucket=8)
+    c2, e2 = run(head2), run(head2, separation="eigen")
+    assert c2.b @ e2.b > 0.999 and e2.b @ axes2[1] > 0.999
+
+
+def test_complement_analysis_matches_brute_force_svd_and_sees_a_planted_ring() -> None:
+    omega = 2 * np.pi / 4096  # a rotating pair turning once over the window, in both Q and K
+    ring = CloudSpec(slope=2e-3, m_a=1.0, m_b=2.0, sigma=0.3, ring=2.0, omega=omega)
+    spec = HeadSpec(q=ring, k=CloudSpec(**{**ring.__dict__, "m_a": -1.0, "m_b": -2.0, "slope": 1e-3}))
+    head, _ = plant_head(spec, d=D, per_bucket=8)
+    res = run(head, complement=True, complement_pairs=3)
+    # brute force: full SVD of the centred rows projected off {a, b}; R of t regressed on (cos, sin)
+    X = np.vstack([head.q, head.k]).astype(np.float64)
+    t = np.concatenate([head.q_pos, head.k_pos]).astype(float)
+    P = np.eye(D) - np.outer(res.a, res.a) - np.outer(res.b, res.b)
+    Y = (X - X.mean(0)) @ P
+    _, s, Vt = np.linalg.svd(Y, full_matrices=False)
+    for i in range(3):
+        assert res.complement_share[i] == pytest.approx((s[2 * i] ** 2 + s[2 * i + 1] ** 2) / np.sum(s**2), rel=1e-8)
+        theta = np.arctan2(Y @ Vt[2 * i + 1], Y @ Vt[2 * i])
+        A = np.column_stack([np.ones_like(t), np.cos(theta), np.sin(theta)])
+        resid = t - A @ np.linalg.lstsq(A, t, rcond=None)[0]
+        r_brute = np.sqrt(1 - resid @ resid / np.sum((t - t.mean()) ** 2))
+        assert res.complement_circ_r[i] == pytest.approx(r_brute, abs=1e-6)
+    # the planted pair dominates the complement and its angle follows position far more than noise pairs
+    assert res.complement_share[0] > 0.4
+    assert res.complement_circ_r[0] > 5 * max(res.complement_circ_r[1:])
+
+
+def test_circular_linear_correlation_reference_values() -> None:
+    t = np.linspace(0, 1, 2001)
+    assert circular_linear_r(0.9 * np.pi * t, t) > 0.95
+    assert circular_linear_r(np.random.default_rng(0).uniform(-np.pi, np.pi, t.size), t) < 0.1
+    # invariant to a constant angle offset
+    assert circular_linear_r(0.5 * np.pi * t + 1.0, t) == pytest.approx(circular_linear_r(0.5 * np.pi * t, t))
+
+
+def test_pairs_match_document_and_position() -> None:
+    iq, ik = same_position_pairs(np.array([5, 5, 9, 9]), np.array([1, 2, 1, 3]),
+                                 np.array([9, 5, 5, 9]), np.array([1, 2, 7, 3]))
+    assert sorted(zip(iq.tolist(), ik.tolist(), strict=True)) == [(1, 1), (2, 0), (3, 3)]
+
+
+def test_degenerate_heads_are_reported_not_nan() -> None:
+    head, _ = plant_head(SPECS["recency"], d=8, per_bucket=2)
+    with pytest.raises(HeadInputError) as err:
+        analyse_rotation(head.q, np.zeros_like(head.q_pos), head.q_doc, head.k, head.k_pos, head.k_doc,
+                         window=head.window)
+    assert err.value.status == "constant_positions"
+    q = head.q.copy()
+    q[4, 2] = np.inf
+    with pytest.raises(HeadInputError) as err:
+        analyse_rotation(q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc, window=head.window)
+    assert err.value.status == "non_finite"
+    with pytest.raises(HeadInputError) as err:
+        analyse_rotation(head.q[:4], head.q_pos[:4], head.q_doc[:4], head.k, head.k_pos, head.k_doc,
+                         window=head.window)
+    assert err.value.status == "too_few_rows"
+    # exact zero covariance of the pooled cloud with position: no drift axis
+    t = np.array([0, 1, 2, 3], dtype=np.int32)
+    x = np.outer([1.0, -1.0, -1.0, 1.0], np.eye(3)[0]).astype(np.float32) + np.eye(3)[1]
+    with pytest.raises(HeadInputError) as err:
+        analyse_rotation(x, t, np.zeros(4), x, t, np.zeros(4), window=4, options=RotationOptions(min_rows=3))
+    assert err.value.status == "no_position_covariance"
+    rec = rotation_record(None, error=err.value)
+    assert rec["status"] == "no_position_covariance" and np.isnan(rec["bias_strength"])
+
+
+def test_missing_pairs_and_undefined_b_are_notes_not_failures() -> None:
+    head, _ = plant_head(SPECS["recency"], d=8, per_bucket=4)
+    k_doc = head.k_doc + 1000  # K rows from other documents: no same-position pairs
+    res = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, k_doc, window=head.window)
+    assert res.n_pairs == 0 and np.isnan(res.separation_strength) and "pairs" in res.notes[0]
+    assert np.isfinite(res.bias_strength) and np.isfinite(res.var_frac_b)
+    eig = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, k_doc,
+                           window=head.window, options=RotationOptions(separation="eigen"))
+    assert np.isnan(eig.var_frac_b) and np.isfinite(eig.var_frac_a)
+    assert any("eigen" in n for n in eig.notes)
+    # Q and K centroids differ only along the drift axis: the centroid b is undefined
+    spec = HeadSpec(q=CloudSpec(slope=2e-3, m_a=2.0, sigma=0.0), k=CloudSpec(slope=1e-3, m_a=-2.0, sigma=0.0))
+    h2, _ = plant_head(spec, d=8, per_bucket=2)
+    r2 = run(h2)
+    assert np.isnan(r2.var_frac_b) and np.isnan(r2.mu_q_b) and any("centroid" in n for n in r2.notes)
+    assert np.isfinite(r2.bias_strength)
+    assert rotation_record(r2)["status"] == "ok"
