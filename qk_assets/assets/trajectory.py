@@ -1,0 +1,192 @@
+"""The training trajectory of each checkpoint series (SPEC 6): ``trajectory`` + ``trajectory_profiles``.
+
+Every checkpoint of a series is a model partition (``<series>@<revision>``) of the capture and of every
+per-model analysis. The trajectory assets are partitioned by series and depend on all checkpoints of
+their series through :func:`qk_assets.partitions.checkpoints_of_series`. They read the per-checkpoint
+values from the storage root themselves (the IO manager's layout), so a checkpoint that is not (yet)
+materialised is reported as missing — in the metadata and in the ``missing`` column — instead of
+failing the run. They re-materialise automatically whenever any checkpoint's metrics or profiles
+change (:data:`TRAJECTORY_CONDITION`; the automation sensor of ``make ui`` evaluates it).
+
+Backfilling a whole series from the UI, in one action: open the job ``<series>_checkpoints`` (one per
+series, e.g. ``smollm3_3b_checkpoints``; it holds the capture and every per-model analysis), then
+*Materialize all* / *Launch backfill* and select the partition range given in the job's description,
+``[<series>@<first revision>...<series>@<last revision>]`` — the checkpoints of a series are contiguous
+model partitions in training order. The trajectory then follows by itself. Adding a revision to the
+series in ``data/registry.toml`` adds its partition, extends the range and the mapping.
+"""
+
+import importlib
+import pkgutil
+import re
+
+import pandas as pd
+from dagster import (
+    AssetDep,
+    AssetExecutionContext,
+    AssetKey,
+    AssetOut,
+    AssetsDefinition,
+    AssetSelection,
+    AutomationCondition,
+    MetadataValue,
+    Output,
+    define_asset_job,
+    multi_asset,
+)
+
+from qk_assets.figures import save_figures
+from qk_assets.io_manager import asset_rel
+from qk_assets.partitions import checkpoints_of_series, model_partitions, registry, series_partitions
+from qk_assets.resources import StorageResource
+from qk_core.storage import Storage, StorageError
+from qk_core.trajectory import (
+    Checkpoint,
+    TrajectoryError,
+    checkpoint_config,
+    load_reference,
+    profile_table,
+    summary,
+    trajectory_table,
+)
+
+CAPTURE = "qk_capture"
+METRIC_INPUTS = ("pca_metrics", "rotation_metrics", "plasticity_metrics")
+PROFILES = "plasticity_profiles"
+UPSTREAM = (CAPTURE, *METRIC_INPUTS, PROFILES)
+
+# Eager, except that missing checkpoints do not block it (AutomationCondition.eager() waits until no
+# dependency partition is missing; a series with an unfinished checkpoint must still update). A new
+# capture alone does not trigger it: its analyses will.
+TRAJECTORY_CONDITION = (
+    AutomationCondition.any_deps_updated().ignore(AssetSelection.assets(CAPTURE)).since_last_handled()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("eager (tolerates missing checkpoints)")
+
+
+def _deps() -> list[AssetDep]:
+    mapping = checkpoints_of_series()
+    return [AssetDep(name, partition_mapping=mapping) for name in UPSTREAM]
+
+
+def _read(storage: Storage, asset: str, key: str) -> pd.DataFrame | None:
+    rel = asset_rel([asset], key)
+    if not storage.exists(rel):
+        return None
+    return storage.read_parquet(rel).to_pandas()
+
+
+def load_checkpoint(storage: Storage, key: str) -> tuple[Checkpoint, dict]:
+    """Everything the trajectory needs of one checkpoint; missing inputs stay None."""
+    entry = registry().model(key)
+    ck = Checkpoint(key=key, revision=entry.revision_label or key, step_index=entry.step_index or 0,
+                    fallback_config={"window": entry.window, "bucket": entry.bucket})
+    notes: dict = {}
+    capture = _read(storage, CAPTURE, key)
+    if capture is not None and not capture.empty and "capture_prefix" in capture:
+        prefix = str(capture["capture_prefix"].iloc[0])
+        try:
+            manifest = storage.read_json(f"{prefix}/manifest.json")
+            ck.config = checkpoint_config(manifest)
+            notes["capture"] = storage.uri(prefix)
+        except (StorageError, TrajectoryError) as exc:
+            notes["capture_error"] = str(exc)
+    for name in METRIC_INPUTS:
+        ck.metrics[name] = _read(storage, name, key)
+    ck.profiles = _read(storage, PROFILES, key)
+    return ck, notes
+
+
+def _job_name(series: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", series) + "_checkpoints"
+
+
+@multi_asset(
+    outs={
+        "trajectory": AssetOut(group_name="trajectory", kinds={"parquet"}, automation_condition=TRAJECTORY_CONDITION,
+                               description="One row per checkpoint of the series in training order (SPEC 6)."),
+        "trajectory_profiles": AssetOut(
+            group_name="trajectory", kinds={"parquet"}, automation_condition=TRAJECTORY_CONDITION,
+            description="Mean plasticity profile of every checkpoint in absolute token positions."),
+    },
+    deps=_deps(),
+    partitions_def=series_partitions(),
+    can_subset=False,
+)
+def trajectory(context: AssetExecutionContext, storage: StorageResource):
+    """Gather every checkpoint of the series; build the trajectory table, profiles and figures."""
+    series = context.partition_key
+    if series not in registry().series:
+        raise TrajectoryError(f"series '{series}' is not in the registry ({registry().path})")
+    store = storage.get()
+    checkpoints, notes = [], {}
+    for key in registry().series[series].checkpoint_keys:
+        ck, note = load_checkpoint(store, key)
+        checkpoints.append(ck)
+        notes[key] = note
+    table = trajectory_table(series, checkpoints, load_reference())
+    profiles = profile_table(checkpoints)
+    info = summary(table)
+    missing = {r: m for r, m in info["missing"].items()}
+    figures = save_figures(store, f"trajectory/{series}", _figures(table, profiles, series))
+    config_cols = ["revision", "window", "bucket", "rope_theta", "max_position_embeddings", "missing"]
+    preview_cols = [*config_cols[:5], "bias_strength", "bias_strength_window", "ap_first20", "ap_last20",
+                    "ap_drop"]
+    meta = {
+        "checkpoints": info["checkpoints"],
+        "complete_checkpoints": info["complete"],
+        "missing_checkpoints": MetadataValue.json(missing),
+        "captures": MetadataValue.json({k: v.get("capture", v.get("capture_error", "")) for k, v in notes.items()}),
+        "preview": MetadataValue.md(table[[c for c in preview_cols if c in table]].to_markdown(index=False)),
+        **figures,
+    }
+    if missing:
+        context.log.warning(f"trajectory {series}: missing inputs {missing}")
+    yield Output(table, output_name="trajectory", metadata=meta)
+    yield Output(profiles, output_name="trajectory_profiles",
+                 metadata={"checkpoints_with_profiles": int(profiles["model"].nunique()),
+                           "fig_profiles_path": figures.get("fig_profiles_path", MetadataValue.text(""))})
+
+
+def _figures(table: pd.DataFrame, profiles: pd.DataFrame, series: str) -> dict:
+    from qk_core.plots.trajectory import trajectory_figures  # matplotlib only when the asset runs
+
+    return trajectory_figures(table, profiles, series)
+
+
+def checkpoint_asset_keys() -> list[AssetKey]:
+    """Keys of every model-partitioned asset of the other stage modules (capture and analyses)."""
+    from qk_assets import assets as pkg
+
+    parts = model_partitions()
+    keys: list[AssetKey] = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name == __name__.rsplit(".", 1)[-1]:
+            continue
+        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, AssetsDefinition) and obj.partitions_def == parts:
+                keys += [k for k in obj.keys if k not in keys]
+    return keys
+
+
+def series_jobs() -> list:
+    """One job per series: the capture and every per-model analysis, to backfill over its checkpoints."""
+    keys = checkpoint_asset_keys()
+    if not keys:
+        return []
+    jobs = []
+    for name, s in registry().series.items():
+        first, last = s.checkpoint_keys[0], s.checkpoint_keys[-1]
+        jobs.append(define_asset_job(
+            _job_name(name), selection=AssetSelection.assets(*keys), partitions_def=model_partitions(),
+            tags={"qk/series": name},
+            description=(f"Capture and analyses of the {len(s.checkpoint_keys)} checkpoints of series '{name}'. "
+                         f"Launch a backfill over the partition range [{first}...{last}]; the trajectory "
+                         "follows automatically."),
+        ))
+    return jobs
+
+
+JOBS = series_jobs()
