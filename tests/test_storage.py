@@ -82,18 +82,20 @@ def test_round_trips(storage: Storage) -> None:
 
 
 def test_listing_hides_temporaries(storage: Storage) -> None:
-    for rel in ["top.json", "d1/x.json", "d1/sub/y.json", "d2/z.json"]:
+    for rel in ["top.json", "d1/x.json", "d1/sub/y.json", "d2/z.json", "d10/w.json"]:  # d10: same prefix
         storage.write_json(rel, {"rel": rel})
     plant_temporary(storage, f"d1/{TMP_PREFIX}abc-x.json")
     plant_temporary(storage, f"{TMP_PREFIX}dir/w.json")
     assert f"d1/{TMP_PREFIX}abc-x.json" in raw_names(storage)  # the backend does hold them
     assert storage.ls() == ["top.json"]
     assert storage.ls("d1") == ["d1/x.json"]
-    assert storage.ls(recursive=True) == ["d1/sub/y.json", "d1/x.json", "d2/z.json", "top.json"]
+    assert storage.ls(recursive=True) == ["d1/sub/y.json", "d1/x.json", "d10/w.json", "d2/z.json", "top.json"]
     assert storage.ls("d1", recursive=True) == ["d1/sub/y.json", "d1/x.json"]
-    assert storage.ls_dirs() == ["d1", "d2"]
+    assert storage.ls_dirs() == ["d1", "d10", "d2"]
     assert storage.ls_dirs("d1") == ["sub"]
     assert storage.ls("absent") == [] and storage.ls_dirs("absent") == []
+    storage.delete("d1", recursive=True)
+    assert storage.ls(recursive=True) == ["d10/w.json", "d2/z.json", "top.json"]
 
 
 def test_overwrite_replaces_and_changes_token(storage: Storage) -> None:
