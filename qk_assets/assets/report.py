@@ -1,0 +1,180 @@
+"""``report_html``: the static report page under the storage root (``report/index.html``).
+
+Thin: it reads what the other assets stored (their Parquet values, their figure files, the metadata and
+provenance of their latest materialisations from the Dagster instance), copies the figures next to the
+page and calls :func:`qk_core.report_html.render_report`. It depends on every other asset of the code
+location by key, so it is stale whenever any of them is recomputed; assets that are missing (not yet
+materialised, or not yet defined) appear in the page as "not yet computed".
+"""
+
+import importlib
+import json
+import pkgutil
+import time
+
+import pandas as pd
+from dagster import (
+    AssetExecutionContext,
+    AssetKey,
+    AssetRecordsFilter,
+    AssetsDefinition,
+    MetadataValue,
+    PartitionsDefinition,
+    asset,
+)
+
+from qk_assets import assets as assets_pkg
+from qk_assets.io_manager import asset_rel
+from qk_assets.partitions import registry
+from qk_assets.resources import StorageResource
+from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, render_report
+from qk_core.storage import Storage
+
+REPORT_DIR = "report"
+PAGE = f"{REPORT_DIR}/index.html"
+MAX_READ_ROWS = 20_000  # larger tables are shown by their first rows only (they stay whole in storage)
+# The assets SPEC sections 1-7 call for; any other asset of the code location is included as well.
+EXPECTED = [
+    "corpus", "qk_capture", "pca_heads", "pca_layers", "pca_metrics", "rotation_heads", "rotation_layers",
+    "rotation_metrics", "geometry_figures", "plasticity_heads", "plasticity_profiles", "plasticity_pairs",
+    "plasticity_heatmap", "plasticity_metrics", "model_report", "benchmark_scores", "model_aliases",
+    "reference_metrics", "benchmark_joins", "benchmark_stats", "trajectory",
+]
+
+
+def sibling_assets() -> dict[AssetKey, PartitionsDefinition | None]:
+    """Every asset defined by the other modules of :mod:`qk_assets.assets` and its partitions."""
+    out: dict[AssetKey, PartitionsDefinition | None] = {}
+    for info in sorted(pkgutil.iter_modules(assets_pkg.__path__), key=lambda m: m.name):
+        if f"{assets_pkg.__name__}.{info.name}" == __name__:
+            continue
+        module = importlib.import_module(f"{assets_pkg.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, AssetsDefinition) and value.is_executable:
+                for key in value.keys:
+                    out[key] = value.partitions_def
+    return out
+
+
+UPSTREAM = sibling_assets()
+
+
+def _text_metadata(metadata: dict) -> dict[str, str]:
+    """The entries worth showing as provenance (no figures, no long previews)."""
+    out = {}
+    for k, v in metadata.items():
+        if k.startswith("fig_") or k in ("path", "preview"):
+            continue
+        raw = getattr(v, "value", v)
+        if isinstance(raw, dict | list):
+            text = json.dumps(raw, sort_keys=True, default=str)
+        else:
+            text = str(getattr(raw, "path", raw))
+        if text.startswith("![") or len(text) > 2000:
+            continue
+        out[k] = text
+    return out
+
+
+def _read_table(storage: Storage, rel: str) -> pd.DataFrame | None:
+    if not storage.exists(rel):
+        return None
+    pf = storage.parquet_file(rel)
+    n = pf.metadata.num_rows
+    if n <= MAX_READ_ROWS:
+        df = storage.read_parquet(rel).to_pandas()
+    else:
+        batch = next(pf.iter_batches(batch_size=50), None)
+        df = batch.to_pandas() if batch is not None else pd.DataFrame()
+    df.attrs["total_rows"] = n
+    return df
+
+
+def _model_info(key: str) -> ModelInfo:
+    m = registry().model(key)
+    return ModelInfo(
+        key=m.key, family=m.family, description=m.description, source=m.source.describe(),
+        tokenizer=m.tokenizer.describe(), dtype=m.dtype, window=m.window, bucket=m.bucket, corpus=m.corpus,
+        capture={k: getattr(m.capture, k) for k in m.capture.__dataclass_fields__}, analysis=dict(m.analysis),
+    )
+
+
+@asset(deps=sorted(UPSTREAM, key=lambda k: k.to_user_string()), group_name="report", kinds={"html"})
+def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
+    """The static HTML report with every figure and table (SPEC 7), the options and provenance of every
+    number; one row per item the page shows (asset, partition, kind, path)."""
+    st = storage.get()
+    instance = context.instance
+    root_uri = st.uri("").rstrip("/") + "/"
+    states: list[AssetState] = []
+    figures: list[Figure] = []
+    tables: dict[str, dict[str | None, pd.DataFrame]] = {}
+    inventory = []
+    model_keys = set(registry().model_keys)
+    for key, pdef in sorted(UPSTREAM.items(), key=lambda kv: kv[0].to_user_string()):
+        name = key.to_user_string()
+        if pdef is None:
+            parts: list[str | None] = [None]
+        else:
+            valid = set(pdef.get_partition_keys())
+            parts = sorted(p for p in instance.get_materialized_partitions(key) if p in valid)
+        for part in parts:
+            flt = AssetRecordsFilter(asset_key=key, asset_partitions=[part] if part else None)
+            recs = instance.fetch_materializations(flt, limit=1, ascending=False).records
+            if not recs:
+                continue
+            rec = recs[0]
+            mat = rec.asset_materialization
+            meta = dict(mat.metadata) if mat is not None else {}
+            tags = {**(rec.event_log_entry.tags or {}), **(dict(mat.tags or {}) if mat is not None else {})}
+            rel = asset_rel(key.path, part)
+            states.append(AssetState(name, part, rec.timestamp, rec.run_id, tags.get("dagster/code_version", ""),
+                                     st.uri(rel) if st.exists(rel) else "", _text_metadata(meta)))
+            df = _read_table(st, rel)
+            if df is not None:
+                tables.setdefault(name, {})[part] = df
+                inventory.append({"asset": name, "partition": part or "", "kind": "table", "path": st.uri(rel)})
+            for mkey, value in meta.items():
+                if not (mkey.startswith("fig_") and mkey.endswith("_path")):
+                    continue
+                uri = str(getattr(value, "path", getattr(value, "value", value)))
+                if not uri.startswith(root_uri):
+                    continue
+                src_rel = uri[len(root_uri):]
+                if not st.exists(src_rel):
+                    continue
+                dest = f"{REPORT_DIR}/{src_rel}"
+                st.write_bytes(dest, st.read_bytes(src_rel))
+                fig_name = mkey[len("fig_"):-len("_path")]
+                figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=part))
+                inventory.append({"asset": name, "partition": part or "", "kind": "figure", "path": st.uri(dest)})
+
+    measured = {s.partition for s in states if s.partition in model_keys}
+    models = [k for k in registry().model_keys if k in measured] or registry().in_group("demo")
+    inputs = ReportInputs(
+        title="Q/K geometry of long-context attention — report",
+        models=[_model_info(k) for k in models], tables=tables, figures=figures, states=states,
+        defined_assets=[k.to_user_string() for k in UPSTREAM], expected_assets=EXPECTED,
+        storage_url=st.url, generated_at=time.time(),
+    )
+    page = render_report(inputs)
+    st.write_text(PAGE, page)
+    _prune_stale_figures(st, {f"{REPORT_DIR}/{f.src}" for f in figures})
+    inventory.append({"asset": "report_html", "partition": "", "kind": "page", "path": st.uri(PAGE)})
+    local = st.local_path(PAGE)
+    missing = sorted({*EXPECTED, *(k.to_user_string() for k in UPSTREAM)} - {s.asset for s in states})
+    context.add_output_metadata({
+        "report": MetadataValue.url(local.as_uri()) if local else MetadataValue.path(st.uri(PAGE)),
+        "models": ", ".join(models),
+        "figures": len(figures),
+        "assets_computed": len({s.asset for s in states}),
+        "not_yet_computed": MetadataValue.md("\n".join(f"- {m}" for m in missing) or "none"),
+    })
+    return pd.DataFrame(inventory, columns=["asset", "partition", "kind", "path"])
+
+
+def _prune_stale_figures(st: Storage, keep: set[str]) -> None:
+    """Remove copied figures the page no longer shows (from an earlier report)."""
+    for rel in st.ls(f"{REPORT_DIR}/figures", recursive=True):
+        if rel.endswith(".png") and rel not in keep:
+            st.delete(rel)

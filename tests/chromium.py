@@ -1,0 +1,103 @@
+"""Headless Chromium for the report and UI tests: screenshots, DOM dumps and image checks.
+
+Chromium is the Debian package (``make browser`` installs it). Each call starts a fresh browser with a
+fresh profile and the flags that keep it from reaching the network on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--hide-scrollbars", "--force-device-scale-factor=1", "--disable-dev-shm-usage",
+]
+
+# Appended to a copy of a page: after load, writes every <img>'s state and box into the DOM.
+IMG_PROBE = """<script>
+window.addEventListener('load', () => {
+  const imgs = [...document.images].map(i => {
+    const b = i.getBoundingClientRect();
+    return {src: i.getAttribute('src'), naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight,
+            complete: i.complete, x: b.left + scrollX, y: b.top + scrollY, w: b.width, h: b.height};
+  });
+  const out = {images: imgs, height: document.documentElement.scrollHeight, title: document.title};
+  const pre = document.createElement('pre'); pre.id = 'qk-probe';
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+});
+</script>"""
+
+
+def chromium() -> str:
+    """The Chromium binary, or skip the test when it is not installed."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if exe is None:
+        pytest.skip("chromium is not installed (make browser)")
+    return exe
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="qk-chromium-") as profile:
+        return subprocess.run([chromium(), *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
+                              text=True, timeout=timeout)
+
+
+def screenshot(url: str, out: Path, width: int = 1280, height: int = 1600, timeout: float = 120,
+               budget_ms: int = 8000) -> Path:
+    """A PNG of the page's first ``height`` pixels at ``width`` (waits up to ``budget_ms`` of page time)."""
+    out.unlink(missing_ok=True)
+    proc = _run([f"--screenshot={out}", f"--window-size={width},{height}",
+                 f"--virtual-time-budget={budget_ms}", url], timeout)
+    assert out.exists(), f"chromium wrote no screenshot of {url}: {proc.stderr[-2000:]}"
+    return out
+
+
+def dump_dom(url: str, timeout: float = 120, budget_ms: int = 8000, width: int = 1280,
+             height: int = 1600) -> str:
+    """The DOM after load (and up to ``budget_ms`` of page time), serialised."""
+    proc = _run(["--dump-dom", f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}", url],
+                timeout)
+    assert proc.returncode == 0 and proc.stdout, f"chromium --dump-dom failed for {url}: {proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def probe_images(page: Path, width: int = 1280) -> dict:
+    """Load a copy of ``page`` (same folder, so relative links resolve) with :data:`IMG_PROBE`; return
+    ``{"images": [{src, naturalWidth, x, y, w, h, ...}], "height": ...}``."""
+    probe = page.with_name(".probe-" + page.name)
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", IMG_PROBE + "</body>"), encoding="utf-8")
+    try:
+        dom = dump_dom(probe.as_uri(), width=width)
+    finally:
+        probe.unlink(missing_ok=True)
+    m = re.search(r'<pre id="qk-probe">(.*?)</pre>', dom, re.S)
+    assert m, "the probe script did not run"
+    import html
+
+    return json.loads(html.unescape(m.group(1)))
+
+
+def load_png(path: Path) -> np.ndarray:
+    """The PNG as an (h, w, 3) float array in [0, 1]."""
+    from matplotlib.image import imread
+
+    img = imread(str(path))
+    return np.asarray(img[..., :3], dtype=float)
+
+
+def region_std(img: np.ndarray, x: float, y: float, w: float, h: float) -> float:
+    """Standard deviation of the pixels inside a box (0 for a blank or empty box)."""
+    x0, y0 = max(int(x), 0), max(int(y), 0)
+    x1, y1 = min(int(x + w), img.shape[1]), min(int(y + h), img.shape[0])
+    if x1 <= x0 or y1 <= y0:
+        return 0.0
+    return float(img[y0:y1, x0:x1].std())

