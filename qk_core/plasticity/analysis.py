@@ -1,0 +1,365 @@
+"""Attention plasticity of one head and of a whole capture (SPEC 4.1-4.9).
+
+:func:`analyse_head` runs the query model (4.1), the key-pair sampling (4.2), both estimators (4.3),
+the profile (4.4), the aggregates and bins (4.5), the document bootstrap (4.6), the per-pair records
+(4.7), the component weights (4.8) and the diagnostics (4.9) for one head. :func:`analyse_model`
+runs it head by head (one head in memory at a time) and adds the model-level values: means and
+medians over heads with model-level bootstrap intervals, and the pooled heatmap.
+
+Units: positions and tau in raw tokens; ``*_frac`` columns are tau / L; ``*_window`` slopes are per
+token times L. PP and AP are probabilities-derived numbers in [0, 1].
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from qk_core.capture_store import HeadData
+from qk_core.metrics import metric_row, metrics_frame
+from qk_core.plasticity import aggregates as agg
+from qk_core.plasticity.bootstrap import (
+    doc_bucket_sums,
+    doc_weights,
+    percentile_interval,
+    resampled_profiles,
+)
+from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
+from qk_core.plasticity.heatmap import HeatmapAccumulator
+from qk_core.plasticity.options import PlasticityOptions, n_buckets
+from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
+from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_query_model
+
+FIRST_BUCKET = "first_bucket"
+NO_ELIGIBLE_PAIRS = "no_eligible_pairs"
+IDENTICAL_KEYS = "identical_keys"
+DEGENERATE_COVARIANCE = "degenerate_covariance"
+BUCKET_STATUSES = ("ok", FIRST_BUCKET, "too_few_queries", NO_ELIGIBLE_PAIRS, IDENTICAL_KEYS,
+                   DEGENERATE_COVARIANCE)
+
+
+@dataclass
+class HeadResult:
+    """Everything SPEC 4 keeps for one head."""
+
+    row: dict[str, Any]  # per-head aggregates, intervals and diagnostics
+    profile: pd.DataFrame  # per bucket
+    bins: pd.DataFrame  # per bin (quintiles, deciles, length, RULER, position)
+    components: pd.DataFrame  # per original coordinate
+    pairs: pd.DataFrame | None  # per pair (None when options.keep_pairs is False)
+    ap: np.ndarray  # (J,) closed-form AP_j, NaN where status != ok
+    ap_empirical: np.ndarray  # (J,)
+    boot: np.ndarray  # (R, J) resampled AP_j
+    pair_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # t_i, t_j, tau, pp, pp_empirical
+
+
+def _pairs_columns() -> dict[str, list[np.ndarray]]:
+    return {k: [] for k in ("example_id", "t_i", "t_j", "bucket", "tau", "delta_1", "z", "pp", "pp_empirical",
+                            "valid")}
+
+
+def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None = None,
+                 W: np.ndarray | None = None) -> HeadResult:
+    """SPEC 4.1-4.9 for one head.
+
+    doc_ids: the capture's document ids (sorted), the clusters of the bootstrap; default: documents
+    holding this head's keys. W: (R, D) bootstrap multiplicities over doc_ids; default drawn from
+    (opts.seed, D) with opts.bootstrap resamples.
+    """
+    L, B = int(head.window), int(head.bucket)
+    J = n_buckets(L, B)
+    tau = agg.bucket_tau(L, B)
+    doc_ids = np.unique(head.k_doc) if doc_ids is None else np.asarray(doc_ids)
+    if W is None:
+        W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
+    base = {"layer": int(head.layer), "q_head": int(head.q_head), "kv_head": int(head.kv_head), "d": head.d,
+            "L": L, "B": B, "covariance": opts.covariance, "n_queries": len(head.q_pos), "n_keys": len(head.k_pos),
+            "n_docs": len(np.unique(head.k_doc))}
+    try:
+        model = fit_query_model(head.q, head.q_pos, L, B, opts.covariance, opts.min_queries_per_bucket)
+    except QueryModelError as exc:
+        return _failed_head(base, str(exc), J, L, B, opts, W.shape[0])
+
+    kidx = index_keys(head.k_pos, head.k_doc, B, J)
+    K = np.asarray(head.k, dtype=np.float64)
+    q_bucket = np.clip(np.asarray(head.q_pos) // B, 0, J - 1)
+    q_order = np.argsort(q_bucket, kind="stable")
+    q_starts = np.concatenate([[0], np.cumsum(np.bincount(q_bucket, minlength=J))])
+    q32 = np.asarray(head.q, dtype=np.float32)
+
+    status = [OK] * J
+    ap = np.full(J, np.nan)
+    ap_emp = np.full(J, np.nan)
+    n_pairs = np.zeros(J, dtype=np.int64)
+    n_sampled = np.zeros(J, dtype=np.int64)
+    n_eligible = np.zeros(J, dtype=np.int64)
+    cols = _pairs_columns()
+    for j in range(J):
+        if j == 0:
+            status[j] = FIRST_BUCKET
+            continue
+        bp = sample_pairs(kidx, j, opts.pairs_per_bucket, pair_rng(opts.seed, head.layer, head.q_head, j))
+        n_eligible[j] = bp.n_eligible
+        if model.status[j] != OK:
+            status[j] = model.status[j]
+            continue
+        if bp.n_eligible == 0:
+            status[j] = NO_ELIGIBLE_PAIRS
+            continue
+        n_sampled[j] = len(bp.i)
+        delta = K[bp.i] - K[bp.j]
+        cf = closed_form(model, j, delta)
+        qb = q32[q_order[q_starts[j]:q_starts[j + 1]]]
+        pe = pp_from_p(empirical_p(qb, delta))
+        pe[cf.zero_delta] = np.nan
+        n_pairs[j] = int(cf.valid.sum())
+        if n_pairs[j] == 0:
+            status[j] = IDENTICAL_KEYS if cf.zero_delta.all() else DEGENERATE_COVARIANCE
+            live = ~cf.zero_delta
+            ap_emp[j] = float(pe[live].mean()) if live.any() else np.nan
+        else:
+            ap[j] = float(cf.pp[cf.valid].mean())
+            ap_emp[j] = float(pe[cf.valid].mean())
+        ti, tj = head.k_pos[bp.i].astype(np.int64), head.k_pos[bp.j].astype(np.int64)
+        cols["example_id"].append(head.k_doc[bp.i])
+        cols["t_i"].append(ti)
+        cols["t_j"].append(tj)
+        cols["bucket"].append(np.full(len(ti), j))
+        cols["tau"].append(np.full(len(ti), tau[j]))
+        cols["delta_1"].append(cf.delta1)
+        cols["z"].append(cf.z)
+        cols["pp"].append(cf.pp)
+        cols["pp_empirical"].append(pe)
+        cols["valid"].append(cf.valid)
+
+    pa_ = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+    ok = np.array([s == OK for s in status])
+    ap_emp_ok = np.where(ok, ap_emp, np.nan)
+
+    # bootstrap (4.6): resample documents, query model fixed
+    valid = pa_["valid"].astype(bool) if len(pa_["valid"]) else np.zeros(0, dtype=bool)
+    didx = np.searchsorted(doc_ids, pa_["example_id"][valid].astype(np.int64)) if valid.any() else np.zeros(0, int)
+    S, N = doc_bucket_sums(didx, pa_["bucket"][valid].astype(np.int64), pa_["pp"][valid], len(doc_ids), J)
+    boot = resampled_profiles(W, S, N) if W.shape[0] else np.zeros((0, J))
+
+    head_vals = agg.headline(ap, L, B)
+    emp_vals = agg.headline(ap_emp_ok, L, B)
+    boot_vals = agg.headline(boot, L, B) if boot.shape[0] else {}
+    row = dict(base)
+    row["status"] = "ok" if ok.any() else "no_usable_bucket"
+    for name in agg.HEADLINE:
+        row[name] = float(head_vals[name])
+        lo, hi = (percentile_interval(boot_vals[name], opts.ci) if boot_vals else (np.nan, np.nan))
+        row[f"{name}_lo"], row[f"{name}_hi"] = float(lo), float(hi)
+    for name in agg.HEADLINE:
+        row[f"{name}_empirical"] = float(emp_vals[name])
+    gap = (ap - ap_emp)[ok]
+    row["gap_mean"] = float(gap.mean()) if gap.size else np.nan
+    row["gap_max_abs"] = float(np.abs(gap).max()) if gap.size else np.nan
+    row["n_boot_valid"] = int(np.isfinite(boot_vals["ap_overall"]).sum()) if boot_vals else 0
+    row.update(_diagnostics(model, L))
+    row["n_pairs"] = int(n_pairs.sum())
+    row["n_pairs_sampled"] = int(n_sampled.sum())
+    for s in BUCKET_STATUSES:
+        row[f"n_buckets_{s}"] = int(sum(x == s for x in status))
+
+    boot_ap_lo, boot_ap_hi = (percentile_interval(boot, opts.ci) if boot.shape[0]
+                              else (np.full(J, np.nan), np.full(J, np.nan)))
+    profile = pd.DataFrame({
+        "layer": base["layer"], "q_head": base["q_head"], "bucket": np.arange(J),
+        "tau_tokens": tau, "tau_frac": tau / L, "ap": ap, "ap_lo": boot_ap_lo, "ap_hi": boot_ap_hi,
+        "ap_empirical": ap_emp, "gap": ap - ap_emp, "n_pairs": n_pairs, "n_pairs_sampled": n_sampled,
+        "n_eligible_pairs": n_eligible, "n_queries": model.n_queries, "n_keys": kidx.n_bucket,
+        "n_keys_below": np.concatenate([[0], np.cumsum(kidx.n_bucket)[:-1]]),
+        "shrinkage": model.shrinkage, "status": status, "L": L, "B": B,
+    })
+    bins = _head_bins(base, ap, ap_emp_ok, boot, ok, L, B, opts)
+    components = pd.DataFrame({"layer": base["layer"], "q_head": base["q_head"], "coord": np.arange(model.d),
+                               "r2": model.r2, "weight": model.component_weights()})
+    pairs = None
+    if opts.keep_pairs:
+        pairs = pd.DataFrame({
+            "layer": np.full(len(pa_["t_i"]), base["layer"], dtype=np.int16),
+            "q_head": np.full(len(pa_["t_i"]), base["q_head"], dtype=np.int16),
+            "example_id": pa_["example_id"].astype(np.int64), "t_i": pa_["t_i"].astype(np.int32),
+            "t_j": pa_["t_j"].astype(np.int32), "bucket": pa_["bucket"].astype(np.int16),
+            "tau_tokens": pa_["tau"].astype(np.float32), "delta_1": pa_["delta_1"].astype(np.float32),
+            "z": pa_["z"].astype(np.float32), "pp": pa_["pp"].astype(np.float32),
+            "pp_empirical": pa_["pp_empirical"].astype(np.float32), "valid": valid,
+        })
+    return HeadResult(row, profile, bins, components, pairs, ap, ap_emp_ok, boot,
+                      {"t_i": pa_["t_i"], "t_j": pa_["t_j"], "tau": pa_["tau"],
+                       "pp": np.where(valid, pa_["pp"], np.nan) if valid.size else pa_["pp"],
+                       "pp_empirical": pa_["pp_empirical"]})
+
+
+def _diagnostics(model: QueryModel, L: int) -> dict[str, float]:
+    """SPEC 4.9: drift size, mean R^2, shape of the coordinate-1 residual."""
+    r = model.resid1
+    sd = float(r.std())
+    return {
+        "beta_norm_per_token": float(np.linalg.norm(model.beta)),
+        "beta_norm_window": float(np.linalg.norm(model.beta)) * L,
+        "alpha_pos": model.alpha_pos, "sigma_pos": float(np.sqrt(model.sigma_pos2)),
+        "mean_coord_r2": float(model.r2.mean()),
+        "resid1_skew": float(stats.skew(r)) if sd > 0 else 0.0,
+        "resid1_excess_kurtosis": float(stats.kurtosis(r, fisher=True)) if sd > 0 else 0.0,
+    }
+
+
+def _head_bins(base: dict[str, Any], ap: np.ndarray, ap_emp: np.ndarray, boot: np.ndarray, ok: np.ndarray,
+               L: int, B: int, opts: PlasticityOptions) -> pd.DataFrame:
+    bins = agg.all_bins(L, B, opts)
+    mem = agg.membership(bins, L, B)
+    vals = agg.masked_mean(ap, mem)
+    emp = agg.masked_mean(ap_emp, mem)
+    if boot.shape[0]:
+        lo, hi = percentile_interval(agg.masked_mean(boot, mem), opts.ci)
+    else:
+        lo = hi = np.full(len(bins), np.nan)
+    return pd.DataFrame({
+        "layer": base["layer"], "q_head": base["q_head"], "metric": [b.metric for b in bins],
+        "key": [b.key for b in bins], "lo_tokens": [b.lo for b in bins], "hi_tokens": [b.hi for b in bins],
+        "value": vals, "value_empirical": emp, "lo": lo, "hi": hi,
+        "n_buckets": (mem & ok).sum(axis=1), "status": agg.bin_status(bins, L, B, ok), "L": L, "B": B,
+    })
+
+
+def _failed_head(base: dict[str, Any], reason: str, J: int, L: int, B: int, opts: PlasticityOptions,
+                 R: int) -> HeadResult:
+    row = dict(base)
+    row["status"] = f"query_model_failed: {reason}"
+    nan = np.full(J, np.nan)
+    empty = HeadResult(row, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), None, nan, nan.copy(),
+                       np.full((R, J), np.nan))
+    return empty
+
+
+# ---- whole capture ------------------------------------------------------------------------------
+@dataclass
+class ModelResult:
+    """The per-model tables of SPEC 4 (see :func:`analyse_model`)."""
+
+    heads: pd.DataFrame
+    profiles: pd.DataFrame
+    bins: pd.DataFrame
+    pairs: pd.DataFrame
+    components: pd.DataFrame
+    heatmap: pd.DataFrame
+    metrics: pd.DataFrame
+    options: dict[str, Any]
+
+
+def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
+                  doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
+                  progress: Callable[[int, HeadResult], None] | None = None) -> ModelResult:
+    """SPEC 4 over every (layer, q_head): one head read and analysed at a time.
+
+    The bootstrap resamples the capture's documents (doc_ids) with one weight matrix shared by all
+    heads, so the model-level interval of a metric is the percentile interval of the mean over heads.
+    """
+    doc_ids = np.unique(np.asarray(doc_ids, dtype=np.int64))
+    W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
+    record = opts.record(L, B)
+    opt_json = opts.record_json(L, B)
+    hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
+    rows, profiles, bins, pairs, comps, boots, aps = [], [], [], [], [], [], []
+    for n, (layer, q_head) in enumerate(heads):
+        res = analyse_head(read_head(int(layer), int(q_head)), opts, doc_ids, W)
+        rows.append(res.row)
+        profiles.append(res.profile)
+        bins.append(res.bins)
+        comps.append(res.components)
+        if res.pairs is not None:
+            pairs.append(res.pairs)
+        if res.pair_arrays:
+            pa_ = res.pair_arrays
+            hm.add(pa_["t_i"], pa_["t_j"], pa_["tau"], pa_["pp"], pa_["pp_empirical"])
+        boots.append(res.boot)
+        aps.append(res.ap)
+        if progress:
+            progress(n, res)
+
+    heads_df = pd.DataFrame(rows)
+    if len(heads_df):
+        heads_df.insert(0, "model", model_key)
+        heads_df["options"] = opt_json
+
+    def _cat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+        frames = [f for f in frames if len(f)]
+        out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        if len(out):
+            out.insert(0, "model", model_key)
+        return out
+
+    heat = hm.frame()
+    heat.insert(0, "model", model_key)
+    heat["bin_width_tokens"] = hm.width
+    heat["L"], heat["B"], heat["options"] = L, B, opt_json
+    bins_df = _cat(bins)
+    if len(bins_df):
+        bins_df["options"] = opt_json
+    aps = np.stack(aps) if aps else np.zeros((0, n_buckets(L, B)))
+    metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
+                            opts, record)
+    return ModelResult(heads_df, _cat(profiles), bins_df, _cat(pairs), _cat(comps), heat, metrics, record)
+
+
+EXTRA_METRICS = (
+    ("ap_overall_empirical", "AP"), ("ap_first20_empirical", "AP"), ("ap_last20_empirical", "AP"),
+    ("ap_drop_empirical", "AP"), ("gap_mean", "AP (closed form - empirical)"),
+    ("beta_norm_window", "window-normalised (x L)"), ("beta_norm_per_token", "per token"),
+    ("mean_coord_r2", "fraction"),
+)
+METRIC_NAMES = {"gap_mean": "ap_gap_closed_minus_empirical", "beta_norm_window": "query_drift_norm_window",
+                "beta_norm_per_token": "query_drift_norm", "mean_coord_r2": "query_mean_coord_r2"}
+
+
+def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarray, boots: np.ndarray, L: int,
+                  B: int, opts: PlasticityOptions, record: dict[str, Any]) -> pd.DataFrame:
+    """Long-format model metrics (qk_core.metrics, SPEC 4.5-4.6).
+
+    value / median over heads; lo / hi from the model-level bootstrap: boots (H, R, J) are the heads'
+    resampled profiles under one shared document weight matrix, a resample's model value is the mean
+    over the heads with a value in it. ap_profiles (H, J) are the point profiles. Bins missing for
+    every head (narrower than a bucket, no bucket, no usable bucket) get no row; their status is in
+    the per-head bins table.
+    """
+    rows: list[dict[str, Any]] = []
+    if heads_df.empty or ap_profiles.size == 0:
+        return metrics_frame(rows)
+    R = boots.shape[1] if boots.ndim == 3 else 0
+
+    def interval(per_head_boot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            model_boot = np.nanmean(per_head_boot, axis=0)  # (R, ...): mean over heads per resample
+        return percentile_interval(model_boot, opts.ci)
+
+    point = agg.headline(ap_profiles, L, B)
+    boot_head = agg.headline(boots, L, B) if R else {}
+    for name in agg.HEADLINE:
+        lo, hi = interval(boot_head[name]) if R else (np.nan, np.nan)
+        rows.append(metric_row(model_key, name, point[name], unit="AP", options=record, lo=lo, hi=hi))
+    bins = agg.all_bins(L, B, opts)
+    mem = agg.membership(bins, L, B)
+    vals = agg.masked_mean(ap_profiles, mem)  # (H, n_bins)
+    if R:
+        lo_b, hi_b = interval(agg.masked_mean(boots, mem))
+    else:
+        lo_b = hi_b = np.full(len(bins), np.nan)
+    for k, b in enumerate(bins):
+        if np.isfinite(vals[:, k]).any():
+            rows.append(metric_row(model_key, b.metric, vals[:, k], key=b.key, unit="AP", options=record,
+                                   lo=lo_b[k], hi=hi_b[k]))
+    for col, unit in EXTRA_METRICS:
+        if col in heads_df:
+            rows.append(metric_row(model_key, METRIC_NAMES.get(col, col), heads_df[col], unit=unit,
+                                   options=record))
+    return metrics_frame(rows)

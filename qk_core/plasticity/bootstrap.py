@@ -1,0 +1,54 @@
+"""Document-level cluster bootstrap of the per-pair PP values (SPEC 4.6), query model held fixed.
+
+A resample draws D documents with replacement from the capture's D documents; document d enters
+with multiplicity w_rd. Every pair of a document belongs to one query bucket, so the resampled
+profile is AP*_rj = sum_d w_rd S_dj / sum_d w_rd N_dj, with S_dj the sum and N_dj the count of the
+PP values of document d's pairs in bucket j. All resamples are one matrix product W @ S.
+
+The weight matrix depends only on (seed, D): every head of a model shares it, so a model-level
+interval is the percentile interval of the mean over heads of the per-head resampled aggregates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BOOTSTRAP_STREAM = 0xB0_07  # separates the bootstrap generator from the pair generators
+
+
+def doc_weights(n_docs: int, n_resamples: int, seed: int) -> np.ndarray:
+    """(R, D) multiplicities of D documents in R resamples with replacement (rows sum to D)."""
+    rng = np.random.default_rng([int(seed), BOOTSTRAP_STREAM])
+    if n_resamples <= 0 or n_docs <= 0:
+        return np.zeros((0, max(n_docs, 0)))
+    draws = rng.integers(0, n_docs, size=(n_resamples, n_docs))
+    flat = (np.arange(n_resamples)[:, None] * n_docs + draws).ravel()
+    return np.bincount(flat, minlength=n_resamples * n_docs).reshape(n_resamples, n_docs).astype(np.float64)
+
+
+def doc_bucket_sums(doc_index: np.ndarray, bucket: np.ndarray, pp: np.ndarray, n_docs: int,
+                    J: int) -> tuple[np.ndarray, np.ndarray]:
+    """(D, J) sums and counts of PP per document and query bucket (non-finite PP left out)."""
+    ok = np.isfinite(pp)
+    flat = doc_index[ok] * J + bucket[ok]
+    S = np.bincount(flat, weights=pp[ok], minlength=n_docs * J).reshape(n_docs, J)
+    N = np.bincount(flat, minlength=n_docs * J).reshape(n_docs, J).astype(np.float64)
+    return S, N
+
+
+def resampled_profiles(W: np.ndarray, S: np.ndarray, N: np.ndarray) -> np.ndarray:
+    """(R, J) resampled AP_j; NaN where a resample holds no pair of bucket j."""
+    num = W @ S
+    den = W @ N
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+def percentile_interval(samples: np.ndarray, ci: float = 0.95, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval over ``axis`` ignoring NaN resamples (all-NaN -> NaN)."""
+    a = (1.0 - ci) / 2.0
+    samples = np.asarray(samples, dtype=np.float64)
+    finite = np.isfinite(samples).any(axis=axis)
+    safe = np.where(np.isfinite(samples).any(axis=axis, keepdims=True), samples, 0.0)
+    lo, hi = np.nanpercentile(safe, [100 * a, 100 * (1 - a)], axis=axis)
+    return np.where(finite, lo, np.nan), np.where(finite, hi, np.nan)

@@ -1,0 +1,133 @@
+"""Options of the attention-plasticity analysis (SPEC 4) in one dataclass.
+
+Defaults follow SPEC 4; a model overrides any of them through its registry entry::
+
+    [models.x]
+    analysis = { plasticity = { pairs_per_bucket = 512, covariance = "diagonal" } }
+
+Every output records :meth:`PlasticityOptions.record` (the options plus L, B and the resolved bins).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+COVARIANCES = ("full", "diagonal")
+#: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
+LENGTH_BIN_EDGES = (0, 8192, 16384, 32768, 65536, 131072)
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class PlasticityOptionsError(ValueError):
+    """An analysis option is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class PlasticityOptions:
+    """Estimator and aggregation settings (SPEC 4.1-4.7).
+
+    pairs_per_bucket: key pairs drawn per query bucket without replacement (4.2).
+    covariance: ``full`` (Ledoit-Wolf shrunk detrended d x d bucket covariance) or ``diagonal``
+        (thesis eqs. 4.11-4.12) (4.1).
+    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals (4.6).
+    seed: seeds pair sampling (with layer, head, bucket) and the bootstrap.
+    ci: central interval mass of the bootstrap intervals.
+    min_queries_per_bucket: a bucket with fewer queries gets status ``too_few_queries``.
+    length_bin_edges: raw-token edges of the benchmark length bins; last bin closed (4.5).
+    ruler_lengths: benchmark lengths X; each matches query positions (X/2, X] (4.5).
+    position_bin_edges: absolute token bins; ``None`` means 0, B, 2B, 4B, ... up to L.
+    heatmap_bin: heatmap cell width in tokens; ``None`` means B (4.7).
+    keep_pairs: keep the per-pair records (4.7).
+    """
+
+    pairs_per_bucket: int = 1024
+    covariance: str = "full"
+    bootstrap: int = 200
+    seed: int = 0
+    ci: float = 0.95
+    min_queries_per_bucket: int = 10
+    length_bin_edges: tuple[int, ...] = LENGTH_BIN_EDGES
+    ruler_lengths: tuple[int, ...] = RULER_LENGTHS
+    position_bin_edges: tuple[int, ...] | None = None
+    heatmap_bin: int | None = None
+    keep_pairs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.covariance not in COVARIANCES:
+            raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
+        for name in ("pairs_per_bucket", "min_queries_per_bucket"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise PlasticityOptionsError(f"{name} must be an integer >= 1, got {val!r}")
+        if self.min_queries_per_bucket < 2:
+            raise PlasticityOptionsError("min_queries_per_bucket must be >= 2 (a covariance needs two rows)")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
+            raise PlasticityOptionsError(f"bootstrap must be an integer >= 0, got {self.bootstrap!r}")
+        if not 0.0 < self.ci < 1.0:
+            raise PlasticityOptionsError(f"ci must lie in (0, 1), got {self.ci!r}")
+        for name in ("length_bin_edges", "position_bin_edges"):
+            edges = getattr(self, name)
+            if edges is None:
+                continue
+            if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0:
+                raise PlasticityOptionsError(f"{name} must be >= 2 increasing non-negative token edges")
+        if not self.ruler_lengths or any(x < 2 for x in self.ruler_lengths):
+            raise PlasticityOptionsError("ruler_lengths must be benchmark lengths >= 2 tokens")
+        if self.heatmap_bin is not None and self.heatmap_bin < 1:
+            raise PlasticityOptionsError("heatmap_bin must be >= 1 token")
+
+    @classmethod
+    def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
+        """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table)."""
+        raw = dict((analysis or {}).get("plasticity", {}) or {})
+        raw.update(overrides)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise PlasticityOptionsError(f"unknown plasticity options {sorted(unknown)}; known: {sorted(known)}")
+        for name in ("length_bin_edges", "ruler_lengths", "position_bin_edges"):
+            if raw.get(name) is not None:
+                raw[name] = tuple(int(x) for x in raw[name])
+        return cls(**raw)
+
+    def with_(self, **changes: Any) -> PlasticityOptions:
+        return replace(self, **changes)
+
+    # ---- resolution against a capture's L and B ---------------------------------------------
+    def resolved_position_edges(self, L: int, B: int) -> tuple[int, ...]:
+        """Absolute token bin edges: the option, or 0, B, 2B, 4B, ... capped at L (SPEC 4.5)."""
+        if self.position_bin_edges is not None:
+            return self.position_bin_edges
+        edges = [0]
+        x = B
+        while x < L:
+            edges.append(x)
+            x *= 2
+        edges.append(L)
+        return tuple(edges)
+
+    def resolved_heatmap_bin(self, B: int) -> int:
+        return int(self.heatmap_bin or B)
+
+    def record(self, L: int, B: int) -> dict[str, Any]:
+        """Everything that produced a value: the options, L, B (raw tokens) and the resolved bins."""
+        out = asdict(self)
+        out.update({
+            "L": int(L), "B": int(B), "n_buckets": n_buckets(L, B), "estimator": "closed_form",
+            "check_estimator": "empirical", "position_unit": "raw tokens",
+            "position_bin_edges": list(self.resolved_position_edges(L, B)),
+            "heatmap_bin": self.resolved_heatmap_bin(B),
+            "length_bin_edges": list(self.length_bin_edges), "ruler_lengths": list(self.ruler_lengths),
+        })
+        return out
+
+    def record_json(self, L: int, B: int) -> str:
+        return json.dumps(self.record(L, B), sort_keys=True)
+
+
+def n_buckets(L: int, B: int) -> int:
+    """Number of buckets covering the window: ceil(L / B)."""
+    return -(-int(L) // int(B))

@@ -1,0 +1,198 @@
+"""The Gaussian query model of SPEC 4.1 and the component weights of SPEC 4.8.
+
+Per head: every query coordinate is regressed on the raw token position t (OLS), giving intercepts
+alpha and slopes beta (per token). The Householder reflection H maps beta/|beta| to e1, so in the
+rotated basis coordinate 1 carries all the drift: x_1 = alpha_pos + beta_pos * t + eps with
+beta_pos = |beta| and residual variance sigma_pos^2; coordinates 2..d have no slope.
+
+Per query bucket b (raw tokens [bB, (b+1)B)) the model's mean at the bucket midpoint tau_b is
+``(alpha_pos + beta_pos * tau_b, mu_b[2..d])`` (mu_b: the bucket's mean rotated query) and its
+covariance is
+
+- ``full``: the Ledoit-Wolf-shrunk covariance of the bucket's detrended queries (all d coordinates),
+  which transforms as H S H^T, so the closed form does not depend on the Householder basis;
+- ``diagonal`` (thesis eqs. 4.11-4.12): coordinate 1 has variance sigma_pos^2 (over all queries),
+  coordinates 2..d have the bucket's per-coordinate variances sigma_{b,j}^2.
+
+Variance conventions: sigma_pos^2 = RSS / (n - 2) and sigma_{b,j}^2 with ddof = 1 (unbiased);
+Ledoit-Wolf starts from the maximum-likelihood covariance (divide by n), as in its definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qk_core.plasticity.options import COVARIANCES
+
+#: per-bucket status values (SPEC 4, bad input is reported per bucket, never a silent NaN)
+OK = "ok"
+TOO_FEW_QUERIES = "too_few_queries"
+DEGENERATE_COVARIANCE = "degenerate_covariance"
+
+
+class QueryModelError(ValueError):
+    """The queries cannot support a query model at all (e.g. every query at one position)."""
+
+
+def householder(beta: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """Symmetric orthogonal H with H @ (beta/|beta|) = e1; identity when |beta| ~ 0 (SPEC 4.1)."""
+    d = beta.shape[0]
+    norm = float(np.linalg.norm(beta))
+    H = np.eye(d)
+    if norm <= tol:
+        return H
+    u = beta / norm
+    u[0] -= 1.0
+    nu = float(u @ u)
+    if nu <= tol * tol:  # beta already along +e1
+        return H
+    return H - (2.0 / nu) * np.outer(u, u)
+
+
+def ledoit_wolf(X: np.ndarray) -> tuple[np.ndarray, float]:
+    """Ledoit-Wolf shrinkage of the covariance of the rows of X toward (tr S / d) I (SPEC 4.1).
+
+    Rows are centred here; S is the maximum-likelihood covariance. Returns (shrunk covariance,
+    shrinkage intensity in [0, 1]). Every quantity is rotation invariant, so the result transforms
+    as R S R^T when the rows are rotated by R.
+    """
+    n, d = X.shape
+    Xc = X - X.mean(axis=0)
+    S = (Xc.T @ Xc) / n
+    mu = float(np.trace(S)) / d
+    delta = float(((S - mu * np.eye(d)) ** 2).sum()) / d
+    row_sq = (Xc * Xc).sum(axis=1)
+    beta_bar = float(((row_sq * row_sq).sum() / n - (S * S).sum()) / (d * n))
+    shrink = 0.0 if delta <= 0.0 else min(max(beta_bar, 0.0), delta) / delta
+    out = (1.0 - shrink) * S
+    out[np.diag_indices(d)] += shrink * mu
+    return out, shrink
+
+
+@dataclass
+class QueryModel:
+    """Fitted query model of one head (SPEC 4.1); all arrays float64, positions in raw tokens."""
+
+    covariance: str
+    L: int
+    B: int
+    alpha: np.ndarray  # (d,) intercepts, original basis
+    beta: np.ndarray  # (d,) slopes per token, original basis
+    H: np.ndarray  # (d, d) Householder rotation
+    alpha_pos: float  # intercept of rotated coordinate 1
+    beta_pos: float  # |beta|, per token
+    sigma_pos2: float  # residual variance of rotated coordinate 1 over all queries
+    resid1: np.ndarray  # (n_q,) coordinate-1 residuals (for diagnostics)
+    r2: np.ndarray  # (d,) per-coordinate R^2 of the query coordinate on t, clipped at 0 (SPEC 4.8)
+    n_queries: np.ndarray  # (J,) queries per bucket
+    status: list[str]  # (J,) per-bucket status
+    mean: np.ndarray  # (J, d) rotated model mean at tau_b (NaN where status != ok)
+    cov: np.ndarray  # (J, d, d) rotated covariance (full) or (J, d) variances (diagonal)
+    shrinkage: np.ndarray  # (J,) Ledoit-Wolf intensity (NaN for diagonal)
+    _orig: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
+
+    @property
+    def d(self) -> int:
+        return int(self.alpha.shape[0])
+
+    @property
+    def tau(self) -> np.ndarray:
+        """Bucket midpoints tau_b = (b + 0.5) B in raw tokens."""
+        return (np.arange(len(self.status)) + 0.5) * self.B
+
+    def rotate(self, X: np.ndarray) -> np.ndarray:
+        """Rows of X in the rotated basis (x -> H x)."""
+        return X @ self.H.T
+
+    def variance(self, b: int, delta_rot: np.ndarray) -> np.ndarray:
+        """v = delta^T S_b delta (full) or the diagonal sum of eqs. 4.11-4.12, per row of delta_rot."""
+        if self.covariance == "full":
+            return np.einsum("pi,pi->p", delta_rot @ self.cov[b], delta_rot)
+        return (delta_rot * delta_rot) @ self.cov[b]
+
+    def original_basis(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket b's model mean and covariance mapped back to the original basis (H^T = H).
+
+        m = mean_rot . (H delta) = (H mean_rot) . delta and v = delta^T (H S_rot H) delta, also for the
+        diagonal option (S_rot = diag(variances)): the same numbers at one d x d product per pair.
+        """
+        if b not in self._orig:
+            S = self.cov[b] if self.covariance == "full" else np.diag(self.cov[b])
+            self._orig[b] = (self.H @ self.mean[b], self.H @ S @ self.H)
+        return self._orig[b]
+
+    def component_weights(self) -> np.ndarray:
+        """R^2 per original coordinate normalised to sum 1 (all zeros if no coordinate drifts) (4.8)."""
+        total = float(self.r2.sum())
+        return self.r2 / total if total > 0 else np.zeros_like(self.r2)
+
+
+def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: str = "full",
+                    min_queries: int = 10) -> QueryModel:
+    """Fit the SPEC 4.1 query model to queries q (n, d) at raw token positions t (n,)."""
+    if covariance not in COVARIANCES:
+        raise ValueError(f"covariance must be one of {COVARIANCES}")
+    Q = np.asarray(q, dtype=np.float64)
+    t = np.asarray(t, dtype=np.float64)
+    n, d = Q.shape
+    if n < 3:
+        raise QueryModelError(f"{n} queries: a per-coordinate regression on position needs at least 3")
+    tc = t - t.mean()
+    stt = float(tc @ tc)
+    if stt <= 0.0:
+        raise QueryModelError("every query sits at one position: the slope on position is undefined")
+    qbar = Q.mean(axis=0)
+    beta = (tc @ Q) / stt
+    alpha = qbar - beta * t.mean()
+    R = Q - alpha - np.outer(t, beta)  # detrended queries
+    sst = ((Q - qbar) ** 2).sum(axis=0)
+    ssr = beta * beta * stt
+    scale = max(float(sst.max()), 1e-300)
+    r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+
+    beta_norm = float(np.linalg.norm(beta))
+    # |beta| ~ 0: drift across the queries' span negligible next to their spread -> H = identity
+    negligible = beta_norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(float(sst.sum()) / n + 1e-300)
+    H = np.eye(d) if negligible else householder(beta)
+    bhat = H[0]  # first row of H = beta/|beta| (H symmetric), or e1
+    alpha_pos = float(bhat @ alpha)
+    beta_pos = float(bhat @ beta)
+    resid1 = R @ bhat
+    sigma_pos2 = float(resid1 @ resid1) / max(n - 2, 1)
+
+    J = -(-int(L) // int(B))
+    bucket = np.clip(np.floor_divide(t, B).astype(np.int64), 0, J - 1)
+    order = np.argsort(bucket, kind="stable")
+    counts = np.bincount(bucket, minlength=J)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    tau = (np.arange(J) + 0.5) * B
+    mean = np.full((J, d), np.nan)
+    cov = np.full((J, d, d), np.nan) if covariance == "full" else np.full((J, d), np.nan)
+    shrink = np.full(J, np.nan)
+    status = [OK] * J
+    # a bucket's covariance is degenerate when its total variance is ~0 next to the head's residual scale
+    floor = 1e-10 * max(float((R * R).mean()), 1e-300)
+    for b in range(J):
+        if counts[b] < min_queries:
+            status[b] = TOO_FEW_QUERIES
+            continue
+        idx = order[starts[b]:starts[b + 1]]
+        Qb = Q[idx] @ H.T
+        mu = Qb.mean(axis=0)
+        mu[0] = alpha_pos + beta_pos * tau[b]
+        if covariance == "full":
+            S, s = ledoit_wolf(R[idx] @ H.T)
+            ok = float(np.trace(S)) / d > floor and bool(np.all(np.isfinite(S)))
+            cov[b], shrink[b] = S, s
+        else:
+            var = Qb.var(axis=0, ddof=1)
+            var[0] = sigma_pos2
+            ok = float(var.sum()) / d > floor and bool(np.all(np.isfinite(var)))
+            cov[b] = var
+        mean[b] = mu
+        if not ok:
+            status[b] = DEGENERATE_COVARIANCE
+    return QueryModel(covariance, int(L), int(B), alpha, beta, H, alpha_pos, beta_pos, sigma_pos2, resid1,
+                      r2, counts, status, mean, cov, shrink)
