@@ -88,33 +88,51 @@ def phase(revision: str) -> str:
 
 
 def _find_key(obj: Any, name: str) -> Any:
-    """First value stored under ``name`` in a nested dict/list (breadth-first), or None."""
+    """First non-null scalar stored under ``name`` in a nested dict/list (breadth-first), or None."""
     queue = [obj]
     while queue:
         cur = queue.pop(0)
         if isinstance(cur, Mapping):
-            if name in cur and not isinstance(cur[name], Mapping | list):
-                return cur[name]
+            val = cur.get(name)
+            if val is not None and not isinstance(val, Mapping | list):
+                return val
             queue.extend(cur.values())
         elif isinstance(cur, list):
             queue.extend(cur)
     return None
 
 
+def _number(val: Any) -> float:
+    return float(val) if isinstance(val, int | float) and not isinstance(val, bool) else np.nan
+
+
+def _layer_rope_theta(manifest: Mapping[str, Any]) -> float:
+    """rope_theta of the captured layers (SPEC 1.8 layer metadata): eligible RoPE layers first."""
+    layers = [la for la in manifest.get("layers") or [] if isinstance(la, Mapping)]
+    for pick in (lambda la: la.get("eligible") and la.get("rope_applied"), lambda la: la.get("rope_applied")):
+        thetas = [_number(la.get("rope_theta")) for la in layers if pick(la)]
+        thetas = [t for t in thetas if np.isfinite(t)]
+        if thetas:
+            return thetas[0]
+    return np.nan
+
+
 def checkpoint_config(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """window L, bucket B, rope_theta and max_position_embeddings as recorded in a capture manifest.
 
-    L and B are the capture's own (SPEC 1.8); rope_theta and max_position_embeddings are those of the
-    revision's config as the capture read it (SPEC 6), wherever the manifest nests them.
+    L and B are the capture's own (SPEC 1.8). rope_theta is that of the captured full-attention RoPE
+    layers (the layer metadata of SPEC 1.8), else wherever the manifest records one;
+    max_position_embeddings wherever the manifest records it (NaN when it does not). SPEC 6: both are
+    the revision's own, never hard-coded.
     """
-    out: dict[str, Any] = {}
-    for name in CONFIG_FIELDS:
-        val = manifest.get(name) if name in manifest else _find_key(manifest, name)
-        out[name] = float(val) if isinstance(val, int | float) and not isinstance(val, bool) else np.nan
+    out: dict[str, Any] = {name: _number(manifest.get(name)) for name in ("window", "bucket")}
     for name in ("window", "bucket"):
         if not np.isfinite(out[name]):
             raise TrajectoryError(f"capture manifest has no '{name}'")
         out[name] = int(out[name])
+    theta = _layer_rope_theta(manifest)
+    out["rope_theta"] = theta if np.isfinite(theta) else _number(_find_key(manifest, "rope_theta"))
+    out["max_position_embeddings"] = _number(_find_key(manifest, "max_position_embeddings"))
     return out
 
 

@@ -185,6 +185,18 @@ def test_checkpoint_config_reads_nested_manifest() -> None:
                 "model": {"config": {"rope_theta": 1.5e6, "max_position_embeddings": 512}}}
     assert checkpoint_config(manifest) == {"window": 256, "bucket": 16, "rope_theta": 1.5e6,
                                            "max_position_embeddings": 512.0}
+    # layer metadata as the capture records it (SPEC 1.8): a NoPE layer, a sliding layer with its own
+    # theta, and the captured full-attention layer whose theta is the one that counts
+    layers = [
+        {"layer": 0, "rope_applied": False, "rope_theta": None, "eligible": True},
+        {"layer": 1, "rope_applied": True, "rope_theta": 1e4, "eligible": False, "attention_type": "sliding"},
+        {"layer": 2, "rope_applied": True, "rope_theta": 1e6, "eligible": True, "attention_type": "full"},
+    ]
+    cfg = checkpoint_config({"window": 128, "bucket": 8, "layers": layers, "model": {"text_config": {
+        "max_position_embeddings": 4096, "rope_theta": 5.0}}})
+    assert cfg == {"window": 128, "bucket": 8, "rope_theta": 1e6, "max_position_embeddings": 4096.0}
+    cfg = checkpoint_config({"window": 128, "bucket": 8, "layers": layers[:1]})
+    assert np.isnan(cfg["rope_theta"]) and np.isnan(cfg["max_position_embeddings"])
     with pytest.raises(TrajectoryError, match="window"):
         checkpoint_config({"bucket": 4})
 

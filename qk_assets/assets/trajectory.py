@@ -39,6 +39,7 @@ from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.partitions import checkpoints_of_series, model_partitions, registry, series_partitions
 from qk_assets.resources import StorageResource
+from qk_core.registry import ModelEntry
 from qk_core.storage import Storage, StorageError
 from qk_core.trajectory import (
     Checkpoint,
@@ -92,10 +93,24 @@ def load_checkpoint(storage: Storage, key: str) -> tuple[Checkpoint, dict]:
             notes["capture"] = storage.uri(prefix)
         except (StorageError, TrajectoryError) as exc:
             notes["capture_error"] = str(exc)
+    if ck.config is not None and not ck.config["max_position_embeddings"] > 0:
+        # Older manifests do not record it: read it from the revision's own config (SPEC 6).
+        ck.config["max_position_embeddings"], notes["max_position_embeddings"] = _config_mpe(entry)
     for name in METRIC_INPUTS:
         ck.metrics[name] = _read(storage, name, key)
     ck.profiles = _read(storage, PROFILES, key)
     return ck, notes
+
+
+def _config_mpe(entry: ModelEntry) -> tuple[float, str]:
+    """max_position_embeddings of the revision's config (transformers imported only here), NaN if unknown."""
+    try:
+        from qk_core.model_loading import load_config
+
+        value = getattr(load_config(entry).get_text_config(), "max_position_embeddings", None)
+    except Exception as exc:  # the source may be offline: the value is then unknown
+        return float("nan"), f"revision config not available: {exc}"
+    return (float(value), "revision config") if value else (float("nan"), "not in the revision config")
 
 
 def _job_name(series: str) -> str:
@@ -137,7 +152,7 @@ def trajectory(context: AssetExecutionContext, storage: StorageResource):
         "checkpoints": info["checkpoints"],
         "complete_checkpoints": info["complete"],
         "missing_checkpoints": MetadataValue.json(missing),
-        "captures": MetadataValue.json({k: v.get("capture", v.get("capture_error", "")) for k, v in notes.items()}),
+        "inputs": MetadataValue.json(notes),  # capture location per checkpoint, where its config came from
         "preview": MetadataValue.md(table[[c for c in preview_cols if c in table]].to_markdown(index=False)),
         **figures,
     }
