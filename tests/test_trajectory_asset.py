@@ -212,3 +212,19 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
                    resources=resources(tmp_path / "storage"))
     got, cursor = requested(cursor)
     assert got == {"tser"}
+
+
+def test_series_job_backfills_every_checkpoint(traj: ModuleType, tmp_path: Path) -> None:
+    """The per-series job holds exactly the model-partitioned assets; its range is the series."""
+    stubs = stub_assets()
+    defs = dg.Definitions(assets=[*stubs, traj.trajectory], jobs=traj.JOBS, resources=resources(tmp_path / "s"))
+    job = defs.resolve_job_def("tser_checkpoints")
+    assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == set(traj.UPSTREAM)
+    assert f"[tser@{REVS[0]}...tser@{REVS[-1]}]" in job.description
+    keys = job.partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(f"tser@{REVS[0]}",
+                                                                                 f"tser@{REVS[-1]}"))
+    instance = dg.DagsterInstance.ephemeral()
+    for key in keys:  # what a backfill over the range launches: one run per checkpoint
+        assert job.execute_in_process(partition_key=key, instance=instance).success
+    done = instance.get_materialized_partitions(dg.AssetKey("plasticity_metrics"))
+    assert done == {f"tser@{r}" for r in REVS}

@@ -16,8 +16,6 @@ model partitions in training order. The trajectory then follows by itself. Addin
 series in ``data/registry.toml`` adds its partition, extends the range and the mapping.
 """
 
-import importlib
-import pkgutil
 import re
 
 import pandas as pd
@@ -26,7 +24,6 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetOut,
-    AssetsDefinition,
     AssetSelection,
     AutomationCondition,
     MetadataValue,
@@ -170,33 +167,29 @@ def _figures(table: pd.DataFrame, profiles: pd.DataFrame, series: str) -> dict:
     return trajectory_figures(table, profiles, series)
 
 
-def checkpoint_asset_keys() -> list[AssetKey]:
-    """Keys of every model-partitioned asset of the other stage modules (capture and analyses)."""
-    from qk_assets import assets as pkg
+class CheckpointAssets(AssetSelection):
+    """Every materialisable asset partitioned by model key: the capture and the per-model analyses.
 
-    parts = model_partitions()
-    keys: list[AssetKey] = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if info.name == __name__.rsplit(".", 1)[-1]:
-            continue
-        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        for obj in vars(module).values():
-            if isinstance(obj, AssetsDefinition) and obj.partitions_def == parts:
-                keys += [k for k in obj.keys if k not in keys]
-    return keys
+    Resolved against the final asset graph, so a new per-model analysis joins the series jobs by itself.
+    """
+
+    def resolve_inner(self, asset_graph, allow_missing: bool) -> set[AssetKey]:  # asset_graph: BaseAssetGraph
+        keys = model_partitions().get_partition_keys()
+        out = set()
+        for key in asset_graph.materializable_asset_keys:
+            parts = asset_graph.get(key).partitions_def
+            if parts is not None and list(parts.get_partition_keys()) == keys:
+                out.add(key)
+        return out
 
 
 def series_jobs() -> list:
     """One job per series: the capture and every per-model analysis, to backfill over its checkpoints."""
-    keys = checkpoint_asset_keys()
-    if not keys:
-        return []
     jobs = []
     for name, s in registry().series.items():
         first, last = s.checkpoint_keys[0], s.checkpoint_keys[-1]
         jobs.append(define_asset_job(
-            _job_name(name), selection=AssetSelection.assets(*keys), partitions_def=model_partitions(),
-            tags={"qk/series": name},
+            _job_name(name), selection=CheckpointAssets(), tags={"qk/series": name},
             description=(f"Capture and analyses of the {len(s.checkpoint_keys)} checkpoints of series '{name}'. "
                          f"Launch a backfill over the partition range [{first}...{last}]; the trajectory "
                          "follows automatically."),
