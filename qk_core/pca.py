@@ -13,10 +13,17 @@ the pooled cloud's total variance.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import pandas as pd
+
+from qk_core.capture_store import CaptureError, CaptureReader, HeadData
+from qk_core.metrics import metric_row, metrics_frame, options_json
+from qk_core.storage import Storage, StorageError
+from qk_core.summaries import layer_and_model_summary, ok_mask, skipped_summary
 
 TAXONOMY = ("position_dominated", "q_positional", "k_positional", "content", "mixed")
 
@@ -299,3 +306,118 @@ def components_of(row: dict[str, Any] | Any) -> np.ndarray:
     """(n_components, d) components back from a stored per-head row."""
     flat = np.asarray(row["components"], dtype=np.float64)
     return flat.reshape(int(row["n_components"]), int(row["d"]))
+
+
+# ---- a model: every sampled head of a capture, one at a time ---------------------------------------
+
+HeadItem = tuple[dict[str, Any], "HeadData | HeadInputError"]
+
+
+def iter_capture_heads(storage: Storage, capture: pd.DataFrame) -> Iterator[HeadItem]:
+    """Yield (head metadata, HeadData) for each row of a ``qk_capture`` table, one head in memory at a time.
+
+    A head whose files cannot be read yields a ``read_error`` :class:`HeadInputError` instead; a capture
+    that cannot be opened at all (missing or incomplete) raises :class:`CaptureError`.
+    """
+    readers: dict[str, CaptureReader] = {}
+    rows = capture.sort_values(["layer", "q_head"], kind="stable").to_dict("records")
+    for row in rows:
+        prefix = str(row["capture_prefix"])
+        if prefix not in readers:
+            readers[prefix] = CaptureReader(storage, prefix)
+        reader = readers[prefix]
+        meta = {"layer": int(row["layer"]), "q_head": int(row["q_head"]),
+                "kv_head": int(row.get("kv_head", -1)), "d": int(row.get("d", 0) or 0),
+                "window": reader.window, "bucket": reader.bucket,
+                "attention_type": str(row.get("attention_type", "")),
+                "rope_applied": bool(row.get("rope_applied", True))}
+        try:
+            head: HeadData | HeadInputError = reader.read_head(meta["layer"], meta["q_head"])
+        except (CaptureError, StorageError) as exc:
+            head = HeadInputError("read_error", str(exc))
+        yield meta, head
+
+
+def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputError) -> dict[str, Any]:
+    """The identity columns of one per-head row (counts, d, L, B come from the rows actually read)."""
+    out = {"model": model, **meta}
+    if isinstance(head, HeadData):
+        out.update(d=head.d, kv_head=head.kv_head, window=head.window, bucket=head.bucket,
+                   n_q=len(head.q), n_k=len(head.k))
+    else:
+        out.update(n_q=0, n_k=0)
+    return out
+
+
+def run_options(options: dict[str, Any], window: int | None, bucket: int | None,
+                heads: pd.DataFrame) -> dict[str, Any]:
+    """The options recorded with every model-level output: analysis options, L, B and skipped heads."""
+    return {**options, "window": window, "bucket": bucket, "n_heads_total": len(heads),
+            "n_heads_skipped": int((~ok_mask(heads)).sum()), "skipped": skipped_summary(heads)}
+
+
+def run_pca(model: str, heads: Iterable[HeadItem], options: PCAOptions | None = None
+            ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """SPEC 2 for every head of a model: (per-head table, per-layer/model summary, long metrics)."""
+    options = options or PCAOptions()
+    opts = {"analysis": "pca", **options.to_dict()}
+    rows = []
+    for meta, head in heads:
+        base = head_columns(model, meta, head)
+        try:
+            if isinstance(head, HeadInputError):
+                raise head
+            rec = pca_record(analyse_pca(head.q, head.q_pos, head.k, head.k_pos, options))
+        except HeadInputError as err:
+            rec = pca_record(None, error=err)
+        rows.append({**base, **rec})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        table = pd.DataFrame(columns=["model", "layer", "q_head", "status", "taxonomy", "n_components",
+                                      "evr", "r_q", "r_k", *PCA_UNITS])
+    window = first_int(table, "window")
+    bucket = first_int(table, "bucket")
+    table["options"] = options_json(opts)
+    layers = layer_and_model_summary(table, PCA_UNITS, model, category=("taxonomy", TAXONOMY))
+    rec_opts = run_options(opts, window, bucket, table)
+    return table, layers, pca_metrics(table, model, rec_opts)
+
+
+def first_int(table: pd.DataFrame, col: str) -> int | None:
+    if col not in table:
+        return None
+    vals = pd.to_numeric(table[col], errors="coerce").dropna()
+    return int(vals.iloc[0]) if len(vals) else None
+
+
+def pca_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -> pd.DataFrame:
+    """Per-model PCA values in the long metrics format (SPEC 2; model value = mean over ok heads)."""
+    good = table.loc[ok_mask(table)]
+    rows = []
+    labels = good["taxonomy"].astype(str).to_numpy() if len(good) else np.array([], dtype=str)
+    for cls in TAXONOMY:
+        row = metric_row(model, f"pca_share_{cls}", (labels == cls).astype(float), unit="fraction of heads",
+                         options=options)
+        row["median"] = float("nan")
+        rows.append(row)
+    for col, name in (("pos_budget_q", "pos_budget_q"), ("pos_budget_k", "pos_budget_k"),
+                      ("pc0_evr", "pca_pc0_evr"), ("pc0_r_q", "pca_pc0_r_q"), ("pc0_r_k", "pca_pc0_r_k"),
+                      ("pc0_abs_r_k", "pca_pc0_abs_r_k"), ("evr_kept", "pca_evr_kept")):
+        rows.append(metric_row(model, name, good[col], unit=PCA_UNITS[col],
+                               options=options))
+    n_c = int(good["n_components"].max()) if len(good) else 0
+    for name, col, unit, fn in (("pca_evr", "evr", "fraction of variance", None),
+                                ("pca_abs_r_q", "r_q", "correlation", np.abs),
+                                ("pca_abs_r_k", "r_k", "correlation", np.abs)):
+        for j in range(n_c):
+            vals = np.array([_at(v, j) for v in good[col]], dtype=float)
+            rows.append(metric_row(model, name, fn(vals) if fn else vals, key=f"pc{j}", unit=unit,
+                                   options=options))
+    return metrics_frame(rows)
+
+
+def _at(v: Any, j: int) -> float:
+    if v is None:
+        return float("nan")
+    arr = np.asarray(v, dtype=float)
+    return float(arr[j]) if j < arr.size else float("nan")

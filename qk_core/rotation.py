@@ -10,20 +10,28 @@ a fraction of the same-position pair-difference energy E|delta|^2.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import scipy.linalg
 
+from qk_core.metrics import metric_row, metrics_frame, options_json
 from qk_core.pca import (
     HeadInputError,
+    HeadItem,
     PooledMoments,
+    first_int,
+    head_columns,
     options_from_dict,
     pooled_moments,
     projection_pearson,
+    run_options,
     validate_head,
 )
+from qk_core.summaries import layer_and_model_summary, ok_mask
 
 SEPARATION_AXES = ("centroid", "eigen")
 
@@ -319,3 +327,65 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
         "a": r.a, "b": r.b,
         "complement_share": r.complement_share, "complement_circ_r": r.complement_circ_r,
     }
+
+
+# ---- a model ---------------------------------------------------------------------------------------
+
+
+def run_rotation(model: str, heads: Iterable[HeadItem], options: RotationOptions | None = None,
+                 keep_points: int = 400) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame,
+                                                  dict[tuple[int, int], dict[str, np.ndarray]]]:
+    """SPEC 3 for every head of a model: (per-head table, per-layer/model summary, long metrics, points).
+
+    ``points`` maps (layer, q_head) of every analysed head to up to ``keep_points`` evenly spaced Q and K
+    rows projected on {a, b} (bounded memory, for the plane scatter figure).
+    """
+    options = options or RotationOptions()
+    opts = {"analysis": "rotation", **options.to_dict()}
+    rows, points = [], {}
+    for meta, head in heads:
+        base = head_columns(model, meta, head)
+        try:
+            if isinstance(head, HeadInputError):
+                raise head
+            res = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc,
+                                   window=head.window, options=options, keep_points=keep_points)
+            rec = rotation_record(res)
+            if res.points is not None:
+                points[(head.layer, head.q_head)] = res.points
+        except HeadInputError as err:
+            rec = rotation_record(None, error=err)
+        rows.append({**base, **rec})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        table = pd.DataFrame(columns=["model", "layer", "q_head", "status", *ROTATION_UNITS])
+    table["options"] = options_json(opts)
+    layers = layer_and_model_summary(table, ROTATION_UNITS, model)
+    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
+    return table, layers, rotation_metrics(table, model, rec_opts), points
+
+
+#: Per-model metrics (long format) and the per-head column each is the mean of. Names follow
+#: data/reference/thesis_metrics.csv where the thesis publishes the metric.
+ROTATION_METRICS = (
+    "bias_strength", "bias_strength_window", "abs_alpha_k", "abs_alpha_k_window", "alpha_k", "alpha_q",
+    "abs_alpha_q", "mu_q_a", "mu_k_a", "mu_q_b", "mu_k_b", "abs_r_k_a", "abs_r_q_a", "r_k_a", "r_q_a",
+    "separation_strength", "var_frac_a", "var_frac_b", "plane_var_fraction", "orth_check",
+)
+
+
+def rotation_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -> pd.DataFrame:
+    """Per-model rotation values in the long metrics format (SPEC 3; model value = mean over ok heads)."""
+    good = table.loc[ok_mask(table)]
+    rows = [metric_row(model, name, good[name], unit=ROTATION_UNITS[name], options=options)
+            for name in ROTATION_METRICS]
+    for col, name, unit in (("complement_share", "complement_pair_share", "fraction of complement variance"),
+                            ("complement_circ_r", "complement_pair_circ_r", "correlation")):
+        if col not in good:
+            continue
+        lists = [np.asarray(v, dtype=float) for v in good[col] if v is not None]
+        n_pairs = max((len(v) for v in lists), default=0)
+        for j in range(n_pairs):
+            vals = [float(v[j]) if j < len(v) else float("nan") for v in lists]
+            rows.append(metric_row(model, name, vals, key=f"pair{j}", unit=unit, options=options))
+    return metrics_frame(rows)

@@ -122,3 +122,16 @@ def skipped_summary(df: pd.DataFrame, status_col: str = "status") -> dict[str, i
         return {}
     bad = df.loc[~ok_mask(df, status_col), status_col].astype(str)
     return {str(k): int(v) for k, v in bad.value_counts().sort_index().items()}
+
+
+def wide_by_model(metrics: pd.DataFrame, names: Sequence[str] | None = None, column: str = "value") -> pd.DataFrame:
+    """Long-format metrics (qk_core.metrics) -> one row per model, one column per metric (``metric[key]``)."""
+    df = metrics if names is None else metrics[metrics["metric"].isin(list(names))]
+    if df.empty:
+        return pd.DataFrame({"model": pd.Series(dtype=str)})
+    keys = df["key"].fillna("").astype(str)
+    label = df["metric"].where(keys == "", df["metric"] + "[" + keys + "]")
+    wide = df.assign(_label=label).pivot_table(index="model", columns="_label", values=column, aggfunc="first",
+                                               sort=False)
+    wide.columns.name = None
+    return wide.reset_index()

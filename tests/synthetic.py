@@ -164,8 +164,8 @@ def expected_rotation(spec: HeadSpec, t_q: np.ndarray, t_k: np.ndarray, d: int, 
 class SyntheticHead:
     """One sampled head of a synthetic capture. K rows come from the first head listed for its KV head.
 
-    ``nan_rows`` > 0 puts NaN into that many Q rows; ``max_docs`` writes this head's rows for the first
-    ``max_docs`` documents only (a head with too few rows); ``max_docs = 0`` writes none at all.
+    ``nan_rows`` > 0 puts NaN into that many Q rows; ``max_rows`` writes only this head's first
+    ``max_rows`` Q rows (a head with too few rows); ``max_rows = 0`` writes none at all (no head file).
     """
 
     layer: int
@@ -173,7 +173,7 @@ class SyntheticHead:
     kv_head: int
     spec: HeadSpec = field(default_factory=HeadSpec)
     nan_rows: int = 0
-    max_docs: int | None = None
+    max_rows: int | None = None
 
 
 def write_synthetic_capture(storage, model_key: str, heads: list[SyntheticHead], *, d: int = 32,
@@ -198,12 +198,12 @@ def write_synthetic_capture(storage, model_key: str, heads: list[SyntheticHead],
     counts: dict[tuple[str, int, int], int] = {}
 
     def add(kind: str, layer: int, head: int, x: np.ndarray, limit: int | None) -> None:
-        for i, eid in enumerate(doc_order):
-            if limit is not None and i >= limit:
-                break
-            sel = doc == eid
-            rows[eid].append(HeadRows(kind, layer, head, pos[sel], x[sel]))
-            counts[(kind, layer, head)] = counts.get((kind, layer, head), 0) + int(sel.sum())
+        keep = np.arange(len(pos)) < (len(pos) if limit is None else limit)
+        for eid in doc_order:
+            sel = (doc == eid) & keep
+            if sel.any():
+                rows[eid].append(HeadRows(kind, layer, head, pos[sel], x[sel]))
+                counts[(kind, layer, head)] = counts.get((kind, layer, head), 0) + int(sel.sum())
 
     for (layer, kv), h in first_of_kv.items():
         axes = random_axes(d, seed * 7919 + layer * 131 + kv)
@@ -214,7 +214,7 @@ def write_synthetic_capture(storage, model_key: str, heads: list[SyntheticHead],
         q = plant_cloud(h.spec.q, axes, pos, np.random.default_rng([seed, h.layer, h.q_head, 0]))
         if h.nan_rows:
             q[: h.nan_rows, 0] = np.nan
-        add("q", h.layer, h.q_head, q, h.max_docs)
+        add("q", h.layer, h.q_head, q, h.max_rows)
     for eid in doc_order:
         if rows[eid]:
             writer.write_document(eid, doc_tokens[eid], rows[eid])
