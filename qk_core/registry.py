@@ -62,6 +62,7 @@ class CaptureOptions:
     bernoulli_rate: float = 1.0
     include_sliding: bool = False
     max_docs: int | None = None
+    layers: tuple[int, ...] | None = None  # capture only these layers (each must be eligible); None = all
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,12 @@ def _capture_opts(path: Path, entry: str, raw: dict[str, Any]) -> CaptureOptions
     unknown = set(raw) - allowed
     if unknown:
         raise _err(path, entry, "capture", f"unknown keys {sorted(unknown)}")
+    if raw.get("layers") is not None:
+        layers = raw["layers"]
+        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in layers):
+            raise _err(path, entry, "capture.layers", "must be a list of layer indices (integers >= 0)")
+        raw = {**raw, "layers": tuple(layers)}
     opts = CaptureOptions(**raw)
     _int(path, entry, "capture.heads", opts.heads)
     _int(path, entry, "capture.per_bucket", opts.per_bucket)

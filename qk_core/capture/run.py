@@ -1,0 +1,312 @@
+"""Capture orchestration: one registry model over one corpus into one stored capture (SPEC 1).
+
+:func:`capture_model` resolves the model's identity (config only), derives the capture fingerprint and
+returns at once when that capture is already complete. Otherwise it loads the model, probes its layers
+(SPEC 1.4, 1.8), samples heads (1.5), and runs one backbone forward per document (1.3: batch 1, no LM
+head, no KV cache, plain causal) under a :class:`~qk_core.capture.hook.CaptureSession`, committing each
+finished document atomically (1.9). Documents already committed are skipped, so a killed run resumes.
+Nothing becomes visible before the first document has been captured and validated, and a reader sees
+the capture only after ``finalize()`` wrote ``complete.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers
+from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_heads, stratified_positions
+from qk_core.capture_store import (
+    SCHEMA_VERSION,
+    CaptureError,
+    CaptureWriter,
+    capture_prefix,
+    fingerprint,
+    head_file,
+)
+from qk_core.model_loading import (
+    LoadedModel,
+    load_config,
+    load_model,
+    model_identity,
+    resolve_device,
+    resolve_dtype,
+)
+from qk_core.registry import ModelEntry
+from qk_core.storage import Storage
+
+CAPTURE_VERSION = 1  # bump when a change alters captured values for the same options
+VALUE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
+                 "n_q_rows", "n_k_rows", "capture_prefix"]
+LAYER_COLUMNS = ["layer", "attention_type", "sliding_window", "rope_applied", "rope_type", "rope_theta",
+                 "rope_factor", "rope_original_context", "qk_norm", "scaling", "query_scaling", "head_dim",
+                 "n_q", "n_kv", "module", "eligible", "sampled_heads"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureResult:
+    """What a capture run produced (value rows, manifest, per-layer metadata, run statistics)."""
+
+    prefix: str
+    fingerprint: str
+    manifest: dict[str, Any]
+    heads: pd.DataFrame  # the qk_capture value, VALUE_COLUMNS
+    layers: pd.DataFrame  # per-layer metadata, LAYER_COLUMNS
+    doc_tokens: pd.DataFrame  # example_id, n_tokens
+    captured_docs: list[int] = field(default_factory=list)  # captured in this run
+    skipped_docs: list[int] = field(default_factory=list)  # already committed before this run
+    tokens: int = 0  # tokens forwarded in this run
+    seconds: float = 0.0  # wall time of the forwards of this run
+    already_complete: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+# ---- identity --------------------------------------------------------------------------------
+def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str, Any]:
+    """Which documents a capture read: corpus name, count, and a hash of (example_id, content hash)."""
+    h = hashlib.sha256()
+    for eid, text in zip(corpus["example_id"], corpus["text"], strict=True):
+        h.update(f"{int(eid)}:{hashlib.sha256(str(text).encode()).hexdigest()};".encode())
+    return {"corpus": corpus_name, "n_docs": len(corpus), "docs_sha256": h.hexdigest(),
+            "example_ids": [int(e) for e in corpus["example_id"]]}
+
+
+def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
+    opts = asdict(entry.capture)
+    opts["layers"] = list(opts.get("layers") or []) or None
+    return opts
+
+
+def capture_identity(entry: ModelEntry, config: Any, corpus: pd.DataFrame, corpus_name: str | None,
+                     dtype: str) -> dict[str, Any]:
+    """Everything that determines captured values; its hash is the capture fingerprint (SPEC 1.9)."""
+    return {
+        "capture_version": CAPTURE_VERSION,
+        "model": model_identity(entry, config),
+        "dtype": dtype,
+        "window": entry.window,
+        "bucket": entry.bucket,
+        "sampler": sampler_settings(entry),
+        "dataset": dataset_identity(corpus, corpus_name),
+        "tokenization": {"truncation": "right", "max_length": entry.window, "add_special_tokens": True},
+    }
+
+
+def _software() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+# ---- layers and heads ------------------------------------------------------------------------
+def probe_layers(loaded: LoadedModel, include_sliding: bool) -> list[LayerInfo]:
+    """Run a few tokens through the backbone under the capture function and describe every layer."""
+    import torch
+
+    from qk_core.capture.hook import CaptureSession
+
+    ids = list(loaded.tokenizer("Probe of the attention layers.")["input_ids"])[:16] or [0, 1]
+    x = torch.tensor([ids], device=loaded.device)
+    with CaptureSession(loaded.backbone) as session, torch.inference_mode():
+        session.set_positions({})
+        loaded.backbone(input_ids=x, use_cache=False)
+        calls = dict(session.calls)
+    return describe_layers(loaded.backbone.config, calls, include_sliding)
+
+
+def plan_heads(entry: ModelEntry, infos: list[LayerInfo]) -> list[dict[str, int]]:
+    """The head manifest: sampled (layer, q_head) with kv_head = floor(h·n_kv/n_q) and d (SPEC 1.5)."""
+    opts = entry.capture
+    requested = list(getattr(opts, "layers", None) or []) or None
+    try:
+        chosen = select_layers(infos, requested, opts.include_sliding)
+    except LayerSelectionError as exc:
+        raise CaptureError(f"{entry.key}: {exc}") from exc
+    by_layer = {i.layer: i for i in infos}
+    pool = [(layer, h) for layer in chosen for h in range(int(by_layer[layer].n_q or 0))]
+    heads = sample_heads(pool, opts.heads, opts.seed)
+    return [{"layer": layer, "q_head": h,
+             "kv_head": kv_head_of(h, int(by_layer[layer].n_q), int(by_layer[layer].n_kv)),
+             "d": int(by_layer[layer].head_dim)} for layer, h in heads]
+
+
+def _layer_plan(heads: list[dict[str, int]]) -> dict[int, tuple[list[int], list[int]]]:
+    plan: dict[int, tuple[list[int], list[int]]] = {}
+    for h in heads:
+        q, kv = plan.setdefault(h["layer"], ([], []))
+        q.append(h["q_head"])
+        if h["kv_head"] not in kv:
+            kv.append(h["kv_head"])
+    return {layer: (sorted(q), sorted(kv)) for layer, (q, kv) in sorted(plan.items())}
+
+
+def document_positions(entry: ModelEntry, n_tokens: int, doc_id: int,
+                       layers: list[int]) -> np.ndarray | dict[tuple[int, str], np.ndarray]:
+    """Positions of one document: one shared array (stratified) or one per (layer, kind) (bernoulli)."""
+    o = entry.capture
+    if o.position_sampler == "stratified":
+        return stratified_positions(n_tokens, entry.bucket, o.per_bucket, o.seed, doc_id)
+    return {(layer, kind): bernoulli_positions(n_tokens, entry.bucket, o.bernoulli_rate, o.seed, doc_id, layer, kind)
+            for layer in layers for kind in ("q", "k")}
+
+
+# ---- value and metadata tables ---------------------------------------------------------------
+def layers_frame(manifest: dict[str, Any]) -> pd.DataFrame:
+    counts = pd.Series([h["layer"] for h in manifest["heads"]]).value_counts()
+    df = pd.DataFrame(manifest["layers"])
+    df["sampled_heads"] = df["layer"].map(counts).fillna(0).astype(int)
+    df["query_scaling"] = df["query_scaling"].map(lambda v: "" if v is None else str(v))
+    return df[LAYER_COLUMNS]
+
+
+def heads_frame(manifest: dict[str, Any], prefix: str, rows: dict[str, int]) -> pd.DataFrame:
+    """The qk_capture value: one row per sampled head with its layer metadata and row counts."""
+    by_layer = {li["layer"]: li for li in manifest["layers"]}
+    out = []
+    for h in manifest["heads"]:
+        li = by_layer[h["layer"]]
+        out.append({
+            **h, "attention_type": li["attention_type"],
+            "sliding_window": -1 if li["sliding_window"] is None else int(li["sliding_window"]),
+            "rope_applied": bool(li["rope_applied"]),
+            "n_q_rows": int(rows.get(head_file(prefix, "q", h["layer"], h["q_head"]), 0)),
+            "n_k_rows": int(rows.get(head_file(prefix, "k", h["layer"], h["kv_head"]), 0)),
+            "capture_prefix": prefix,
+        })
+    df = pd.DataFrame(out, columns=VALUE_COLUMNS)
+    for col in ("layer", "q_head", "kv_head", "d", "sliding_window", "n_q_rows", "n_k_rows"):
+        df[col] = df[col].astype("int64")
+    return df
+
+
+def _result_from_storage(storage: Storage, prefix: str, **kw: Any) -> CaptureResult:
+    manifest = storage.read_json(f"{prefix}/manifest.json")
+    summary = storage.read_json(f"{prefix}/complete.json")
+    doc_tokens = storage.read_parquet(f"{prefix}/doc_tokens.parquet").to_pandas()
+    return CaptureResult(prefix=prefix, fingerprint=manifest["fingerprint"], manifest=manifest,
+                         heads=heads_frame(manifest, prefix, summary["rows"]), layers=layers_frame(manifest),
+                         doc_tokens=doc_tokens, **kw)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, corpus_name: str | None = None,
+                  device: str = "auto", loaded: LoadedModel | None = None, log: Any = None,
+                  on_document: Callable[[int, int], None] | None = None) -> CaptureResult:
+    """Capture ``entry`` over ``corpus`` (columns example_id, text) into ``storage`` (SPEC 1).
+
+    ``loaded`` reuses an already loaded model; ``log`` is any logger with ``info``/``warning`` (the
+    Dagster run log in the asset); ``on_document(example_id, n_tokens)`` is called after each commit.
+    """
+    import torch
+
+    log = log or _log
+    corpus_name = corpus_name or entry.corpus
+    if corpus is None or len(corpus) == 0:
+        raise CaptureError(f"{entry.key}: corpus '{corpus_name}' has no documents")
+    missing_cols = {"example_id", "text"} - set(corpus.columns)
+    if missing_cols:
+        raise CaptureError(f"{entry.key}: corpus '{corpus_name}' lacks columns {sorted(missing_cols)}")
+    docs = corpus[["example_id", "text"]].reset_index(drop=True)
+    if entry.capture.max_docs:
+        docs = docs.head(entry.capture.max_docs)
+
+    dev = loaded.device if loaded is not None else resolve_device(device)
+    dtype = loaded.dtype if loaded is not None else resolve_dtype(entry.dtype, dev)
+    config = loaded.model.config if loaded is not None else load_config(entry)
+    ident = capture_identity(entry, config, docs, corpus_name, dtype)
+    fp = fingerprint(ident)
+    prefix = capture_prefix(entry.key, fp)
+    if storage.exists(f"{prefix}/complete.json"):
+        log.info(f"{entry.key}: capture {fp} is already complete at {storage.uri(prefix)}")
+        return _result_from_storage(storage, prefix, already_complete=True,
+                                    skipped_docs=[int(e) for e in docs["example_id"]])
+
+    if loaded is None:
+        log.info(f"{entry.key}: loading {entry.source.describe()} on {dev} as {dtype}")
+        loaded = load_model(entry, dev, config=config)
+    infos = probe_layers(loaded, entry.capture.include_sliding)
+    heads = plan_heads(entry, infos)
+    sampled = {h["layer"] for h in heads}
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "fingerprint": fp, "model_key": entry.key,
+        "window": entry.window, "bucket": entry.bucket, "heads": heads,
+        "layers": [i.as_dict() for i in infos], "identity": ident,
+        "model": {**ident["model"], **{k: loaded.identity.get(k) for k in
+                                        ("model_class", "backbone_class", "attn_implementation")}},
+        "dtype": dtype, "device": dev, "sampler": ident["sampler"], "dataset": ident["dataset"],
+        "tokenization": ident["tokenization"], "software": _software(),
+    }
+    log.info(f"{entry.key}: {len(heads)} heads in {len(sampled)} of {len(infos)} layers "
+             f"(eligible: {[i.layer for i in infos if i.eligible]}); window {entry.window}, bucket {entry.bucket}, "
+             f"attention backend {loaded.identity.get('attn_implementation')}")
+
+    writer = CaptureWriter(storage, entry.key, manifest) if storage.exists(f"{prefix}/manifest.json") else None
+    committed = writer.committed_doc_ids() if writer is not None else set()
+    if writer is not None and writer_manifest_heads(storage, prefix) != heads:
+        raise CaptureError(f"{storage.uri(prefix)}: stored head manifest differs from this run's; not resuming")
+    todo = [(int(e), str(t)) for e, t in zip(docs["example_id"], docs["text"], strict=True)
+            if int(e) not in committed]
+    skipped = [int(e) for e in docs["example_id"] if int(e) in committed]
+    if skipped:
+        log.info(f"{entry.key}: resuming, {len(skipped)}/{len(docs)} documents already committed")
+
+    from qk_core.capture.hook import CaptureHookError, CaptureSession
+
+    plan = _layer_plan(heads)
+    captured: list[int] = []
+    tokens = 0
+    seconds = 0.0
+    total = len(docs)
+    with CaptureSession(loaded.backbone, plan) as session:
+        for eid, text in todo:
+            ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
+                                        add_special_tokens=True)["input_ids"])
+            n = len(ids)
+            if n == 0:
+                raise CaptureError(f"{entry.key}: document {eid} has no tokens")
+            session.set_positions(document_positions(entry, n, eid, list(plan)))
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
+            try:
+                rows = session.collect()
+            except CaptureHookError as exc:
+                raise CaptureError(f"{entry.key}: {exc}") from exc
+            dt = time.perf_counter() - t0
+            if writer is None:
+                writer = CaptureWriter(storage, entry.key, manifest)
+            writer.write_document(eid, n, rows)
+            captured.append(eid)
+            tokens += n
+            seconds += dt
+            done = len(skipped) + len(captured)
+            short = f" (shorter than the window {entry.window})" if n < entry.window else ""
+            log.info(f"{entry.key}: document {done}/{total} (id {eid}): {n} tokens{short} in {dt:.1f}s, "
+                     f"{n / dt:.0f} tok/s; run average {tokens / seconds:.0f} tok/s")
+            if on_document is not None:
+                on_document(eid, n)
+    if writer is None:
+        writer = CaptureWriter(storage, entry.key, manifest)
+    summary = writer.finalize()
+    log.info(f"{entry.key}: capture complete at {storage.uri(prefix)}: {summary['n_docs']} documents, "
+             f"{sum(summary['rows'].values())} rows in {len(summary['rows'])} head files")
+    return _result_from_storage(storage, prefix, captured_docs=captured, skipped_docs=skipped, tokens=tokens,
+                                seconds=seconds)
+
+
+def writer_manifest_heads(storage: Storage, prefix: str) -> list[dict[str, int]]:
+    return list(storage.read_json(f"{prefix}/manifest.json")["heads"])
