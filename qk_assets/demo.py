@@ -8,7 +8,8 @@ materialisation shows up in ``make ui``. Assets are selected per partition set:
 
 - corpus-partitioned assets: the corpora the demo models read (``sotu-demo``);
 - model-partitioned assets: the demo models (``smollm2-135m``, ``gemma3-270m``), one run per model;
-- series-partitioned assets: series holding a demo model (none: the SmolLM3 series needs the hub);
+- series-partitioned assets: every series (the SmolLM3 checkpoints need the hub, so the demo's trajectory
+  holds the thesis's reference values and marks each checkpoint as missing);
 - unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
 
 Up-to-date rule (what a second ``make demo`` skips). An asset partition is recomputed when
@@ -64,11 +65,11 @@ def node_name(node: Node) -> str:
 
 # ---- what the demo selects --------------------------------------------------------------------
 def demo_partition_keys(registry: Registry, group: str) -> set[str]:
-    """Partition keys that belong to the demo: its models, their corpora and series holding them."""
+    """Partition keys that belong to the demo: its models, their corpora, and every series (a series
+    whose checkpoints are not captured shows the thesis's reference values and says what is missing)."""
     models = set(registry.in_group(group))
     corpora = {registry.model(m).corpus for m in models}
-    series = {s.name for s in registry.series.values() if models & set(s.checkpoint_keys)}
-    return models | corpora | series
+    return models | corpora | set(registry.series)
 
 
 def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str) -> tuple[list[Node], list[str]]:
@@ -86,6 +87,11 @@ def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str) -> tuple
         keys = [k for k in node.partitions_def.get_partition_keys() if k in wanted]
         if not keys:
             notes.append(f"{key.to_user_string()}: no partition for the '{group}' models (skipped)")
+        demo_models = set(registry.in_group(group))
+        for k in keys:
+            if k in registry.series and not demo_models & set(registry.series[k].checkpoint_keys):
+                notes.append(f"{key.to_user_string()}[{k}]: no checkpoint of the series is in the demo; "
+                             "it shows the thesis's reference values")
         nodes.extend((key, k) for k in keys)
     return nodes, notes
 

@@ -209,7 +209,7 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
     lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("  run ")]
     assert "corpus[sotu-demo]" in lines
     parts = {ln.split("[", 1)[1].rstrip("]") for ln in lines if "[" in ln}
-    assert parts <= {"sotu-demo", "smollm2-135m", "gemma3-270m"}
+    assert parts <= {"sotu-demo", "smollm2-135m", "gemma3-270m", *load_registry(REPO / "data" / "registry.toml").series}
     assert not (tmp_path / "storage" / "assets").exists()  # dry run: nothing written
     assert json.dumps(lines)  # plan printed
     assert REPORT_KEY.to_user_string() in proc.stdout or "report_html" not in proc.stdout
