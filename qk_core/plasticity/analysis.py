@@ -24,6 +24,7 @@ from scipy import stats
 from qk_core.capture_store import HeadData
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.plasticity import aggregates as agg
+from qk_core.plasticity._blas import blas_threads as limit_blas
 from qk_core.plasticity.bootstrap import (
     doc_bucket_sums,
     doc_weights,
@@ -65,13 +66,20 @@ def _pairs_columns() -> dict[str, list[np.ndarray]]:
 
 
 def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None = None,
-                 W: np.ndarray | None = None) -> HeadResult:
+                 W: np.ndarray | None = None, blas_threads: int | None = 1) -> HeadResult:
     """SPEC 4.1-4.9 for one head.
 
     doc_ids: the capture's document ids (sorted), the clusters of the bootstrap; default: documents
     holding this head's keys. W: (R, D) bootstrap multiplicities over doc_ids; default drawn from
-    (opts.seed, D) with opts.bootstrap resamples.
+    (opts.seed, D) with opts.bootstrap resamples. blas_threads: OpenBLAS threads while it runs
+    (1 is fastest for these small products; None leaves the setting alone); values do not depend on it.
     """
+    with limit_blas(blas_threads):
+        return _analyse_head(head, opts, doc_ids, W)
+
+
+def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None,
+                  W: np.ndarray | None) -> HeadResult:
     L, B = int(head.window), int(head.bucket)
     J = n_buckets(L, B)
     tau = agg.bucket_tau(L, B)
@@ -258,7 +266,8 @@ class ModelResult:
 
 def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
-                  progress: Callable[[int, HeadResult], None] | None = None) -> ModelResult:
+                  progress: Callable[[int, HeadResult], None] | None = None,
+                  blas_threads: int | None = 1) -> ModelResult:
     """SPEC 4 over every (layer, q_head): one head read and analysed at a time.
 
     The bootstrap resamples the capture's documents (doc_ids) with one weight matrix shared by all
@@ -271,7 +280,7 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
     rows, profiles, bins, pairs, comps, boots, aps = [], [], [], [], [], [], []
     for n, (layer, q_head) in enumerate(heads):
-        res = analyse_head(read_head(int(layer), int(q_head)), opts, doc_ids, W)
+        res = analyse_head(read_head(int(layer), int(q_head)), opts, doc_ids, W, blas_threads)
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)
