@@ -1,6 +1,6 @@
 """``make demo``: materialise the whole lineage graph for the registry's demo models through Dagster.
 
-``python -m qk_assets.demo [--group demo] [--dry-run] [--force]``
+``python -m qk_assets.demo [--group demo] [--models GLOB ...] [--dry-run] [--force]``
 
 The demo loads the same code location as the UI (``qk_assets.defs``) and executes its implicit asset
 job against ``DagsterInstance.get()`` (the instance under ``$DAGSTER_HOME``), so every run and every
@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -64,17 +65,25 @@ def node_name(node: Node) -> str:
 
 
 # ---- what the demo selects --------------------------------------------------------------------
-def demo_partition_keys(registry: Registry, group: str) -> set[str]:
+def group_models(registry: Registry, group: str, patterns: Iterable[str] = ()) -> list[str]:
+    """Model keys of ``group`` (registry order), narrowed to those matching any glob in ``patterns``."""
+    pats = list(patterns)
+    return [m for m in registry.in_group(group) if not pats or any(fnmatch.fnmatchcase(m, p) for p in pats)]
+
+
+def demo_partition_keys(registry: Registry, group: str, patterns: Iterable[str] = ()) -> set[str]:
     """Partition keys that belong to the demo: its models, their corpora, and every series (a series
     whose checkpoints are not captured shows the thesis's reference values and says what is missing)."""
-    models = set(registry.in_group(group))
+    models = set(group_models(registry, group, patterns))
     corpora = {registry.model(m).corpus for m in models}
     return models | corpora | set(registry.series)
 
 
-def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str) -> tuple[list[Node], list[str]]:
+def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str,
+                 patterns: Iterable[str] = ()) -> tuple[list[Node], list[str]]:
     """The (asset, partition) pairs the demo materialises, and notes on the assets it leaves out."""
-    wanted = demo_partition_keys(registry, group)
+    patterns = list(patterns)
+    wanted = demo_partition_keys(registry, group, patterns)
     nodes: list[Node] = []
     notes: list[str] = []
     for key in graph.toposorted_asset_keys:
@@ -87,7 +96,7 @@ def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str) -> tuple
         keys = [k for k in node.partitions_def.get_partition_keys() if k in wanted]
         if not keys:
             notes.append(f"{key.to_user_string()}: no partition for the '{group}' models (skipped)")
-        demo_models = set(registry.in_group(group))
+        demo_models = set(group_models(registry, group, patterns))
         for k in keys:
             if k in registry.series and not demo_models & set(registry.series[k].checkpoint_keys):
                 notes.append(f"{key.to_user_string()}[{k}]: no checkpoint of the series is in the demo; "
@@ -291,31 +300,36 @@ def report_location(storage: Storage) -> str:
     return path.as_uri() if path is not None else storage.uri(REPORT_REL)
 
 
-def partition_order(registry: Registry, group: str) -> list[str | None]:
-    models = registry.in_group(group)
+def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()) -> list[str | None]:
+    models = group_models(registry, group, patterns)
     corpora = sorted({registry.model(m).corpus for m in models})
     return [*corpora, *models, *sorted(registry.series), None]
 
 
 def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
-             group: str = "demo", dry_run: bool = False, force: bool = False, log_level: str = "INFO",
-             out=sys.stdout) -> int:
+             group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
+             log_level: str = "INFO", out=sys.stdout) -> int:
     """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
     graph = defs.resolve_asset_graph()
-    nodes, notes = select_nodes(graph, registry, group)
+    models = list(models)
+    chosen = group_models(registry, group, models)
+    if not chosen:
+        say(f"demo: no model of group '{group}' matches {models}")
+        return 1
+    nodes, notes = select_nodes(graph, registry, group, models)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
-        f"({', '.join(registry.in_group(group))}); Dagster instance {instance.root_directory}; "
+        f"({', '.join(chosen)}); Dagster instance {instance.root_directory}; "
         f"storage {storage.url}")
     for note in notes:
         say(f"  note: {note}")
     decisions = Planner(instance, graph, registry).decide(nodes, force=force)
     todo = [d.node for d in decisions if d.reason]
     for d in decisions:
-        say(f"  {'run ' if d.reason else 'ok  '} {node_name(d.node):<40} {d.reason or 'up to date'}")
+        say(f"  {'run ' if d.reason else 'ok  '} {node_name(d.node):<48} {d.reason or 'up to date'}")
     if not todo:
         say("demo: everything is up to date; nothing to compute")
     if dry_run:
@@ -327,7 +341,7 @@ def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, s
         cleaned = fail_dead_demo_runs(instance)
         if cleaned:
             say(f"demo: marked {cleaned} run(s) of an interrupted earlier demo as failed")
-        steps = _report_apart(group_steps(graph, todo, partition_order(registry, group)))
+        steps = _report_apart(group_steps(graph, todo, partition_order(registry, group, models)))
         for i, step in enumerate(steps, 1):
             blocked = [k for k in step.keys if k != REPORT_KEY and any(
                 u in failed for u in upstream_nodes(graph, (k, step.partition)))]
@@ -361,6 +375,8 @@ def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, s
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qk_assets.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--group", default="demo", help="registry group to materialise (default: demo)")
+    parser.add_argument("--models", nargs="+", default=[], metavar="GLOB",
+                        help="only these model keys of the group (globs, e.g. 'smollm3-3b@*')")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and why; run nothing")
     parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
     parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
@@ -371,7 +387,8 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     instance = DagsterInstance.get()
     storage = Storage.from_settings()
-    failed = run_demo(defs, instance, registry(), storage, group=args.group, dry_run=args.dry_run,
+    failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models,
+                      dry_run=args.dry_run,
                       force=args.force, log_level=args.log_level)
     return 1 if failed else 0
 

@@ -121,6 +121,8 @@ def test_selection_and_run_grouping(env) -> None:
     assert ("cap", "m3") not in names  # not a demo model
     assert {("corpus_t", "c"), ("cap", "m1"), ("ana", "m2"), ("rep", None), ("report_html", None)} <= names
     assert notes == []
+    only_m2 = {(k.to_user_string(), p) for k, p in select_nodes(graph, load_registry(reg_path), "demo", ["m2"])[0]}
+    assert ("cap", "m2") in only_m2 and not any(p == "m1" for _, p in only_m2)
     steps = list(group_steps(graph, list(nodes), ["c", "m1", "m2", None]))
     assert [(s.partition, sorted(k.to_user_string() for k in s.keys)) for s in steps] == [
         ("c", ["corpus_t"]), ("m1", ["ana", "cap"]), ("m2", ["ana", "cap"]), (None, ["rep", "report_html"])]
