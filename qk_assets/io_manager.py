@@ -3,7 +3,9 @@
 Path: ``assets/<asset key path>/<partition key>.parquet`` (``_all.parquet`` when unpartitioned).
 Loading several upstream partitions (a report over all models, a trajectory over a series) yields a
 ``dict[partition_key, DataFrame]`` holding only the partitions that exist; one partition yields the
-DataFrame itself.
+DataFrame itself. An input declared with ``AssetIn(..., metadata={"allow_missing": True})`` whose
+upstream is unpartitioned (or a placeholder for an asset not defined yet) and not written yet loads as
+an empty dict instead of failing.
 """
 
 import pandas as pd
@@ -34,7 +36,10 @@ class ParquetIOManager(ConfigurableIOManager):
         storage = self.storage.get()
         key_path = context.asset_key.path
         if not context.has_asset_partitions:
-            return storage.read_parquet(asset_rel(key_path, None)).to_pandas()
+            rel = asset_rel(key_path, None)
+            if (context.definition_metadata or {}).get("allow_missing") and not storage.exists(rel):
+                return {}
+            return storage.read_parquet(rel).to_pandas()
         keys = list(context.asset_partition_keys)
         downstream_partitioned = context.has_partition_key if hasattr(context, "has_partition_key") else False
         if len(keys) == 1 and downstream_partitioned:

@@ -1,0 +1,186 @@
+"""Benchmark joins and statistics (SPEC 5 a-c), their figures (SPEC 7), and the automation around them.
+
+- ``benchmark_joins`` (5 a): every metric of every aliased model x the benchmark's overall score.
+- ``benchmark_length_joins`` (5 b): plasticity length bins x per-length scores.
+- ``benchmark_stats`` (5 c): Pearson / Spearman / Kendall with p and n, per benchmark, suite and mode;
+  its materialisation shows the aggregates-vs-score figures (thesis Fig. 6.7) and the per-length ones.
+
+Values: measured where present, the thesis's reference values otherwise; every row says which
+(``value_source``). An alias that points at a benchmark model without scores fails the join, naming
+the alias file, line and field; the previous join stays materialised.
+
+Automation, no clicking: ``benchmark_files_sensor`` hashes every file of ``benchmarks/`` and
+``reference/`` (local or S3) and materialises the source assets a new, changed or removed file feeds;
+``benchmark_automation_sensor`` then runs ``model_report`` and the joins through their automation
+conditions (eager: as soon as an input updates). Both sensors are on by default.
+"""
+
+import hashlib
+import json
+
+import pandas as pd
+from dagster import (
+    AssetExecutionContext,
+    AssetKey,
+    AssetSelection,
+    AutomationCondition,
+    AutomationConditionSensorDefinition,
+    Config,
+    DefaultSensorStatus,
+    Failure,
+    MetadataValue,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    asset,
+    sensor,
+)
+from pydantic import Field
+
+from qk_assets.figures import save_figures
+from qk_assets.resources import StorageResource
+from qk_core.benchmarks import check_aliases, classify, ensure_seed_files, scan_files
+from qk_core.joins import (
+    STAT_METRICS,
+    THESIS_LBP_MODELS,
+    compute_stats,
+    join_length,
+    join_model,
+    metric_values,
+)
+from qk_core.plots.benchmarks import fig_length, fig_scores_vs_metrics, slug
+from qk_core.stats import MIN_N
+
+GROUP = "benchmarks"
+FIGURE_FOLDER = "benchmarks"
+SENSOR_INTERVAL_S = 5
+ASSET_OF_KIND = {"scores": "benchmark_scores", "aliases": "model_aliases", "model_types": "benchmark_models",
+                 "reference": "reference_metrics"}
+AUTOMATED = ("model_report", "benchmark_joins", "benchmark_length_joins", "benchmark_stats")
+
+
+def _check_aliases(aliases: pd.DataFrame, scores: pd.DataFrame, storage: StorageResource) -> None:
+    problems = check_aliases(aliases, scores, storage.get().uri)
+    if problems:
+        raise Failure(description="\n".join(problems),
+                      metadata={"problems": MetadataValue.md("\n".join(f"- {p}" for p in problems))})
+
+
+def _summary(df: pd.DataFrame) -> MetadataValue:
+    groups = df.groupby(["benchmark", "suite", "mode", "value_source"]).agg(
+        models=("model", "nunique"), rows=("model", "size"))
+    return MetadataValue.md(groups.reset_index().to_markdown(index=False))
+
+
+@asset(group_name=GROUP, kinds={"parquet"}, automation_condition=AutomationCondition.eager())
+def benchmark_joins(context: AssetExecutionContext, storage: StorageResource, model_report: pd.DataFrame,
+                    benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame,
+                    benchmark_models: pd.DataFrame) -> pd.DataFrame:
+    """SPEC 5 a: per model, every metric (measured, else reference) x the benchmark overall score."""
+    _check_aliases(model_aliases, benchmark_scores, storage)
+    df = join_model(metric_values(model_report), model_aliases, benchmark_scores, benchmark_models)
+    context.add_output_metadata({"rows": len(df), "models": df["model"].nunique(), "summary": _summary(df)})
+    return df
+
+
+@asset(group_name=GROUP, kinds={"parquet"}, automation_condition=AutomationCondition.eager())
+def benchmark_length_joins(context: AssetExecutionContext, storage: StorageResource, model_report: pd.DataFrame,
+                           benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame) -> pd.DataFrame:
+    """SPEC 5 b: per model and length, plasticity length bin x the benchmark score at that length."""
+    _check_aliases(model_aliases, benchmark_scores, storage)
+    df = join_length(metric_values(model_report), model_aliases, benchmark_scores)
+    context.add_output_metadata({"rows": len(df), "models": df["model"].nunique(), "summary": _summary(df)})
+    return df
+
+
+class BenchmarkStatsConfig(Config):
+    """Which aggregates are correlated with the overall score, and the named model subsets (scopes)."""
+
+    metrics: list[str] = Field(default_factory=lambda: list(STAT_METRICS))
+    scopes: dict[str, list[str]] = Field(default_factory=lambda: {"thesis": list(THESIS_LBP_MODELS)})
+
+
+def _suite_tag(suite: str) -> str:
+    """A short, collision-free file-name tag for a suite (its slug plus a hash of the full name)."""
+    return f"{slug(suite, 24)}-{hashlib.sha1(suite.encode()).hexdigest()[:6]}"
+
+
+def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: BenchmarkStatsConfig) -> dict:
+    figs: dict[str, object] = {}
+    pref = stats[stats["value_basis"] == "preferred"]
+    across = pref[pref["analysis"] == "across_models"]
+    for (bench, suite, mode, basis), st in across.groupby(["benchmark", "suite", "mode", "score_basis"], sort=True):
+        if st["n"].max() < MIN_N:
+            continue
+        g = jm[(jm["benchmark"] == bench) & (jm["suite"] == suite) & (jm["mode"] == mode)
+               & (jm["score_basis"] == basis)]
+        title = f"{bench} ({mode}) overall score vs plasticity / bias aggregates — suite: {suite}; score: {basis}"
+        figs[f"scores_{slug(bench)}_{_suite_tag(suite)}_{slug(mode)}"] = fig_scores_vs_metrics(
+            g, st, metrics=list(cfg.metrics), scopes=dict(cfg.scopes), title=title)
+    per = pref[pref["analysis"] != "across_models"]
+    for (bench, suite, mode, metric), st in per.groupby(["benchmark", "suite", "mode", "metric"], sort=True):
+        g = jl[(jl["benchmark"] == bench) & (jl["suite"] == suite) & (jl["mode"] == mode)
+               & (jl["length_metric"] == metric)]
+        if g.empty or st["n"].max() < MIN_N:
+            continue
+        title = f"{bench} ({mode}) per-length score vs {metric} — suite: {suite}"
+        figs[f"length_{slug(bench)}_{_suite_tag(suite)}_{slug(mode)}_{slug(metric)}"] = fig_length(g, st, title=title)
+    return figs
+
+
+@asset(group_name=GROUP, kinds={"parquet"}, automation_condition=AutomationCondition.eager())
+def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig, storage: StorageResource,
+                    model_report: pd.DataFrame, benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame,
+                    benchmark_joins: pd.DataFrame, benchmark_length_joins: pd.DataFrame) -> pd.DataFrame:
+    """SPEC 5 c: correlations with p-values and n, per benchmark / suite / mode, never mixing them."""
+    _check_aliases(model_aliases, benchmark_scores, storage)
+    df = compute_stats(model_report, model_aliases, benchmark_scores, metrics=config.metrics, scopes=config.scopes)
+    st = storage.get()
+    figs = _figures(benchmark_joins, benchmark_length_joins, df, config)
+    meta = save_figures(st, FIGURE_FOLDER, figs)
+    keep = {f"figures/{FIGURE_FOLDER}/{name}.png" for name in figs}
+    for rel in st.ls(f"figures/{FIGURE_FOLDER}"):
+        if rel not in keep:  # a suite that is gone leaves no stale figure behind
+            st.delete(rel)
+    headline = df[(df["analysis"] == "across_models") & (df["value_basis"] == "preferred") & (df["n"] >= MIN_N)]
+    cols = ["benchmark", "suite", "mode", "scope", "metric", "n", "pearson_r", "pearson_p", "spearman_rho",
+            "kendall_tau"]
+    context.add_output_metadata({
+        **meta, "rows": len(df),
+        "headline": MetadataValue.md(headline[cols].round(3).to_markdown(index=False)),
+    })
+    return df
+
+
+# ---- sensors ------------------------------------------------------------------------------------
+@sensor(
+    name="benchmark_files_sensor",
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    default_status=DefaultSensorStatus.RUNNING,
+    target=AssetSelection.keys(*ASSET_OF_KIND.values()),
+    description="Materialises the benchmark source assets when a file under benchmarks/ or reference/ is "
+                "added, changed (by content hash) or removed, local or S3.",
+)
+def benchmark_files_sensor(context: SensorEvaluationContext, storage: StorageResource):
+    st = storage.get()
+    ensure_seed_files(st)
+    previous = json.loads(context.cursor) if context.cursor else {}
+    state, changed = scan_files(st, previous)
+    if not changed:
+        return SkipReason(f"no benchmark or reference file changed ({len(state)} files)")
+    targets = sorted({ASSET_OF_KIND[classify(rel)] for rel in changed})
+    context.update_cursor(json.dumps(state, sort_keys=True))
+    context.log.info(f"changed: {changed} -> {targets}")
+    return RunRequest(asset_selection=[AssetKey(t) for t in targets],
+                      tags={"qk/trigger": "benchmark-files", "qk/changed": json.dumps(changed)[:1000]})
+
+
+benchmark_automation_sensor = AutomationConditionSensorDefinition(
+    "benchmark_automation_sensor",
+    target=AssetSelection.keys(*AUTOMATED),
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Runs the model report, the benchmark joins and the statistics as soon as an input updates.",
+)
+
+SENSORS = [benchmark_files_sensor, benchmark_automation_sensor]

@@ -1,0 +1,141 @@
+"""The benchmark assets through Dagster: synthetic upstream metric Parquet, bad input, figures.
+
+The per-model metric assets are stood in for by partitioned external specs; their values are
+Parquet files written where the IO manager reads them (``assets/<asset>/<partition>.parquet``).
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from dagster import AssetKey, AssetSpec, DagsterInstance, materialize
+
+from qk_assets.assets import benchmarks as bench_assets
+from qk_assets.assets import joins as join_assets
+from qk_assets.assets import model_report as report_assets
+from qk_assets.io_manager import ParquetIOManager
+from qk_assets.partitions import model_partitions
+from qk_assets.resources import StorageResource
+from qk_core.metrics import metric_row, metrics_frame
+from qk_core.storage import Storage
+
+SOURCES = ["benchmark_scores", "model_aliases", "benchmark_models", "reference_metrics"]
+DOWNSTREAM = ["model_report", "benchmark_joins", "benchmark_length_joins", "benchmark_stats"]
+ASSETS = [bench_assets.benchmark_scores, bench_assets.model_aliases, bench_assets.benchmark_models,
+          bench_assets.reference_metrics, report_assets.model_report, join_assets.benchmark_joins,
+          join_assets.benchmark_length_joins, join_assets.benchmark_stats,
+          *[AssetSpec(name, partitions_def=model_partitions(), group_name="stand_in")
+            for name in report_assets.METRIC_ASSETS]]
+
+
+def run(root: Path, names: list[str], instance: DagsterInstance):
+    storage = StorageResource(root=str(root))
+    return materialize(ASSETS, selection=[AssetKey(n) for n in names], instance=instance, raise_on_error=False,
+                       resources={"storage": storage, "io_manager": ParquetIOManager(storage=storage)})
+
+
+def failures(result) -> str:
+    out = []
+    for ev in result.get_step_failure_events():
+        data = ev.step_failure_data
+        out.append((data.user_failure_data.description if data.user_failure_data else "") or data.error.message)
+    return "\n".join(out)
+
+
+def read(root: Path, asset: str) -> pd.DataFrame:
+    return pd.read_parquet(root / "assets" / asset / "_all.parquet")
+
+
+@pytest.fixture
+def instance():
+    with DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def test_report_and_joins_from_synthetic_upstream(tmp_path: Path, instance: DagsterInstance) -> None:
+    root = tmp_path / "root"
+    st = Storage(root)
+    opts = {"L": 131072, "B": 8192}
+    st.write_parquet("assets/plasticity_metrics/qwen3-8b.parquet", _arrow(metrics_frame([
+        metric_row("qwen3-8b", "ap_drop", [0.4, 0.6], unit="AP", options=opts),
+        metric_row("qwen3-8b", "ap_overall", [0.7], unit="AP", options=opts)])))
+    st.write_parquet("assets/rotation_metrics/ministral3-3b.parquet", _arrow(metrics_frame([
+        metric_row("ministral3-3b", "bias_strength", [2e-3], unit="per token", options=opts)])))
+    # pca_metrics: no partition at all; every other model: missing partitions
+    res = run(root, SOURCES + DOWNSTREAM, instance)
+    assert res.success, failures(res)
+    report = read(root, "model_report")
+    measured = report[report["value_source"] == "measured"]
+    assert sorted(zip(measured["model"], measured["metric"], measured["analysis"], strict=True)) == [
+        ("ministral3-3b", "bias_strength", "rotation"), ("qwen3-8b", "ap_drop", "plasticity"),
+        ("qwen3-8b", "ap_overall", "plasticity")]
+    assert (report["value_source"] == "reference").sum() > 400
+    jm = read(root, "benchmark_joins")
+    row = jm[(jm["model"] == "qwen3-8b") & (jm["metric"] == "ap_drop") & (jm["benchmark"] == "LongBench-Pro")]
+    assert row[["value", "value_source", "score"]].values.tolist() == [[pytest.approx(0.5), "measured",
+                                                                         pytest.approx(33.4126)]]
+    assert set(jm.loc[jm["model"] == "qwen3-4b", "value_source"]) == {"reference"}
+    stats = read(root, "benchmark_stats")
+    assert set(stats["value_basis"]) == {"preferred", "reference", "measured"}
+    # the figures are on disk and embedded in the stats materialisation
+    figs = sorted(p.name for p in (root / "figures" / "benchmarks").glob("*.png"))
+    assert any(f.startswith("scores_longbench-pro") for f in figs) and any(f.startswith("length_") for f in figs)
+    meta = res.asset_materializations_for_node("benchmark_stats")[0].metadata
+    key = next(k for k in meta if k.startswith("fig_scores_longbench-pro") and not k.endswith("_path"))
+    png = base64.b64decode(meta[key].value.split("base64,", 1)[1].rstrip(")"))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # seeds were copied into the storage root on first materialisation
+    assert (root / "benchmarks" / "ruler.csv").exists() and (root / "reference" / "thesis_metrics.csv").exists()
+
+
+def _arrow(df: pd.DataFrame):
+    import pyarrow as pa
+
+    return pa.Table.from_pandas(df, preserve_index=False)
+
+
+def test_bad_input_fails_and_previous_join_stays(tmp_path: Path, instance: DagsterInstance) -> None:
+    root = tmp_path / "root"
+    res = run(root, SOURCES + DOWNSTREAM, instance)
+    assert res.success, failures(res)
+    before = {a: (root / "assets" / a / "_all.parquet").read_bytes() for a in DOWNSTREAM[1:]}
+    joins_before = read(root, "benchmark_joins")
+
+    # 1. non-numeric score in a dropped file: benchmark_scores fails, naming file, line and field
+    bad = root / "benchmarks" / "my_run.csv"
+    bad.write_text("benchmark,model_name,mode,length,score\nRULER,Llama3.1 (8B),instruct,4k,91\n"
+                   "RULER,Llama3.1 (8B),instruct,8k,eighty\n")
+    res = run(root, SOURCES + DOWNSTREAM, instance)
+    assert not res.success
+    msg = failures(res)
+    assert f"{bad}: line 3, field 'score': 'eighty' is not a number" in msg
+    for asset, data in before.items():
+        assert (root / "assets" / asset / "_all.parquet").read_bytes() == data, asset
+    pd.testing.assert_frame_equal(read(root, "benchmark_joins"), joins_before)
+
+    # 2. the file fixed but an alias now points at a model with no scores: the joins fail, naming the alias
+    bad.write_text("benchmark,model_name,mode,length,score,source\nRULER,Llama3.1 (8B),instruct,4k,91,my run\n")
+    aliases = root / "benchmarks" / "model_aliases.csv"
+    lines = aliases.read_text().splitlines()
+    aliases.write_text("\n".join([*lines, "qwen3-1.7b,Qwen/Qwen3-1.7B,RULER,Qwen3-1.7B,instruct,same,"]) + "\n")
+    res = run(root, SOURCES + DOWNSTREAM, instance)
+    assert not res.success
+    assert (f"{aliases}: line {len(lines) + 1}, field 'benchmark_model_name': 'Qwen3-1.7B' has no RULER scores"
+            in failures(res))
+    pd.testing.assert_frame_equal(read(root, "benchmark_joins"), joins_before)
+
+    # 3. the alias removed: the new file's suite appears in the join
+    aliases.write_text("\n".join(lines) + "\n")
+    res = run(root, SOURCES + DOWNSTREAM, instance)
+    assert res.success, failures(res)
+    jm = read(root, "benchmark_joins")
+    assert "my run" not in set(joins_before["suite"])
+    new = jm[jm["suite"] == "my run"]
+    assert set(new["model"]) == {"llama3.1-8b"}  # the suite's only length is its overall (RULER average)
+    assert set(new["score_basis"]) == {"mean over lengths 4k"} and set(new["score"]) == {91.0}
+    jl = read(root, "benchmark_length_joins")
+    cell = jl[(jl["suite"] == "my run") & (jl["model"] == "llama3.1-8b")]
+    assert cell[["length", "score", "bin_key"]].values.tolist() == [["4k", 91.0, "4k"]]
