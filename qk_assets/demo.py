@@ -191,18 +191,30 @@ class Planner:
         return ""
 
     def decide(self, nodes: list[Node], force: bool = False) -> list[Decision]:
-        """Decisions in the (topological) order of ``nodes``, with rule 5 applied."""
-        redo: dict[Node, str] = {}
-        out = []
-        for node in nodes:
-            reason = "forced" if force else self.own_reason(node)
-            if not reason:
-                ups = [u for u in upstream_nodes(self.graph, node) if u in redo]
-                reason = f"upstream {node_name(ups[0])} is recomputed" if ups else ""
-            if reason:
-                redo[node] = reason
-            out.append(Decision(node, reason))
-        return out
+        """Decisions in the order of ``nodes``, with rule 5 applied to a fixed point; the outputs of an
+        asset that cannot be subset (a multi-asset computed in one go) are recomputed together."""
+        reason = {n: "forced" if force else self.own_reason(n) for n in nodes}
+        changed = True
+        while changed:
+            changed = False
+            for node in nodes:
+                if reason[node]:
+                    continue
+                ups = [u for u in upstream_nodes(self.graph, node) if reason.get(u)]
+                mates = [m for m in ((k, node[1]) for k in self.siblings(node[0])) if reason.get(m)]
+                if ups:
+                    reason[node] = f"upstream {node_name(ups[0])} is recomputed"
+                elif mates:
+                    reason[node] = f"computed together with {node_name(mates[0])}"
+                changed = changed or bool(reason[node])
+        return [Decision(n, reason[n]) for n in nodes]
+
+    def siblings(self, key: AssetKey) -> list[AssetKey]:
+        """The other outputs of ``key``'s asset definition when it cannot materialise them separately."""
+        adef = self.graph.get(key).assets_def
+        if adef.can_subset:
+            return []
+        return sorted((k for k in adef.keys if k != key), key=lambda k: k.to_user_string())
 
 
 # ---- grouping into runs -----------------------------------------------------------------------

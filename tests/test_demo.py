@@ -241,3 +241,23 @@ def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypat
     declared = toy_defs().get_assets_def(AssetKey("ana"))
     kept = versioning.with_code_versions([declared], [sys.modules[__name__]])
     assert kept[0].specs_by_key[AssetKey("ana")].code_version == "v1"
+
+
+def test_outputs_of_an_unsplittable_multi_asset_are_recomputed_together(env) -> None:
+    from dagster import AssetMaterialization, AssetOut, Output, multi_asset
+
+    instance, reg_path, storage = env
+
+    @multi_asset(outs={"x": AssetOut(code_version="1"), "y": AssetOut(code_version="1")}, can_subset=False)
+    def xy():
+        CALLS.append("xy")
+        yield Output(pd.DataFrame({"v": [1]}), output_name="x")
+        yield Output(pd.DataFrame({"v": [2]}), output_name="y")
+
+    defs = Definitions(assets=[xy], resources={"io_manager": mem_io_manager})
+    assert demo(instance, defs, reg_path, storage)[0] == 0 and CALLS == ["xy"]
+    instance.report_runless_asset_event(AssetMaterialization("x"))  # x changed outside (no code version)
+    CALLS.clear()
+    failed, out = demo(instance, defs, reg_path, storage)
+    assert failed == 0 and CALLS == ["xy"], out
+    assert "computed together with x" in out
