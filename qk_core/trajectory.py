@@ -42,7 +42,7 @@ PCA_SHARE_PREFIX = "pca_share_"  # SPEC 2: taxonomy shares on PC0, one metric pe
 INPUTS = ("capture", "pca_metrics", "rotation_metrics", "plasticity_metrics", "plasticity_profiles")
 CONFIG_FIELDS = ("window", "bucket", "rope_theta", "max_position_embeddings")
 STEP_RE = re.compile(r"step-?(\d+)")
-TAU_COLUMNS = ("tau",)
+TAU_COLUMNS = ("tau", "tau_tokens")  # raw-token bucket midpoints, as the plasticity profiles name them
 AP_COLUMNS = ("ap", "ap_closed", "ap_closed_form", "pp")
 
 
@@ -230,7 +230,7 @@ def profile_table(checkpoints: list[Checkpoint]) -> pd.DataFrame:
     tau_b = (b + 0.5) B in raw tokens of that checkpoint's own B; ``tau_norm`` = tau / L.
     """
     cols = ["model", "revision", "step_index", "window", "bucket_width", "bucket", "tau", "tau_norm",
-            "ap", "ap_median", "ap_q25", "ap_q75", "n_heads"]
+            "ap", "ap_median", "ap_q25", "ap_q75", "ap_empirical", "n_heads"]
     parts = []
     for ck in sorted(checkpoints, key=lambda c: c.step_index):
         prof = ck.profiles
@@ -240,7 +240,10 @@ def profile_table(checkpoints: list[Checkpoint]) -> pd.DataFrame:
         L, B = int(cfg["window"]), int(cfg["bucket"])
         ap_col = _column(prof, AP_COLUMNS, "AP", ck.key)
         p = prof.copy()
-        if "tau" not in p.columns:
+        tau_col = next((c for c in TAU_COLUMNS if c in p.columns), None)
+        if tau_col is not None:
+            p["tau"] = p[tau_col].astype(float)
+        else:
             if "bucket" not in p.columns:
                 raise TrajectoryError(f"{ck.key}: plasticity_profiles has neither 'tau' nor 'bucket'")
             p["tau"] = (p["bucket"].astype(float) + 0.5) * B  # SPEC notation: tau_b = (b + 0.5) B
@@ -251,6 +254,9 @@ def profile_table(checkpoints: list[Checkpoint]) -> pd.DataFrame:
         agg = pd.DataFrame({
             "ap": g.mean(), "ap_median": g.median(), "ap_q25": g.quantile(0.25), "ap_q75": g.quantile(0.75),
             "n_heads": g.count(),
+            # SPEC 4.3: the empirical estimator's profile beside the closed form, where the analysis has it
+            "ap_empirical": (p.groupby(["bucket", "tau"])["ap_empirical"].mean() if "ap_empirical" in p
+                             else np.nan),
         }).reset_index().sort_values("tau")
         agg.insert(0, "model", ck.key)
         agg.insert(1, "revision", ck.revision)

@@ -74,6 +74,8 @@ def planted_checkpoint(i: int, rev: str, cfg: dict, with_window_metric: bool) ->
     prof = pd.DataFrame([{"layer": h // 2, "q_head": h % 2, "bucket": b, "tau": (b + 0.5) * B,
                           "ap": 0.7 - 0.3 * b / J + 0.01 * h + 0.001 * i}
                          for h in range(N_HEADS) for b in range(1, J)])
+    if i == 1:  # the plasticity analysis' own naming: tau_tokens, plus the empirical estimator's AP
+        prof = prof.rename(columns={"tau": "tau_tokens"}).assign(ap_empirical=lambda d: d["ap"] - 0.05)
     ck = Checkpoint(key=key, revision=rev, step_index=i, config=dict(cfg),
                     metrics={"rotation_metrics": metrics_frame(rot), "plasticity_metrics": metrics_frame(pla),
                              "pca_metrics": metrics_frame(pca)},
@@ -155,6 +157,10 @@ def test_profile_in_absolute_positions(series: tuple[list[Checkpoint], list[dict
         np.testing.assert_allclose(got["tau"], (exp.index.to_numpy() + 0.5) * cfg["bucket"])
         np.testing.assert_allclose(got["tau_norm"], got["tau"] / cfg["window"])
         assert (got["window"] == cfg["window"]).all() and (got["bucket_width"] == cfg["bucket"]).all()
+        if "ap_empirical" in truth["profile"]:
+            np.testing.assert_allclose(got["ap_empirical"], exp["mean"] - 0.05, rtol=1e-12)
+        else:
+            assert got["ap_empirical"].isna().all()
     # tau derived from the bucket index when a profile carries only buckets
     ck = cks[2]
     ck.profiles = ck.profiles.drop(columns=["tau"])
