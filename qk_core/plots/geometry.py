@@ -53,6 +53,14 @@ def _list_matrix(series: pd.Series) -> np.ndarray:
     return out
 
 
+def _iqr_whiskers(ax, x: np.ndarray, q25: np.ndarray, q75: np.ndarray, cap: float = 0.06) -> None:
+    """Interquartile-range whiskers (the bar is the mean, which may lie outside the IQR)."""
+    ok = np.isfinite(q25) & np.isfinite(q75)
+    ax.vlines(x[ok], q25[ok], q75[ok], color="0.2", lw=0.9)
+    for y in (q25, q75):
+        ax.hlines(y[ok], x[ok] - cap, x[ok] + cap, color="0.2", lw=0.9)
+
+
 # ---- per model: PCA ------------------------------------------------------------------------------
 
 
@@ -105,7 +113,7 @@ def fig_pca_explained_variance(heads: pd.DataFrame, model: str) -> Figure:
             mean = np.nanmean(vals, axis=0)
             q25, q75 = np.nanpercentile(vals, 25, axis=0), np.nanpercentile(vals, 75, axis=0)
             bx.bar(x + off, mean, width=w, color=color, alpha=0.85, label=label)
-            bx.errorbar(x + off, mean, yerr=[mean - q25, q75 - mean], fmt="none", ecolor="0.2", capsize=2, lw=0.8)
+            _iqr_whiskers(bx, x + off, q25, q75)
     for a in (ax, bx):
         a.set_xticks(x)
         a.set_xticklabels([f"PC{j}" for j in x], fontsize=8)
@@ -262,8 +270,8 @@ def fig_pc_roles(pca_metrics: pd.DataFrame, families: Mapping[str, str], order: 
                  n_pcs: int = 5) -> Figure:
     """Thesis Fig. 6.1: PC0 taxonomy shares per model, and mean |r_q|, |r_k| of the leading components."""
     order = list(order)
-    fig = Figure(figsize=(13, 0.42 * len(order) + 2.2))
-    gs = fig.add_gridspec(1, 3, width_ratios=[2.2, 1, 1], wspace=0.08)
+    fig = Figure(figsize=(13, 0.42 * len(order) + 2.2), layout="constrained")
+    gs = fig.add_gridspec(1, 3, width_ratios=[2.2, 1, 1])
     ax = fig.add_subplot(gs[0])
     y = np.arange(len(order))
     left = np.zeros(len(order))
@@ -299,14 +307,15 @@ def fig_pc_roles(pca_metrics: pd.DataFrame, families: Mapping[str, str], order: 
     if im is not None:
         cb = fig.colorbar(im, ax=fig.axes[1:], fraction=0.03, pad=0.02)
         cb.set_label("|Pearson(projection, position)|, mean over heads", fontsize=8)
-    fig.suptitle("Roles of the principal components across models", fontsize=11, y=1.0)
+    fig.suptitle("Roles of the principal components across models (PC0 class shares; position correlation per PC)",
+                 fontsize=11)
     return fig
 
 
 def fig_rq_rk_bars(rotation_heads: pd.DataFrame, families: Mapping[str, str], order: Sequence[str]) -> Figure:
     """Thesis Fig. 6.2: mean |r_q_a| and |r_k_a| per model (whiskers: interquartile range over heads)."""
     order = list(order)
-    fig = Figure(figsize=(max(6.0, 0.55 * len(order) + 2), 4.4))
+    fig = Figure(figsize=(max(6.0, 0.55 * len(order) + 2), 4.4), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(order))
     w = 0.38
@@ -314,10 +323,8 @@ def fig_rq_rk_bars(rotation_heads: pd.DataFrame, families: Mapping[str, str], or
                                    (w / 2, "abs_r_k_a", K_COLOR, r"$|r_{k,a}|$ (keys)")):
         stats = [describe(_ok(rotation_heads[rotation_heads["model"] == m])[col]) for m in order]
         mean = np.array([s["mean"] for s in stats])
-        lo = mean - np.array([s["q25"] for s in stats])
-        hi = np.array([s["q75"] for s in stats]) - mean
         ax.bar(x + off, mean, width=w, color=color, alpha=0.85, label=label)
-        ax.errorbar(x + off, mean, yerr=[lo, hi], fmt="none", ecolor="0.2", capsize=2, lw=0.8)
+        _iqr_whiskers(ax, x + off, np.array([s["q25"] for s in stats]), np.array([s["q75"] for s in stats]))
     ax.set_xticks(x)
     ax.set_xticklabels(order, rotation=40, ha="right", fontsize=8)
     ax.set_ylim(0, 1)
@@ -353,8 +360,8 @@ def fig_bias_distributions(rotation_heads: pd.DataFrame, families: Mapping[str, 
     ok = _ok(rotation_heads)
     fams = _families_in(order, families)
     widths = [max(1, sum(families.get(m, "unknown") == f for m in order)) for f in fams]
-    fig = Figure(figsize=(max(6.0, 0.8 * len(order) + 1.5 * len(fams)), 4.6))
-    gs = fig.add_gridspec(1, max(len(fams), 1), width_ratios=widths or [1], wspace=0.08)
+    fig = Figure(figsize=(max(6.0, 0.8 * len(order) + 1.5 * len(fams)), 4.6), layout="constrained")
+    gs = fig.add_gridspec(1, max(len(fams), 1), width_ratios=widths or [1])
     linthresh = _bias_norm(ok[column].to_numpy(float)) if len(ok) else None
     shared = None
     for i, fam in enumerate(fams):
@@ -383,7 +390,7 @@ def fig_bias_distributions(rotation_heads: pd.DataFrame, families: Mapping[str, 
             ax.tick_params(labelleft=False)
         ax.grid(alpha=0.2, axis="y")
     handles = [Line2D([], [], marker="D", ls="", color="tab:red", label="mean over heads")]
-    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="outside lower right", fontsize=8, frameon=False)
     fig.suptitle("Positional bias strength per head, by family (> 0: recency)", fontsize=11)
     return fig
 
@@ -393,9 +400,9 @@ def fig_bias_vs_separation(rotation_heads: pd.DataFrame, families: Mapping[str, 
     """Thesis Fig. A.3: bias_strength vs separation_strength per head, one panel per family; model means."""
     ok = _ok(rotation_heads)
     fams = _families_in(order, families)
-    cols = min(3, max(len(fams), 1))
+    cols = 2 if len(fams) in (2, 4) else min(3, max(len(fams), 1))
     rows = max(1, -(-len(fams) // cols))
-    fig = Figure(figsize=(4.6 * cols + 0.4, 3.9 * rows + 0.5))
+    fig = Figure(figsize=(4.6 * cols + 0.4, 3.9 * rows + 0.5), layout="constrained")
     linthresh = _bias_norm(ok["bias_strength"].to_numpy(float)) if len(ok) else None
     cmap = colormaps["tab10"]
     ax0 = None
