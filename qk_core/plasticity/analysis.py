@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from qk_core.capture_store import HeadData
+from qk_core.capture_store import CaptureError, HeadData
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity._blas import blas_threads as limit_blas
@@ -36,6 +36,7 @@ from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.options import PlasticityOptions, n_buckets
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_query_model
+from qk_core.storage import StorageError
 
 FIRST_BUCKET = "first_bucket"
 NO_ELIGIBLE_PAIRS = "no_eligible_pairs"
@@ -89,10 +90,15 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     base = {"layer": int(head.layer), "q_head": int(head.q_head), "kv_head": int(head.kv_head), "d": head.d,
             "L": L, "B": B, "covariance": opts.covariance, "n_queries": len(head.q_pos), "n_keys": len(head.k_pos),
             "n_docs": len(np.unique(head.k_doc))}
+    bad_q = int((~np.isfinite(head.q)).any(axis=1).sum())
+    bad_k = int((~np.isfinite(head.k)).any(axis=1).sum())
+    if bad_q or bad_k:
+        return failed_head(base, "non_finite", f"{bad_q} Q rows and {bad_k} K rows hold NaN or inf", J,
+                           W.shape[0])
     try:
         model = fit_query_model(head.q, head.q_pos, L, B, opts.covariance, opts.min_queries_per_bucket)
     except QueryModelError as exc:
-        return _failed_head(base, str(exc), J, L, B, opts, W.shape[0])
+        return failed_head(base, "query_model_failed", str(exc), J, W.shape[0])
 
     kidx = index_keys(head.k_pos, head.k_doc, B, J)
     K = np.asarray(head.k, dtype=np.float64)
@@ -161,6 +167,9 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     boot_vals = agg.headline(boot, L, B) if boot.shape[0] else {}
     row = dict(base)
     row["status"] = "ok" if ok.any() else "no_usable_bucket"
+    counts = {st: sum(x == st for x in status) for st in BUCKET_STATUSES}
+    row["reason"] = "" if ok.any() else "no bucket with a value (" + ", ".join(
+        f"{k} {v}" for k, v in counts.items() if v) + ")"
     for name in agg.HEADLINE:
         row[name] = float(head_vals[name])
         lo, hi = (percentile_interval(boot_vals[name], opts.ci) if boot_vals else (np.nan, np.nan))
@@ -174,8 +183,8 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     row.update(_diagnostics(model, L))
     row["n_pairs"] = int(n_pairs.sum())
     row["n_pairs_sampled"] = int(n_sampled.sum())
-    for s in BUCKET_STATUSES:
-        row[f"n_buckets_{s}"] = int(sum(x == s for x in status))
+    for st, c in counts.items():
+        row[f"n_buckets_{st}"] = int(c)
 
     boot_ap_lo, boot_ap_hi = (percentile_interval(boot, opts.ci) if boot.shape[0]
                               else (np.full(J, np.nan), np.full(J, np.nan)))
@@ -239,14 +248,12 @@ def _head_bins(base: dict[str, Any], ap: np.ndarray, ap_emp: np.ndarray, boot: n
     })
 
 
-def _failed_head(base: dict[str, Any], reason: str, J: int, L: int, B: int, opts: PlasticityOptions,
-                 R: int) -> HeadResult:
-    row = dict(base)
-    row["status"] = f"query_model_failed: {reason}"
+def failed_head(base: dict[str, Any], status: str, reason: str, J: int, R: int) -> HeadResult:
+    """A head that cannot be analysed: a row with its status and reason, NaN profile, no other rows."""
+    row = {**base, "status": status, "reason": reason}
     nan = np.full(J, np.nan)
-    empty = HeadResult(row, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), None, nan, nan.copy(),
-                       np.full((R, J), np.nan))
-    return empty
+    return HeadResult(row, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), None, nan, nan.copy(),
+                      np.full((R, J), np.nan))
 
 
 # ---- whole capture ------------------------------------------------------------------------------
@@ -279,8 +286,15 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
     opt_json = opts.record_json(L, B)
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
     rows, profiles, bins, pairs, comps, boots, aps = [], [], [], [], [], [], []
+    J = n_buckets(L, B)
     for n, (layer, q_head) in enumerate(heads):
-        res = analyse_head(read_head(int(layer), int(q_head)), opts, doc_ids, W, blas_threads)
+        try:
+            head = read_head(int(layer), int(q_head))
+        except (CaptureError, StorageError) as exc:
+            res = failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
+                               "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
+        else:
+            res = analyse_head(head, opts, doc_ids, W, blas_threads)
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)

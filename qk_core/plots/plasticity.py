@@ -24,7 +24,7 @@ from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MultipleLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, MultipleLocator
 
 from qk_core.plasticity.aggregates import fmt_tokens
 
@@ -32,11 +32,12 @@ _TOK = FuncFormatter(lambda x, _pos: fmt_tokens(x) if x >= 0 else "")
 
 
 def _token_axis(axis, L: int) -> None:
-    """Ticks at power-of-two token multiples (4-8 ticks over [0, L]), labelled 512, 1k, 1.5k, 8k, ..."""
+    """Major ticks at power-of-two token multiples (about 4 over [0, L]), labelled 512, 1k, 1.5k, 8k, ..."""
     step = 1
-    while L / step > 8:
+    while L / step > 4:
         step *= 2
     axis.set_major_locator(MultipleLocator(step))
+    axis.set_minor_locator(MultipleLocator(step / 2))
     axis.set_major_formatter(_TOK)
 
 
@@ -88,6 +89,8 @@ def fig_profiles(profiles: pd.DataFrame, model: str, L: int, B: int, options: di
     _frac_axis(ax, L)
     cb = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.02)
     cb.set_label("layer")
+    cb.locator = MaxNLocator(integer=True)
+    cb.update_ticks()
     ax.legend(loc="lower left", fontsize=8, frameon=True)
     ax.set_title(f"{model}: plasticity profile per head\n{_subtitle(L, B, options)}", fontsize=10)
     return fig

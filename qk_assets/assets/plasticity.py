@@ -1,0 +1,215 @@
+"""Attention plasticity per model (SPEC 4) and decile profiles across models, with the figures of SPEC 7.
+
+``plasticity`` (a multi-asset, partitioned like the capture) reads the capture one head at a time and
+calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
+
+- ``plasticity_heads``: one row per sampled head: AP_overall / first20 / last20 / drop with 95% document
+  bootstrap intervals, the empirical counterparts, the closed-form vs empirical gap, diagnostics (|beta|
+  per token and x L, mean R^2, skew / excess kurtosis of the coordinate-1 residual), counts, bucket
+  status counts, status / reason, options;
+- ``plasticity_profiles``: per head and bucket: tau (raw tokens and / L), AP closed form with interval,
+  AP empirical, gap, pairs drawn / valid / eligible, queries, keys, Ledoit-Wolf shrinkage, status;
+- ``plasticity_bins``: per head and bin (quintiles, deciles, length bins, RULER bins, absolute position
+  bins): value, empirical value, interval, buckets used, status (missing bins say why);
+- ``plasticity_pairs``: per pair: document, t_i, t_j (raw tokens), bucket, tau, delta_1, z, PP closed
+  form and empirical, valid;
+- ``plasticity_heatmap``: non-empty cells of the pooled 2-D heatmap (bin edges in raw tokens, pairs,
+  mean PP closed form and empirical);
+- ``plasticity_components``: per head and original query coordinate: R^2 on position and weight;
+- ``plasticity_metrics``: the long metrics format (qk_core.metrics) with model-level bootstrap lo / hi.
+
+``plasticity_deciles`` (unpartitioned) collects the ``ap_decile`` rows of every model that has them.
+
+Options, lowest to highest precedence: :class:`qk_core.plasticity.PlasticityOptions` defaults, the
+registry entry's ``analysis.plasticity`` table, the run config. L and B come from the capture.
+"""
+
+import json
+
+import pandas as pd
+from dagster import (
+    AssetExecutionContext,
+    AssetIn,
+    AssetOut,
+    Config,
+    MetadataValue,
+    Output,
+    asset,
+    multi_asset,
+)
+
+from qk_assets.figures import save_figures
+from qk_assets.partitions import model_partitions, registry
+from qk_assets.resources import StorageResource
+from qk_core.capture_store import CaptureError, CaptureReader
+from qk_core.plasticity import PlasticityOptions, analyse_model
+
+GROUP = "plasticity"
+
+UNITS = {
+    "tau_tokens, t_i, t_j, *_tokens": "raw token positions",
+    "tau_frac": "tau / L (window-normalised)",
+    "ap, ap_*, pp, pp_*, value, gap*": "attention plasticity (dimensionless, [0, 1])",
+    "beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
+    "z": "standard-normal quantile m / sqrt(v)", "delta_1": "key difference along the query drift axis",
+}
+
+
+class PlasticityConfig(Config):
+    """Run-time overrides of the plasticity options; unset fields keep the registry / default values."""
+
+    pairs_per_bucket: int | None = None
+    covariance: str | None = None
+    bootstrap: int | None = None
+    seed: int | None = None
+    keep_pairs: bool | None = None
+
+
+def plasticity_options(model_key: str, overrides: dict | None = None) -> PlasticityOptions:
+    """Defaults < the registry's ``analysis.plasticity`` table < ``overrides`` (SPEC 4 options)."""
+    reg = registry()
+    analysis = reg.model(model_key).analysis if model_key in reg.models else {}
+    return PlasticityOptions.from_analysis(analysis, **(overrides or {}))
+
+
+def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
+    return MetadataValue.md(df.head(n).to_markdown(index=False, floatfmt=".4g"))
+
+
+@multi_asset(
+    outs={
+        "plasticity_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per head: AP_overall/first20/last20/drop with 95% document-bootstrap intervals, empirical "
+            "counterparts, closed-form vs empirical gap, diagnostics, counts, status/reason, options (SPEC 4).")),
+        "plasticity_profiles": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per head and query bucket: tau (raw tokens, / L), AP closed form + interval, AP empirical, pairs, "
+            "queries, keys, status (SPEC 4.4).")),
+        "plasticity_bins": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per head and bin: quintiles, deciles, length bins, RULER bins, absolute position bins; missing "
+            "bins carry their reason (SPEC 4.5).")),
+        "plasticity_pairs": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per key pair: document, t_i, t_j, bucket, tau, delta_1, z, PP closed form and empirical (SPEC 4.7).")),
+        "plasticity_heatmap": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Mean PP by inter-key distance x query-to-key-midpoint distance, pooled over heads (SPEC 4.7).")),
+        "plasticity_components": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per head and query coordinate: R^2 on position and normalised weight (SPEC 4.8).")),
+        "plasticity_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Per-model plasticity metrics in the long format: ap_overall, ap_first20, ap_last20, ap_drop, "
+            "ap_quintile, ap_decile, ap_length_bin, ap_length_bin_ruler, ap_position_bin (model-level "
+            "bootstrap lo/hi), empirical and diagnostic means.")),
+    },
+    ins={"qk_capture": AssetIn()},
+    partitions_def=model_partitions(),
+    can_subset=False,
+)
+def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage: StorageResource,
+               qk_capture: pd.DataFrame):
+    """Attention plasticity of every sampled head of one model (SPEC 4), with figures (SPEC 7)."""
+    model = context.partition_key
+    overrides = {k: v for k, v in config.model_dump().items() if v is not None}
+    opts = plasticity_options(model, overrides)
+    store = storage.get()
+    if qk_capture.empty:
+        raise CaptureError(f"{model}: the capture lists no heads")
+    prefixes = sorted(set(qk_capture["capture_prefix"].astype(str)))
+    if len(prefixes) != 1:
+        raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
+    reader = CaptureReader(store, prefixes[0])
+    L, B = reader.window, reader.bucket
+    doc_ids = reader.doc_tokens()["example_id"].to_numpy()
+    heads = [(int(r.layer), int(r.q_head)) for r in qk_capture.sort_values(["layer", "q_head"]).itertuples()]
+    step = max(1, len(heads) // 10)
+
+    def progress(i: int, res) -> None:
+        if (i + 1) % step == 0 or i + 1 == len(heads):
+            context.log.info(f"plasticity {model}: {i + 1}/{len(heads)} heads")
+
+    result = analyse_model(model, heads, reader.read_head, doc_ids, L, B, opts, progress=progress)
+    record = result.options
+    h = result.heads
+    skipped = h.loc[h["status"] != "ok", "status"].value_counts().to_dict() if len(h) else {}
+    if skipped:
+        context.log.warning(f"plasticity {model}: heads without a value {skipped}; see status/reason")
+    figures = _figures(result, model, L, B, record)
+    folder = f"plasticity/{model}"
+    common = {"options": MetadataValue.json(record), "L_tokens": L, "B_tokens": B,
+              "heads_ok": int((h["status"] == "ok").sum()) if len(h) else 0,
+              "heads_skipped": MetadataValue.json({str(k): int(v) for k, v in skipped.items()})}
+    headline = result.metrics[result.metrics["key"] == ""][["metric", "value", "median", "lo", "hi", "n_heads",
+                                                            "unit"]]
+    prof_status = (result.profiles["status"].value_counts().to_dict() if len(result.profiles) else {})
+    yield Output(h, output_name="plasticity_heads", metadata={
+        **common, "model_values": _md(headline), "units": MetadataValue.json(UNITS),
+        **save_figures(store, folder, {"closed_vs_empirical": figures["closed_vs_empirical"]})})
+    yield Output(result.profiles, output_name="plasticity_profiles", metadata={
+        **common, "bucket_status": MetadataValue.json({str(k): int(v) for k, v in prof_status.items()}),
+        **save_figures(store, folder, {"profiles": figures["profiles"]})})
+    bins = result.bins
+    missing = (bins[bins["status"] != "ok"].groupby(["metric", "key", "status"]).size().reset_index(name="heads")
+               if len(bins) else pd.DataFrame())
+    yield Output(bins, output_name="plasticity_bins", metadata={**common, "missing_bins": _md(missing, 60)})
+    yield Output(result.pairs, output_name="plasticity_pairs", metadata={**common, "pairs": len(result.pairs)})
+    yield Output(result.heatmap, output_name="plasticity_heatmap", metadata={
+        **common, "cells": len(result.heatmap), **save_figures(store, folder, {"heatmap": figures["heatmap"]})})
+    yield Output(result.components, output_name="plasticity_components", metadata={
+        **common, **save_figures(store, folder, {"components": figures["components"]})})
+    yield Output(result.metrics, output_name="plasticity_metrics", metadata={
+        **common, "preview": _md(result.metrics[["metric", "key", "value", "median", "lo", "hi", "n_heads"]], 60)})
+
+
+def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
+    from qk_core.plots.plasticity import fig_closed_vs_empirical, fig_components, fig_heatmap, fig_profiles
+
+    empty = pd.DataFrame(columns=["layer", "q_head", "tau_tokens", "tau_frac", "ap", "ap_empirical", "status"])
+    prof = result.profiles if len(result.profiles) else empty
+    return {
+        "profiles": fig_profiles(prof, model, L, B, record),
+        "heatmap": fig_heatmap(result.heatmap, model, L, B, record),
+        "components": fig_components(result.components, model, L, B, record),
+        "closed_vs_empirical": fig_closed_vs_empirical(prof, result.heads, model, L, B, record),
+    }
+
+
+DECILE_COLUMNS = ["model", "key", "decile_lo", "decile_hi", "decile_mid", "value", "median", "lo", "hi", "n_heads",
+                  "L", "B", "options"]
+
+
+def decile_table(metrics_by_model: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The ``ap_decile`` rows of every model, with the decile bounds as fractions of L."""
+    parts = []
+    for model in sorted(metrics_by_model):
+        m = metrics_by_model[model]
+        d = m[m["metric"] == "ap_decile"].copy()
+        if d.empty:
+            continue
+        bounds = d["key"].str.rstrip("%").str.split("-", expand=True).astype(float) / 100.0
+        d["decile_lo"], d["decile_hi"] = bounds[0], bounds[1]
+        d["decile_mid"] = (d["decile_lo"] + d["decile_hi"]) / 2
+        opts = [json.loads(o) for o in d["options"]]
+        d["L"] = [int(o.get("L", 0)) for o in opts]
+        d["B"] = [int(o.get("B", 0)) for o in opts]
+        parts.append(d)
+    if not parts:
+        return pd.DataFrame(columns=DECILE_COLUMNS)
+    return pd.concat(parts, ignore_index=True)[DECILE_COLUMNS].sort_values(["model", "decile_lo"],
+                                                                           ignore_index=True)
+
+
+@asset(ins={"plasticity_metrics": AssetIn()}, group_name=GROUP, kinds={"parquet"})
+def plasticity_deciles(storage: StorageResource, plasticity_metrics: dict):
+    """Decile profiles (mean AP over heads per tenth of the window) of every model that has them (SPEC 7)."""
+    from qk_core.plots.plasticity import fig_deciles
+
+    if isinstance(plasticity_metrics, pd.DataFrame):  # a single partition loads as the frame itself
+        plasticity_metrics = {str(plasticity_metrics["model"].iloc[0]): plasticity_metrics} \
+            if len(plasticity_metrics) else {}
+    table = decile_table(plasticity_metrics)
+    meta = save_figures(storage.get(), "plasticity/all_models", {"decile_profiles": fig_deciles(table)})
+    wide = table.pivot_table(index="model", columns="key", values="value") if len(table) else pd.DataFrame()
+    return Output(table, metadata={"models": int(table["model"].nunique()) if len(table) else 0,
+                                   "deciles": MetadataValue.md(wide.to_markdown(floatfmt=".3f")) if len(wide)
+                                   else MetadataValue.md("(no model yet)"),
+                                   "missing_models": MetadataValue.json(sorted(set(registry().model_keys)
+                                                                               - set(plasticity_metrics))),
+                                   **meta})
+
