@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements.lock requirements-models.txt
 	touch $@
 
 demo: setup
-	$(BIN)/python -m qk_assets.demo
+	$(BIN)/python -m qk_assets.demo $(ARGS)
 
 test: setup browser
 	$(BIN)/ruff check qk_core qk_assets tests bench
