@@ -117,11 +117,11 @@ def probe_layers(loaded: LoadedModel, include_sliding: bool) -> list[LayerInfo]:
     """Run a few tokens through the backbone under the capture function and describe every layer."""
     import torch
 
-    from qk_core.capture.hook import CaptureSession
+    from qk_core.capture import hook  # module import: torch loads only when capture runs
 
     ids = list(loaded.tokenizer("Probe of the attention layers.")["input_ids"])[:16] or [0, 1]
     x = torch.tensor([ids], device=loaded.device)
-    with CaptureSession(loaded.backbone) as session, torch.inference_mode():
+    with hook.CaptureSession(loaded.backbone) as session, torch.inference_mode():
         session.set_positions({})
         loaded.backbone(input_ids=x, use_cache=False)
         calls = dict(session.calls)
@@ -264,14 +264,14 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     if skipped:
         log.info(f"{entry.key}: resuming, {len(skipped)}/{len(docs)} documents already committed")
 
-    from qk_core.capture.hook import CaptureHookError, CaptureSession
+    from qk_core.capture import hook
 
     plan = _layer_plan(heads)
     captured: list[int] = []
     tokens = 0
     seconds = 0.0
     total = len(docs)
-    with CaptureSession(loaded.backbone, plan) as session:
+    with hook.CaptureSession(loaded.backbone, plan) as session:
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])
@@ -284,7 +284,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
             try:
                 rows = session.collect()
-            except CaptureHookError as exc:
+            except hook.CaptureHookError as exc:
                 raise CaptureError(f"{entry.key}: {exc}") from exc
             dt = time.perf_counter() - t0
             if writer is None:

@@ -1,0 +1,71 @@
+"""Q/K capture, one partition per registry model key (SPEC 1).
+
+Thin wrapper over :func:`qk_core.capture.capture_model`: reads the model's corpus partition, runs on the
+torch device resource (GPU when present, CPU otherwise) in the concurrency pool ``gpu`` (one capture
+at a time across runs), streams the documents into ``captures/<model>/<fingerprint>/`` and returns one
+row per sampled head. Progress (documents done/total, tokens per second) goes to the run log. A rerun
+after a crash resumes with the documents not yet committed; a rerun of a complete capture is a no-op.
+"""
+
+import json
+
+import pandas as pd
+from dagster import AssetExecutionContext, AssetIn, MetadataValue, asset
+
+from qk_assets.partitions import corpus_of_model, model_partitions, registry
+from qk_assets.resources import StorageResource, TorchDeviceResource
+
+HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
+                      "n_q_rows", "n_k_rows"]
+
+
+@asset(
+    partitions_def=model_partitions(),
+    ins={"corpus": AssetIn(partition_mapping=corpus_of_model())},
+    pool="gpu",
+    group_name="capture",
+    kinds={"pytorch", "parquet"},
+    description=(
+        "Post-RoPE query/key vectors of sampled heads at sampled positions (SPEC 1), stored under "
+        "captures/<model>/<fingerprint>/. Value: one row per sampled head (layer, q_head, kv_head, d, "
+        "attention_type, sliding_window, rope_applied, n_q_rows, n_k_rows, capture_prefix)."),
+)
+def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: StorageResource,
+               device: TorchDeviceResource) -> pd.DataFrame:
+    """Capture one registry model over its corpus; the head manifest and layer metadata are shown here."""
+    from qk_core.capture import capture_model
+    from qk_core.capture.run import layers_frame
+
+    entry = registry().model(context.partition_key)
+    store = storage.get()
+    result = capture_model(entry, corpus, store, corpus_name=entry.corpus, device=device.resolve(),
+                           log=context.log)
+    man = result.manifest
+    tokens = result.doc_tokens
+    short = int((tokens["n_tokens"] < entry.window).sum())
+    dataset = {k: v for k, v in man["dataset"].items() if k != "example_ids"}
+    context.add_output_metadata({
+        "capture_path": MetadataValue.path(store.uri(result.prefix)),
+        "capture_prefix": result.prefix,
+        "fingerprint": result.fingerprint,
+        "heads": len(result.heads),
+        "layers_sampled": int(result.heads["layer"].nunique()),
+        "documents": len(tokens),
+        "documents_shorter_than_window": short,
+        "documents_captured_this_run": len(result.captured_docs),
+        "documents_resumed_or_reused": len(result.skipped_docs),
+        "tokens_this_run": int(result.tokens),
+        "tokens_per_second": float(round(result.tokens_per_s, 1)) if result.tokens else 0.0,
+        "window": entry.window,
+        "bucket": entry.bucket,
+        "dtype": man["dtype"],
+        "device": man["device"],
+        "attention_backend": str(man["model"].get("attn_implementation")),
+        "model_identity": MetadataValue.json(json.loads(json.dumps(man["model"], default=str))),
+        "sampler": MetadataValue.json(man["sampler"]),
+        "dataset": MetadataValue.json(dataset),
+        "head_manifest": MetadataValue.md(result.heads[HEAD_TABLE_COLUMNS].to_markdown(index=False)),
+        "layer_metadata": MetadataValue.md(layers_frame(man).to_markdown(index=False, floatfmt=".6g")),
+        "document_tokens": MetadataValue.md(tokens.to_markdown(index=False)),
+    })
+    return result.heads

@@ -1,0 +1,121 @@
+"""The ``qk_capture`` asset (SPEC 1) through Dagster: partitioned by model key, in pool ``gpu``, reads the
+model's corpus partition, shows the head manifest and layer metadata, logs progress; a failing capture
+makes no value visible."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import tiny_models as tm
+import torch
+
+from qk_core.capture.run import VALUE_COLUMNS
+from qk_core.capture_store import CaptureReader
+from qk_core.storage import Storage
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def reload_modules() -> tuple[ModuleType, ModuleType]:
+    from qk_assets import partitions
+
+    partitions.registry.cache_clear()
+    return (importlib.reload(importlib.import_module("qk_assets.assets.corpus")),
+            importlib.reload(importlib.import_module("qk_assets.assets.capture")))
+
+
+@pytest.fixture
+def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, Path]]:
+    tm.build_tiny_model("llama", tmp_path / "llama")
+    tm.build_tiny_model("mllama", tmp_path / "mllama")
+    texts = tm.sample_texts(3, 120, seed=2)
+    tm.write_corpus_jsonl(tmp_path / "corpus.jsonl", [texts[0][:40], *texts[1:]])
+    reg = tm.write_registry(tmp_path / "registry.toml", {
+        "tiny-llama": {"family": "llama", "source": {"local": str(tmp_path / "llama")}, "window": 96,
+                       "bucket": 16, "capture": {"per_bucket": 2, "heads": 6}},
+        "tiny-mllama": {"family": "mllama", "source": {"local": str(tmp_path / "mllama")}, "window": 96,
+                        "capture": {"layers": [1]}},
+    }, tmp_path / "corpus.jsonl")
+    monkeypatch.setenv("QK_REGISTRY", str(reg))
+    corpus_mod, capture_mod = reload_modules()
+    yield corpus_mod, capture_mod, tmp_path
+    monkeypatch.undo()
+    reload_modules()
+
+
+def test_asset_definition() -> None:
+    from qk_assets.assets.capture import qk_capture
+    from qk_assets.partitions import registry
+
+    assert qk_capture.op.pool == "gpu"
+    assert set(qk_capture.partitions_def.get_partition_keys()) == set(registry().model_keys)
+    assert qk_capture.required_resource_keys >= {"storage", "device"}
+    assert [k.to_user_string() for k in qk_capture.keys_by_input_name.values()] == ["corpus"]
+
+
+def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Path]) -> None:
+    from dagster import AssetKey, DagsterInstance, materialize
+
+    from qk_assets.io_manager import ParquetIOManager, asset_rel
+    from qk_assets.resources import StorageResource, TorchDeviceResource
+
+    corpus_mod, capture_mod, tmp = modules
+    res = StorageResource(root=str(tmp / "storage"))
+    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
+                 "device": TorchDeviceResource(device="auto")}
+    assets = [corpus_mod.corpus, capture_mod.qk_capture]
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
+    instance = DagsterInstance.ephemeral()
+    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-llama",
+                         resources=resources, instance=instance)
+    assert result.success
+    value = result.output_for_node("qk_capture")
+    assert list(value.columns) == VALUE_COLUMNS and len(value) == 6
+    storage = Storage(tmp / "storage")
+    stored = storage.read_parquet(asset_rel(["qk_capture"], "tiny-llama")).to_pandas()
+    assert stored.equals(value)
+    reader = CaptureReader(storage, value["capture_prefix"].iloc[0])
+    assert reader.manifest["dataset"]["corpus"] == "tiny" and reader.manifest["device"] == "cpu"
+    assert sorted(reader.doc_tokens()["n_tokens"]) == [41, 96, 96]
+    for row in value.itertuples():
+        assert len(reader.read_head(row.layer, row.q_head).q) == row.n_q_rows > 0
+
+    meta = result.asset_materializations_for_node("qk_capture")[0].metadata
+    header = meta["head_manifest"].value.splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")][:4] == ["layer", "q_head", "kv_head", "d"]
+    assert len(meta["head_manifest"].value.splitlines()) == 2 + 6
+    assert "rope_theta" in meta["layer_metadata"].value and "scaling" in meta["layer_metadata"].value
+    assert meta["documents"].value == 3 and meta["documents_shorter_than_window"].value == 1
+    assert meta["model_identity"].value["source"]["kind"] == "local"
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert any("document 3/3" in m and "tok/s" in m for m in logs)
+
+    again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-llama", resources=resources)
+    meta2 = again.asset_materializations_for_node("qk_capture")[0].metadata
+    assert meta2["documents_resumed_or_reused"].value == 3 and meta2["documents_captured_this_run"].value == 0
+
+
+def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:
+    from dagster import AssetKey, materialize
+
+    from qk_assets.io_manager import ParquetIOManager, asset_rel
+    from qk_assets.resources import StorageResource, TorchDeviceResource
+
+    corpus_mod, capture_mod, tmp = modules
+    res = StorageResource(root=str(tmp / "storage"))
+    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
+                 "device": TorchDeviceResource(device="cpu")}
+    assets = [corpus_mod.corpus, capture_mod.qk_capture]
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
+    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-mllama",
+                         resources=resources, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    assert "requested layer 1 is a cross-attention layer" in str(failure.step_failure_data.error)
+    storage = Storage(tmp / "storage")
+    assert not storage.exists(asset_rel(["qk_capture"], "tiny-mllama"))
+    assert not storage.exists("captures/tiny-mllama")
