@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import qk_assets  # noqa: F401  (build the code location with the shipped registry before any test swaps it)
 from qk_assets.io_manager import ParquetIOManager, asset_rel
 from qk_assets.resources import StorageResource
 from qk_core.metrics import metric_row, metrics_frame
@@ -228,3 +229,13 @@ def test_series_job_backfills_every_checkpoint(traj: ModuleType, tmp_path: Path)
         assert job.execute_in_process(partition_key=key, instance=instance).success
     done = instance.get_materialized_partitions(dg.AssetKey("plasticity_metrics"))
     assert done == {f"tser@{r}" for r in REVS}
+
+
+def test_automation_sensor_targets_the_trajectory() -> None:
+    from qk_assets import defs
+
+    sensor = defs.resolve_sensor_def("trajectory_automation_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    graph = defs.resolve_asset_graph()
+    assert sensor.asset_selection.resolve(graph) == {dg.AssetKey("trajectory"), dg.AssetKey("trajectory_profiles")}
+    assert graph.get(dg.AssetKey("trajectory")).automation_condition is not None

@@ -6,7 +6,8 @@ their series through :func:`qk_assets.partitions.checkpoints_of_series`. They re
 values from the storage root themselves (the IO manager's layout), so a checkpoint that is not (yet)
 materialised is reported as missing — in the metadata and in the ``missing`` column — instead of
 failing the run. They re-materialise automatically whenever any checkpoint's metrics or profiles
-change (:data:`TRAJECTORY_CONDITION`; the automation sensor of ``make ui`` evaluates it).
+change (:data:`TRAJECTORY_CONDITION`, evaluated by ``trajectory_automation_sensor``, which the daemon
+of ``make ui`` runs).
 
 Backfilling a whole series from the UI, in one action: open the job ``<series>_checkpoints`` (one per
 series, e.g. ``smollm3_3b_checkpoints``; it holds the capture and every per-model analysis), then
@@ -26,6 +27,8 @@ from dagster import (
     AssetOut,
     AssetSelection,
     AutomationCondition,
+    AutomationConditionSensorDefinition,
+    DefaultSensorStatus,
     MetadataValue,
     Output,
     define_asset_job,
@@ -198,3 +201,13 @@ def series_jobs() -> list:
 
 
 JOBS = series_jobs()
+
+# Evaluates TRAJECTORY_CONDITION (needs the daemon, which `make ui` starts); on by default.
+trajectory_automation_sensor = AutomationConditionSensorDefinition(
+    "trajectory_automation_sensor",
+    target=AssetSelection.assets("trajectory", "trajectory_profiles"),
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Re-materialises the trajectory of a series when any of its checkpoints' metrics change.",
+)
+SENSORS = [trajectory_automation_sensor]
