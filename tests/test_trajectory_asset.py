@@ -239,3 +239,26 @@ def test_automation_sensor_targets_the_trajectory() -> None:
     graph = defs.resolve_asset_graph()
     assert sensor.asset_selection.resolve(graph) == {dg.AssetKey("trajectory"), dg.AssetKey("trajectory_profiles")}
     assert graph.get(dg.AssetKey("trajectory")).automation_condition is not None
+
+
+def test_series_without_any_capture_shows_the_thesis_reference(tmp_path: Path) -> None:
+    """The shipped SmolLM3 series with no checkpoint captured (the offline demo): reference values only."""
+    import csv
+
+    from qk_assets.assets import trajectory as shipped
+
+    root = tmp_path / "storage"
+    result = dg.materialize([shipped.trajectory], partition_key="smollm3-3b", resources=resources(root))
+    assert result.success
+    storage = Storage(root)
+    table = storage.read_parquet(asset_rel(["trajectory"], "smollm3-3b")).to_pandas()
+    assert len(table) == 10 and not table["complete"].any()
+    assert table["window"].tolist() == [4096] * 6 + [32768] * 2 + [65536] * 2  # registry fallback
+    assert table["bias_strength"].isna().all()
+    with open(Path(__file__).resolve().parent.parent / "data" / "reference" / "thesis_metrics.csv") as f:
+        ref = {(r["model"], r["metric"]): float(r["value"]) for r in csv.DictReader(f) if not r["key"]}
+    for row in table.itertuples():
+        assert row.ref_ap_last20 == ref[(row.model, "ap_last20")]
+        assert row.ref_bias_strength == ref[(row.model, "bias_strength")]
+    assert storage.read_parquet(asset_rel(["trajectory_profiles"], "smollm3-3b")).num_rows == 0
+    assert storage.exists("figures/trajectory/smollm3-3b/ap_bias.png")

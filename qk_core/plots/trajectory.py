@@ -31,11 +31,13 @@ def _col(table: pd.DataFrame, name: str) -> np.ndarray:
 
 
 def _ref(ax, x: np.ndarray, table: pd.DataFrame, name: str, scale: np.ndarray | float = 1.0,
-         label: bool = True) -> None:
+         label: bool | str = True, color: str = "black") -> None:
     vals = _col(table, f"ref_{name}") * scale
     if np.isfinite(vals).any():
-        style = dict(REF_STYLE)
-        if not label:
+        style = {**REF_STYLE, "edgecolor": color}
+        if isinstance(label, str):
+            style["label"] = label
+        elif not label:
             style.pop("label")
         ax.scatter(x, vals, **style)
 
@@ -65,7 +67,7 @@ def fig_ap_bias(table: pd.DataFrame, title: str = "") -> Figure:
         if ok.any():
             ax.errorbar(x[ok], vals[ok], yerr=[vals[ok] - lo[ok], hi[ok] - vals[ok]], fmt="none",
                         ecolor=color, capsize=3, alpha=0.7)
-        _ref(ax, x, table, key, label=name == "AP_first20")
+        _ref(ax, x, table, key, label=f"{name}, thesis (reference)", color=color)
     ax.fill_between(x, last, first, where=np.isfinite(first) & np.isfinite(last), color="tab:purple",
                     alpha=0.18, label="AP_drop = first20 - last20")
     ax.set_ylabel("attention plasticity")
