@@ -143,10 +143,10 @@ class PooledMoments:
 
 
 def _kind_moments(x32: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, np.ndarray, float]:
-    x = np.asarray(x32, dtype=np.float64)
+    xc = np.array(x32, dtype=np.float64)  # a float64 copy, centred in place
     t = np.asarray(pos, dtype=np.float64)
-    mu = x.mean(axis=0)
-    xc = x - mu
+    mu = xc.mean(axis=0)
+    xc -= mu
     tm = float(t.mean())
     tc = t - tm
     return mu, tm, xc.T @ xc, tc @ xc, float(tc @ tc)

@@ -138,19 +138,23 @@ def orthogonal_complement_basis(a: np.ndarray) -> np.ndarray:
 def max_orthogonal_position_r(m: PooledMoments, a: np.ndarray) -> float:
     """SPEC 3 numerical check: max |Pearson| of pooled position with x·u over unit u ⟂ a.
 
-    Equals the multiple correlation of t on the complement coordinates: sqrt(c_U^T C_U^-1 c_U / var t).
+    The maximum of (u^T c)^2 / (u^T S u var t) over u ⟂ a is c^T M c / var t with
+    M = S^-1 - S^-1 a a^T S^-1 / (a^T S^-1 a) (S the pooled scatter, c its cross-scatter with t): one
+    Cholesky solve. A singular S falls back to the explicit complement basis and its pseudo-inverse.
     """
-    U = orthogonal_complement_basis(a)
-    C = U.T @ m.S @ U
-    c = U.T @ m.s_xt
+    if not m.stt > 0:
+        return float("nan")
+    c = m.s_xt - a * (a @ m.s_xt)  # M annihilates a, so only the part of c off a matters
     try:
-        sol = scipy.linalg.cho_solve(scipy.linalg.cho_factor(C, check_finite=False), c, check_finite=False)
-        r2 = float(c @ sol)
+        factor = scipy.linalg.cho_factor(m.S, check_finite=False)
+        y = scipy.linalg.cho_solve(factor, np.column_stack([c, a]), check_finite=False)
+        r2 = float(c @ y[:, 0] - (c @ y[:, 1]) ** 2 / (a @ y[:, 1]))
     except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
-        w, V = np.linalg.eigh(C)
+        U = orthogonal_complement_basis(a)
+        w, V = np.linalg.eigh(U.T @ m.S @ U)
         keep = w > w.max() * 1e-12
-        r2 = float(np.sum((V[:, keep].T @ c) ** 2 / w[keep]))
-    return float(np.sqrt(max(r2, 0.0) / m.stt)) if m.stt > 0 else float("nan")
+        r2 = float(np.sum((V[:, keep].T @ (U.T @ c)) ** 2 / w[keep]))
+    return float(np.sqrt(max(r2, 0.0) / m.stt))
 
 
 def _even_indices(n: int, m: int) -> np.ndarray:

@@ -172,3 +172,16 @@ def test_options_validate_names() -> None:
     assert PCAOptions.from_dict({"n_components": 4}).n_components == 4
     with pytest.raises(ValueError, match="n_componets"):
         PCAOptions.from_dict({"n_componets": 4})
+
+
+def test_blas_thread_limit_is_scoped_and_leaves_results_unchanged() -> None:
+    from qk_core.blas import available, blas_threads, current_threads
+
+    q, tq, k, tk = anisotropic_head(seed=9)
+    free = analyse_pca(q, tq, k, tk)
+    before = current_threads()
+    with blas_threads(1):
+        assert not available() or set(current_threads()) == {1}
+        limited = analyse_pca(q, tq, k, tk)
+    assert current_threads() == before
+    assert np.allclose(free.evr, limited.evr, rtol=1e-12) and np.allclose(free.r_q, limited.r_q, atol=1e-12)

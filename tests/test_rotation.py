@@ -99,10 +99,21 @@ def test_orthogonal_complement_check_is_zero_and_can_fail() -> None:
     r = [abs(np.corrcoef(X @ U[:, j], t)[0, 1]) for j in range(U.shape[1])]
     assert max(r) < 1e-10
     assert res.orth_check < 1e-8
-    # the same check around a wrong axis finds the positional direction it left out
+    # Around a wrong axis the check finds the positional direction left out. Brute force: the multiple
+    # correlation of t regressed on the coordinates of an explicit basis of the complement.
     m = pooled_moments(head.q, head.q_pos, head.k, head.k_pos)
     wrong = res.a + 0.5 * res.b
-    assert max_orthogonal_position_r(m, wrong / np.linalg.norm(wrong)) > 0.3
+    wrong /= np.linalg.norm(wrong)
+    basis = np.linalg.svd(np.eye(D) - np.outer(wrong, wrong))[0][:, : D - 1]
+    A = np.column_stack([np.ones(len(t)), X @ basis])
+    resid = t - A @ np.linalg.lstsq(A, t, rcond=None)[0]
+    r_brute = np.sqrt(1 - resid @ resid / np.sum((t - t.mean()) ** 2))
+    assert max_orthogonal_position_r(m, wrong) == pytest.approx(r_brute, rel=1e-6)
+    assert r_brute > 0.3
+    # a rank-deficient cloud (d > rows) takes the pseudo-inverse path and still gives ~0 around a
+    few = run(type(head)(**{**head.__dict__, "q": head.q[:12], "q_pos": head.q_pos[:12], "q_doc": head.q_doc[:12],
+                           "k": head.k[:12], "k_pos": head.k_pos[:12], "k_doc": head.k_doc[:12]}))
+    assert few.orth_check < 1e-6
 
 
 def test_rotating_q_and_k_together_leaves_invariants_unchanged() -> None:

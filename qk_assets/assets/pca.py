@@ -14,6 +14,7 @@ from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, MetadataVa
 from qk_assets.figures import save_figures
 from qk_assets.partitions import model_partitions, registry
 from qk_assets.resources import StorageResource
+from qk_core.blas import blas_threads
 from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions, iter_capture_heads, run_pca
 from qk_core.summaries import skipped_summary
 
@@ -26,6 +27,7 @@ class PCAConfig(Config):
     n_components: int | None = None
     sign_threshold: float | None = None
     min_rows: int | None = None
+    blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
 
 
 def analysis_overrides(model_key: str, section: str) -> dict:
@@ -72,11 +74,12 @@ def units_markdown(units: dict[str, str]) -> str:
 def pca(context: AssetExecutionContext, config: PCAConfig, storage: StorageResource, qk_capture: pd.DataFrame):
     """Combined Q+K PCA of every sampled head of one model (SPEC 2), with figures (SPEC 7)."""
     model = context.partition_key
-    overrides = {k: v for k, v in config.model_dump().items() if v is not None}
+    overrides = {k: v for k, v in config.model_dump().items() if v is not None and k != "blas_threads"}
     options = PCAOptions.from_dict({**analysis_overrides(model, "pca"), **overrides})
     store = storage.get()
     heads_iter = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"pca {model}")
-    heads, layers, metrics = run_pca(model, heads_iter, options)
+    with blas_threads(config.blas_threads):
+        heads, layers, metrics = run_pca(model, heads_iter, options)
     skipped = skipped_summary(heads)
     if skipped:
         context.log.warning(f"pca {model}: skipped heads {skipped}; see the status/reason columns")

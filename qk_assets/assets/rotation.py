@@ -15,6 +15,7 @@ from qk_assets.assets.pca import GROUP, analysis_overrides, logged, units_markdo
 from qk_assets.figures import save_figures
 from qk_assets.partitions import model_partitions
 from qk_assets.resources import StorageResource
+from qk_core.blas import blas_threads
 from qk_core.pca import iter_capture_heads
 from qk_core.rotation import ROTATION_UNITS, RotationOptions, run_rotation
 from qk_core.summaries import skipped_summary
@@ -29,6 +30,7 @@ class RotationConfig(Config):
     min_rows: int | None = None
     min_pairs: int | None = None
     plane_points: int = 400  # Q and K rows per head kept for the {a, b}-plane figure
+    blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
 
 
 @multi_asset(
@@ -53,11 +55,13 @@ def rotation(context: AssetExecutionContext, config: RotationConfig, storage: St
              qk_capture: pd.DataFrame):
     """Planar rotation of every sampled head of one model (SPEC 3), with figures (SPEC 7)."""
     model = context.partition_key
-    overrides = {k: v for k, v in config.model_dump().items() if v is not None and k != "plane_points"}
+    run_only = ("plane_points", "blas_threads")
+    overrides = {k: v for k, v in config.model_dump().items() if v is not None and k not in run_only}
     options = RotationOptions.from_dict({**analysis_overrides(model, "rotation"), **overrides})
     store = storage.get()
     heads_iter = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"rotation {model}")
-    heads, layers, metrics, points = run_rotation(model, heads_iter, options, keep_points=config.plane_points)
+    with blas_threads(config.blas_threads):
+        heads, layers, metrics, points = run_rotation(model, heads_iter, options, keep_points=config.plane_points)
     skipped = skipped_summary(heads)
     if skipped:
         context.log.warning(f"rotation {model}: skipped heads {skipped}; see the status/reason columns")
