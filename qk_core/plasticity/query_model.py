@@ -36,19 +36,42 @@ class QueryModelError(ValueError):
     """The queries cannot support a query model at all (e.g. every query at one position)."""
 
 
-def householder(beta: np.ndarray, tol: float = 1e-12) -> np.ndarray:
-    """Symmetric orthogonal H with H @ (beta/|beta|) = e1; identity when |beta| ~ 0 (SPEC 4.1)."""
+def householder_vector(beta: np.ndarray, tol: float = 1e-12) -> tuple[np.ndarray, float]:
+    """(u, h) with H = I - h u u^T symmetric orthogonal and H @ (beta/|beta|) = e1 (SPEC 4.1).
+
+    h = 0 (H = identity) when |beta| ~ 0 or beta already points along +e1.
+    """
     d = beta.shape[0]
     norm = float(np.linalg.norm(beta))
-    H = np.eye(d)
     if norm <= tol:
-        return H
+        return np.zeros(d), 0.0
     u = beta / norm
     u[0] -= 1.0
     nu = float(u @ u)
-    if nu <= tol * tol:  # beta already along +e1
-        return H
-    return H - (2.0 / nu) * np.outer(u, u)
+    if nu <= tol * tol:
+        return np.zeros(d), 0.0
+    return u, 2.0 / nu
+
+
+def householder(beta: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """The matrix H of :func:`householder_vector`."""
+    u, h = householder_vector(beta, tol)
+    return np.eye(beta.shape[0]) - h * np.outer(u, u)
+
+
+def reflect_rows(X: np.ndarray, u: np.ndarray, h: float) -> np.ndarray:
+    """Rows x -> H x for H = I - h u u^T, in O(n d) (no d x d product)."""
+    if h == 0.0:
+        return X.copy()
+    return X - h * np.multiply.outer(X @ u, u)
+
+
+def reflect_both(S: np.ndarray, u: np.ndarray, h: float) -> np.ndarray:
+    """H S H for symmetric H = I - h u u^T, in O(d^2)."""
+    if h == 0.0:
+        return S.copy()
+    A = S - h * np.outer(u, u @ S)
+    return A - h * np.outer(A @ u, u)
 
 
 def ledoit_wolf(X: np.ndarray) -> tuple[np.ndarray, float]:
@@ -80,7 +103,9 @@ class QueryModel:
     B: int
     alpha: np.ndarray  # (d,) intercepts, original basis
     beta: np.ndarray  # (d,) slopes per token, original basis
-    H: np.ndarray  # (d, d) Householder rotation
+    H: np.ndarray  # (d, d) Householder rotation H = I - h u u^T
+    u: np.ndarray  # (d,) Householder vector
+    h: float  # Householder scale (0: identity)
     alpha_pos: float  # intercept of rotated coordinate 1
     beta_pos: float  # |beta|, per token
     sigma_pos2: float  # residual variance of rotated coordinate 1 over all queries
@@ -104,7 +129,7 @@ class QueryModel:
 
     def rotate(self, X: np.ndarray) -> np.ndarray:
         """Rows of X in the rotated basis (x -> H x)."""
-        return X @ self.H.T
+        return reflect_rows(np.asarray(X, dtype=np.float64), self.u, self.h)
 
     def variance(self, b: int, delta_rot: np.ndarray) -> np.ndarray:
         """v = delta^T S_b delta (full) or the diagonal sum of eqs. 4.11-4.12, per row of delta_rot."""
@@ -120,7 +145,7 @@ class QueryModel:
         """
         if b not in self._orig:
             S = self.cov[b] if self.covariance == "full" else np.diag(self.cov[b])
-            self._orig[b] = (self.H @ self.mean[b], self.H @ S @ self.H)
+            self._orig[b] = (reflect_rows(self.mean[b], self.u, self.h), reflect_both(S, self.u, self.h))
         return self._orig[b]
 
     def component_weights(self) -> np.ndarray:
@@ -155,7 +180,8 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     beta_norm = float(np.linalg.norm(beta))
     # |beta| ~ 0: drift across the queries' span negligible next to their spread -> H = identity
     negligible = beta_norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(float(sst.sum()) / n + 1e-300)
-    H = np.eye(d) if negligible else householder(beta)
+    u, h = (np.zeros(d), 0.0) if negligible else householder_vector(beta)
+    H = np.eye(d) - h * np.outer(u, u)
     bhat = H[0]  # first row of H = beta/|beta| (H symmetric), or e1
     alpha_pos = float(bhat @ alpha)
     beta_pos = float(bhat @ beta)
@@ -174,25 +200,27 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     status = [OK] * J
     # a bucket's covariance is degenerate when its total variance is ~0 next to the head's residual scale
     floor = 1e-10 * max(float((R * R).mean()), 1e-300)
+    orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for b in range(J):
         if counts[b] < min_queries:
             status[b] = TOO_FEW_QUERIES
             continue
         idx = order[starts[b]:starts[b + 1]]
-        Qb = Q[idx] @ H.T
-        mu = Qb.mean(axis=0)
+        mu = reflect_rows(Q[idx].mean(axis=0), u, h)
         mu[0] = alpha_pos + beta_pos * tau[b]
+        mean[b] = mu
         if covariance == "full":
-            S, s = ledoit_wolf(R[idx] @ H.T)
-            ok = float(np.trace(S)) / d > floor and bool(np.all(np.isfinite(S)))
-            cov[b], shrink[b] = S, s
+            # Ledoit-Wolf is rotation equivariant: shrink in the original basis, rotate the result
+            S_o, s = ledoit_wolf(R[idx])
+            ok = float(np.trace(S_o)) / d > floor and bool(np.all(np.isfinite(S_o)))
+            cov[b], shrink[b] = reflect_both(S_o, u, h), s
+            orig[b] = (reflect_rows(mu, u, h), S_o)
         else:
-            var = Qb.var(axis=0, ddof=1)
+            var = reflect_rows(Q[idx], u, h).var(axis=0, ddof=1)
             var[0] = sigma_pos2
             ok = float(var.sum()) / d > floor and bool(np.all(np.isfinite(var)))
             cov[b] = var
-        mean[b] = mu
         if not ok:
             status[b] = DEGENERATE_COVARIANCE
-    return QueryModel(covariance, int(L), int(B), alpha, beta, H, alpha_pos, beta_pos, sigma_pos2, resid1,
-                      r2, counts, status, mean, cov, shrink)
+    return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2, resid1,
+                      r2, counts, status, mean, cov, shrink, orig)
