@@ -184,7 +184,7 @@ def markdown(o: dict) -> str:
         "# Plasticity speed benchmark (SPEC 4)", "",
         f"Command: `{o['command']}` (from the repository root; started {o['started']}, "
         f"{o['machine']['cpus']} CPUs, load average at the end {load}).",
-        "Wall and CPU times are medians over repeats; single-threaded BLAS per head (qk_core.plasticity._blas).", "",
+        "Wall and CPU times are medians over repeats; single-threaded BLAS per head (qk_core.blas).", "",
         "| case | wall | CPU | target |", "|---|---|---|---|",
         f"| one head: 16 buckets, {r['n_queries']} queries, {r['n_keys']} keys, d = {r['d']}, "
         f"{r['pairs_per_bucket']} pairs/bucket, {r['bootstrap']} bootstrap resamples, full | "

@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from qk_core.blas import blas_threads as limit_blas
 from qk_core.capture_store import CaptureError, HeadData
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity._blas import blas_threads as limit_blas
 from qk_core.plasticity.bootstrap import (
     doc_bucket_sums,
     doc_weights,
