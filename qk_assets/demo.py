@@ -393,6 +393,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
     parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
 
     from qk_assets import defs
     from qk_assets.partitions import registry

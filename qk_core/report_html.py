@@ -132,44 +132,58 @@ def section_of(asset: str) -> SectionSpec:
 
 
 # ---- figure captions (units included) ---------------------------------------------------------
-CAPTIONS: tuple[tuple[str, str], ...] = (
-    (r"heatmap.*pair|pair.*heatmap|^heatmap", "Plasticity heatmap (thesis Fig. 6.3): mean PP per cell by "
-     "inter-key distance |t_i - t_j| (x, tokens) and query-to-key-midpoint distance (y, tokens); "
-     "empty cells are missing."),
-    (r"profile", "Plasticity profile (thesis Fig. 6.4): AP per query bucket against bucket midpoint tau "
-     "(tokens), one line per head, the mean over heads in bold."),
-    (r"component_weight|weights", "Component weights (SPEC 4.8): share of each query coordinate's "
-     "positional R^2, per head (fraction, sums to 1)."),
-    (r"empirical|closed", "Closed-form vs empirical AP (SPEC 4.3): how far the Gaussian query model is "
-     "from the data (both AP, dimensionless)."),
-    (r"pc0|taxonomy|scatter_rq|rq_rk", "PC0 r_q vs r_k per head (thesis Fig. A.1) with the taxonomy "
-     "thresholds 0.3 and 0.7 (Pearson correlations)."),
-    (r"explained|evr", "Explained-variance ratio per principal component (fraction of pooled Q+K variance)."),
-    (r"plane|ab_scatter|a_b", "Q (blue) and K (orange) projections on the {a, b} plane for a few heads "
-     "(uncentred projections, vector units)."),
-    (r"depth|layer", "Layer-depth heatmap: per layer and head (colour: the named quantity)."),
-    (r"roles|pc_role", "PC roles across models (thesis Fig. 6.1): share of heads per PC0 class."),
-    (r"abs_r|r_q_a|r_k_a", "|r_q_a| vs |r_k_a| per model (thesis Fig. 6.2): positional correlation of the "
-     "drift axis for queries and keys."),
-    (r"bias.*dist|bias_strength_dist", "bias_strength distributions per family (thesis Fig. A.2), per token."),
-    (r"separation", "bias_strength vs separation_strength per family (thesis Fig. A.3)."),
-    (r"decile", "Decile profiles of all models: mean AP per tenth of the window (AP vs position / L)."),
-    (r"drop.*(score|lbp|bench)|ap_drop", "AP_drop vs benchmark overall score (thesis Fig. 6.7) with the "
-     "least-squares trend and Pearson / Spearman / Kendall statistics (score 0-100)."),
-    (r"length", "Per-length plasticity vs per-length benchmark score (score 0-100; lengths in tokens)."),
-    (r"bias_decomp|decomposition", "Bias decomposition over training (thesis Fig. 6.5): mu_Q^a, alpha_K and "
+# (asset regex, figure-name regex, caption); the first match wins. Names are those the stages save.
+CAPTIONS: tuple[tuple[str, str, str], ...] = (
+    (r"^plasticity", r"^profiles$", "Plasticity profile per head (thesis Fig. 6.4): AP of each query bucket "
+     "against its midpoint tau (tokens); thin lines are heads, the thick line their mean."),
+    (r"^plasticity", r"heatmap", "Plasticity heatmap (thesis Fig. 6.3): mean PP of key pairs by inter-key "
+     "distance |t_i - t_j| (x, tokens) and query-to-key-midpoint distance (y, tokens); empty cells are missing."),
+    (r"^plasticity", r"component", "Component weights (SPEC 4.8): each query coordinate's R^2 on position, "
+     "normalised to sum 1 per head (fraction)."),
+    (r"^plasticity", r"closed|empirical", "Closed-form vs empirical AP per head (SPEC 4.3): distance from the "
+     "diagonal shows how far the Gaussian query model is from the data (AP, dimensionless)."),
+    (r"^plasticity", r"decile", "Decile profiles of all models: mean AP per tenth of the window (x: position / L)."),
+    (r"^pca", r"taxonomy|pc0", "PC0 r_q vs r_k per head (thesis Fig. A.1), with the taxonomy thresholds 0.3 and "
+     "0.7 (Pearson correlations with token position)."),
+    (r"^pca", r"explained|evr", "Explained-variance ratio per principal component (fraction of the pooled Q+K "
+     "variance), over heads."),
+    (r"^pca", r"depth", "PC0 r_q and r_k by layer depth and head (Pearson correlation with position)."),
+    (r"^rotation", r"plane", "Query and key projections on the {a, b} plane for a few heads (uncentred "
+     "projections; a = drift axis, b = separation axis)."),
+    (r"^rotation", r"depth", "|r_k_a| and bias_strength (per token) by layer depth and head."),
+    (r"geometry", r"roles", "PC roles across models (thesis Fig. 6.1): share of heads per PC0 class."),
+    (r"geometry", r"rq_rk|r_q_a", "|r_q_a| vs |r_k_a| per model (thesis Fig. 6.2): position correlation of the "
+     "query and key projections on the drift axis."),
+    (r"geometry", r"bias_dist", "bias_strength distributions per family (thesis Fig. A.2), per token."),
+    (r"geometry", r"separation", "bias_strength (per token) vs separation_strength (fraction) per family "
+     "(thesis Fig. A.3)."),
+    (r"bench|join|stats", r"^scores", "Benchmark overall score (0-100) vs plasticity and bias aggregates across "
+     "models, with least-squares trend and Pearson / Spearman / Kendall statistics (thesis Fig. 6.7)."),
+    (r"bench|join|stats", r"^length", "Per-length benchmark score (0-100) vs plasticity of the matching length "
+     "bin (query positions in tokens)."),
+    (r"trajectory", r"ap_bias", "AP_first20 and AP_last20 with the AP_drop band over a bias_strength panel "
+     "(thesis Fig. 6.6), per checkpoint in training order."),
+    (r"trajectory", r"decomposition", "Bias decomposition over training (thesis Fig. 6.5): mu_Q^a, alpha_K and "
      "bias_strength per checkpoint."),
-    (r"first20|last20|6_6", "AP_first20 and AP_last20 with the AP_drop band over a bias_strength panel "
-     "(thesis Fig. 6.6)."),
+    (r"trajectory", r"profiles", "Plasticity profiles of all checkpoints in absolute token positions."),
+    (r".*", r"heatmap", "Heatmap (colour: the quantity named in the figure)."),
 )
+# the order figures are shown in, by name (others follow alphabetically)
+FIGURE_ORDER = ("profiles", "heatmap", "closed_vs_empirical", "components", "decile_profiles", "pc0_taxonomy",
+                "explained_variance", "depth_pc0", "ab_plane", "depth_rotation", "pc_roles", "rq_rk_bars",
+                "bias_distributions", "bias_vs_separation", "ap_bias", "bias_decomposition")
 
 
 def caption_for(fig: Figure) -> str:
     name = fig.name.lower()
-    for pattern, text in CAPTIONS:
-        if re.search(pattern, name):
+    for asset_pat, name_pat, text in CAPTIONS:
+        if re.search(asset_pat, fig.asset) and re.search(name_pat, name):
             return text
     return fig.name.replace("_", " ") + "."
+
+
+def _figure_rank(fig: Figure) -> tuple[int, str]:
+    return (FIGURE_ORDER.index(fig.name) if fig.name in FIGURE_ORDER else len(FIGURE_ORDER), fig.name)
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -315,7 +329,8 @@ def options_table(frames: dict[str | None, pd.DataFrame]) -> str:
 def value_table(name: str, part: str | None, df: pd.DataFrame) -> str:
     """A stored table, collapsed: shape and columns in the summary line, the first rows inside."""
     label = f"{name}[{part}]" if part else name
-    summary = f"{esc(label)}: {len(df):,} rows × {len(df.columns)} columns"
+    total = int(df.attrs.get("total_rows", len(df)))
+    summary = f"{esc(label)}: {total:,} rows × {len(df.columns)} columns"
     cols = ", ".join(esc(c) for c in df.columns[:30]) + (", ..." if len(df.columns) > 30 else "")
     shown = df.loc[:, [c for c in df.columns if not _is_vector_column(df[c])][:14]]
     return (f'<details class="table"><summary>{summary}</summary><p class="cols">columns: {cols}</p>'
@@ -369,23 +384,6 @@ def _sampler(cap: dict[str, Any]) -> str:
     if name == "bernoulli":
         return f"bernoulli, rate {cap.get('bernoulli_rate')} per bucket"
     return f"{name}, {cap.get('per_bucket')} per bucket per document"
-
-
-def metadata_list(state: AssetState, keys: Iterable[str] | None = None) -> str:
-    items = [(k, v) for k, v in state.metadata.items() if keys is None or k in set(keys)]
-    if not items:
-        return ""
-    lis = []
-    for k, v in items:
-        text = v
-        try:
-            parsed = json.loads(v)
-            if isinstance(parsed, dict):
-                text = options_text(parsed)
-        except (json.JSONDecodeError, TypeError):
-            pass
-        lis.append(f"<dt>{esc(k)}</dt><dd>{esc(text if len(text) < 600 else text[:597] + '...')}</dd>")
-    return f'<dl class="meta">{"".join(lis)}</dl>'
 
 
 CSS = """
@@ -458,52 +456,92 @@ def _partition_missing(asset: str, inputs: ReportInputs, partitions: set[str | N
     return [f"<b>{esc(asset)}</b>[{esc(m)}]: not yet computed" for m in models if m not in partitions]
 
 
+def _part_order(parts: Iterable[str | None], model_order: list[str]) -> list[str | None]:
+    def rank(p: str | None) -> tuple[int, int, str]:
+        if p is None:
+            return (1, 0, "")
+        return (0, model_order.index(p) if p in model_order else len(model_order), p)
+
+    return sorted(set(parts), key=rank)
+
+
+def metadata_table(states: list[AssetState], model_order: list[str]) -> str:
+    """Textual metadata of one asset's partitions side by side: one row per entry, one column per partition."""
+    order = _part_order((st.partition for st in states), model_order)
+    states = sorted(states, key=lambda st: order.index(st.partition))
+    keys = list(dict.fromkeys(k for st in states for k in st.metadata))
+    if not keys:
+        return ""
+    rows = []
+    for k in keys:
+        row = {"entry": f"<b>{esc(k)}</b>"}
+        for st in states:
+            text = st.metadata.get(k, "–")
+            try:
+                parsed = json.loads(text)
+                if isinstance(parsed, dict):
+                    text = options_text(parsed)
+            except (json.JSONDecodeError, TypeError):
+                pass
+            row[esc(st.partition or st.asset)] = esc(text if len(text) < 400 else text[:397] + "...")
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    return html_table(df, max_rows=None, raw_html=df.columns)
+
+
 def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
+    """One section: figures per model, then the model-value tables with options, then the other tables
+    (collapsed), then what is not yet computed."""
     model_order = [m.key for m in inputs.models]
     assets = sorted({a for a in inputs.tables if section_of(a) is sec and a not in SKIP_ASSETS}
                     | {f.asset for f in inputs.figures if section_of(f.asset) is sec})
-    out = [f'<section id="{sec.id}"><h2>{esc(sec.title)}'
-           + (f'<span class="spec">{esc(sec.spec)}</span>' if sec.spec else "") + "</h2>",
-           f'<p class="intro">{esc(sec.intro)}</p>']
-    if sec.id == "models" and inputs.models:
-        out.append(models_table(inputs.models))
-        for st in inputs.states:
-            if section_of(st.asset) is sec and st.metadata:
-                label = f"{st.asset}[{st.partition}]" if st.partition else st.asset
-                out.append(f"<h4>{esc(label)}</h4>" + metadata_list(st))
+    figs = [f for f in inputs.figures if section_of(f.asset) is sec]
     missing = _missing_notes(sec, inputs, set(assets))
     for asset in assets:
-        frames = inputs.tables.get(asset, {})
-        figs = [f for f in inputs.figures if f.asset == asset]
-        missing += _partition_missing(asset, inputs, set(frames) | {f.partition for f in figs})
-        out.append(f"<h3>{esc(asset)}</h3>")
-        by_part: dict[str | None, list[Figure]] = {}
-        for f in figs:
-            by_part.setdefault(f.partition, []).append(f)
-        parts = sorted(by_part, key=lambda p: (p is not None, model_order.index(p) if p in model_order
-                                               else len(model_order), p or ""))
-        for p in parts:
-            if p is not None and len(parts) > 1:
-                out.append(f"<h4>{esc(p)}</h4>")
-            out.append('<div class="figs">' + "".join(figure_html(f) for f in by_part[p]) + "</div>")
-        present = {p: df for p, df in frames.items() if df is not None}
-        if present and all(is_metrics_frame(df) for df in present.values()):
+        parts = set(inputs.tables.get(asset, {})) | {f.partition for f in figs if f.asset == asset}
+        missing += _partition_missing(asset, inputs, parts)
+    out = []
+    if sec.id == "models" and inputs.models:
+        out.append(models_table(inputs.models))
+        for asset in assets:
+            states = [st for st in inputs.states if st.asset == asset]
+            if states:
+                out.append(f"<h3>{esc(asset)} (from its materialisation)</h3>" + metadata_table(states, model_order))
+    for part in _part_order((f.partition for f in figs), model_order):
+        shown = sorted((f for f in figs if f.partition == part), key=_figure_rank)
+        title = part if part is not None else "All models"
+        out.append(f"<h3>{esc(title)}</h3>")
+        out.append('<div class="figs">' + "".join(figure_html(f) for f in shown) + "</div>")
+    details = []
+    for asset in assets:
+        present = {p: df for p, df in inputs.tables.get(asset, {}).items() if df is not None}
+        if not present:
+            continue
+        if all(is_metrics_frame(df) for df in present.values()):
+            out.append(f"<h3>{esc(asset)}: model values</h3>")
             out.append(metrics_table(present, model_order))
             out.append(options_table(present))
-        else:
-            for p, df in sorted(present.items(), key=lambda kv: kv[0] or ""):
-                if len(df) <= 12 and len(df.columns) <= 14:
-                    label = f"{asset}[{p}]" if p else asset
-                    out.append(html_table(df, caption=esc(label)))
-                else:
-                    out.append(value_table(asset, p, df))
+            continue
+        for p in _part_order(present, model_order):
+            df = present[p]
+            total = int(df.attrs.get("total_rows", len(df)))
+            if total <= 12 and len(df.columns) <= 14 and sec.id != "models":
+                label = f"{asset}[{p}]" if p else asset
+                out.append(f"<h3>{esc(label)}</h3>" + html_table(df))
+            else:
+                details.append(value_table(asset, p, df))
+    if details:
+        out.append("<h3>Stored tables</h3><p class=\"cols\">The first rows of each table; the whole table is in "
+                   "the Parquet file named in the provenance section.</p>" + "".join(details))
     if missing:
         out.append('<div class="missing">Not yet computed:<ul>' + "".join(f"<li>{m}</li>" for m in missing)
                    + "</ul></div>")
-    if len(out) == 2:
+    if not out:
         return ""
-    out.append("</section>")
-    return "\n".join(out)
+    head = (f'<section id="{sec.id}"><h2>{esc(sec.title)}'
+            + (f'<span class="spec">{esc(sec.spec)}</span>' if sec.spec else "") + "</h2>"
+            + f'<p class="intro">{esc(sec.intro)}</p>')
+    return "\n".join([head, *out, "</section>"])
 
 
 def provenance_section(inputs: ReportInputs) -> str:

@@ -154,4 +154,4 @@ def test_builder_escapes_and_formats() -> None:
     assert not re.search(r"\bnan\b", page, re.I)
     assert "<b>qk_capture</b>: not yet computed (defined, never materialised)" in page
     assert "<b>pca_heads</b>: not yet computed (not yet part of the code location)" in page
-    assert "bias_strength distributions" in caption_for(Figure("x", "bias_strength_dist", "geometry_figures"))
+    assert "bias_strength distributions" in caption_for(Figure("x", "bias_distributions", "geometry_figures"))
