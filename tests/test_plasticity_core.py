@@ -500,3 +500,39 @@ def test_options_from_registry_analysis_table() -> None:
         PlasticityOptions.from_analysis({"plasticity": {"pairs": 3}})
     with pytest.raises(PlasticityOptionsError, match="covariance"):
         PlasticityOptions(covariance="banded")
+
+
+# ---- SPEC 4.5-4.6 model level -----------------------------------------------------------------------
+def test_model_level_interval_equals_naive_resampling_of_every_head() -> None:
+    """Model metric lo/hi: percentiles over resamples of the mean over heads, each head's AP_overall
+    recomputed from its per-pair records of the resampled documents (independent of the matrix path)."""
+    from qk_core.plasticity import analyse_model
+
+    heads = {}
+    for h in range(3):
+        x = _drift_head(1.0 + h, seed=20 + h)
+        heads[(0, h)] = HeadData(0, h, 0, x.q, x.q_pos, x.q_doc, x.k, x.k_pos, x.k_doc, x.window, x.bucket)
+    L, B = 4096, 256
+    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=40, seed=5)
+    docs = np.arange(80)
+    res = analyse_model("m", list(heads), lambda layer, h: heads[(layer, h)], docs, L, B, opts)
+    W = doc_weights(len(docs), 40, 5)
+    pairs = res.pairs[res.pairs["valid"]]
+    weights = agg.bucket_weights(L, B)
+    model_boot = []
+    for r in range(40):
+        per_head = []
+        for _key, grp in pairs.groupby(["layer", "q_head"]):
+            w = W[r][grp["example_id"].to_numpy()]
+            ap = np.full(L // B, np.nan)
+            for j, g in grp.assign(w=w).groupby("bucket"):
+                if g["w"].sum() > 0:
+                    ap[j] = (g["pp"].astype(float) * g["w"]).sum() / g["w"].sum()
+            have = np.isfinite(ap)
+            per_head.append((ap[have] * weights[have]).sum() / weights[have].sum())
+        model_boot.append(np.mean(per_head))
+    row = res.metrics.set_index(["metric", "key"]).loc[("ap_overall", "")]
+    lo, hi = np.percentile(model_boot, [2.5, 97.5])
+    assert row["lo"] == pytest.approx(lo, abs=2e-6) and row["hi"] == pytest.approx(hi, abs=2e-6)  # float32 PP
+    assert row["value"] == pytest.approx(res.heads["ap_overall"].mean(), rel=1e-12)
+    assert row["n_heads"] == 3

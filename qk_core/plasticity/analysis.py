@@ -198,7 +198,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     })
     bins = _head_bins(base, ap, ap_emp_ok, boot, ok, L, B, opts)
     components = pd.DataFrame({"layer": base["layer"], "q_head": base["q_head"], "coord": np.arange(model.d),
-                               "r2": model.r2, "weight": model.component_weights()})
+                               "r2": model.r2, "weight": model.component_weights(), "L": L, "B": B})
     pairs = None
     if opts.keep_pairs:
         pairs = pd.DataFrame({
@@ -209,6 +209,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
             "tau_tokens": pa_["tau"].astype(np.float32), "delta_1": pa_["delta_1"].astype(np.float32),
             "z": pa_["z"].astype(np.float32), "pp": pa_["pp"].astype(np.float32),
             "pp_empirical": pa_["pp_empirical"].astype(np.float32), "valid": valid,
+            "L": np.full(len(valid), L, dtype=np.int32), "B": np.full(len(valid), B, dtype=np.int32),
         })
     return HeadResult(row, profile, bins, components, pairs, ap, ap_emp_ok, boot,
                       {"t_i": pa_["t_i"], "t_j": pa_["t_j"], "tau": pa_["tau"],

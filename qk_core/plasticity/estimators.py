@@ -39,7 +39,11 @@ def pp_from_z(z: np.ndarray) -> np.ndarray:
 
 
 def closed_form(model: QueryModel, b: int, delta: np.ndarray) -> ClosedForm:
-    """Closed-form PP of query bucket b for key differences ``delta`` (P, d), original basis (4.3)."""
+    """Closed-form PP of query bucket b for key differences ``delta`` (P, d), original basis (4.3).
+
+    Evaluated as m = (H mean_b) . delta and v = delta^T (H S_b H) delta, identical to the SPEC's
+    rotated form mean_b . (H delta) and (H delta)^T S_b (H delta) since H is symmetric orthogonal.
+    """
     delta = np.asarray(delta, dtype=np.float64)
     mean_o, cov_o = model.original_basis(b)
     norm2 = np.einsum("pi,pi->p", delta, delta)
