@@ -143,11 +143,10 @@ def trajectory(context: AssetExecutionContext, storage: StorageResource):
     table = trajectory_table(series, checkpoints, load_reference())
     profiles = profile_table(checkpoints)
     info = summary(table)
-    missing = {r: m for r, m in info["missing"].items()}
+    missing = dict(info["missing"])  # revision -> its missing inputs
     figures = save_figures(store, f"trajectory/{series}", _figures(table, profiles, series))
-    config_cols = ["revision", "window", "bucket", "rope_theta", "max_position_embeddings", "missing"]
-    preview_cols = [*config_cols[:5], "bias_strength", "bias_strength_window", "ap_first20", "ap_last20",
-                    "ap_drop"]
+    preview_cols = ["revision", "window", "bucket", "rope_theta", "max_position_embeddings", "bias_strength",
+                    "bias_strength_window", "ap_first20", "ap_last20", "ap_drop", "missing"]
     meta = {
         "checkpoints": info["checkpoints"],
         "complete_checkpoints": info["complete"],
