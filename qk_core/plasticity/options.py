@@ -82,8 +82,10 @@ class PlasticityOptions:
     @classmethod
     def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
         """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table)."""
-        raw = dict((analysis or {}).get("plasticity", {}) or {})
-        raw.update(overrides)
+        table = (analysis or {}).get("plasticity", {}) or {}
+        if not isinstance(table, dict):
+            raise PlasticityOptionsError(f"analysis.plasticity must be a table of options, got {table!r}")
+        raw = {**table, **overrides}
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
