@@ -152,17 +152,31 @@ def _kind_moments(x32: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, float, 
     return mu, tm, xc.T @ xc, tc @ xc, float(tc @ tc)
 
 
-def pooled_moments(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray) -> PooledMoments:
-    """Sufficient statistics of the pooled Q+K cloud X (SPEC 2: Q rows stacked on K rows)."""
+KindMoments = tuple[np.ndarray, float, np.ndarray, np.ndarray, float]
+
+
+def kind_moments(x: np.ndarray, pos: np.ndarray) -> KindMoments:
+    """(mean, mean position, centred scatter, cross-scatter with position, position scatter) of one kind."""
+    return _kind_moments(x, pos)
+
+
+def pooled_moments(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
+                   k_stats: KindMoments | None = None) -> PooledMoments:
+    """Sufficient statistics of the pooled Q+K cloud X (SPEC 2: Q rows stacked on K rows).
+
+    ``k_stats`` (from :func:`kind_moments` of the same K rows) skips recomputing the K side, e.g. for
+    query heads that share a KV head (GQA).
+    """
     mq, tq, Sq, sq, tqq = _kind_moments(q, q_pos)
-    mk, tk, Sk, sk, tkk = _kind_moments(k, k_pos)
+    mk, tk, Sk, sk, tkk = k_stats if k_stats is not None else _kind_moments(k, k_pos)
     return PooledMoments(len(q), len(k), mq, mk, tq, tk, Sq, Sk, sq, sk, tqq, tkk)
 
 
 def projection_pearson(V: np.ndarray, S: np.ndarray, s_t: np.ndarray, stt: float) -> np.ndarray:
     """Pearson(x·v_j, t) for every column v_j of V, from centred scatter S, cross-scatter s_t, stt.
 
-    NaN where the projection (or t) has no variance.
+    SPEC 2 r_q(j), r_k(j) and SPEC 3 r_q_a, r_k_a: Pearson is shift-invariant, so the pooled-mean
+    centring of the projections does not matter. NaN where the projection (or t) has no variance.
     """
     num = V.T @ s_t
     var = np.einsum("ij,ij->j", V, S @ V)
@@ -251,11 +265,14 @@ def pca_from_moments(m: PooledMoments, options: PCAOptions | None = None) -> PCA
 
 
 def analyse_pca(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
-                options: PCAOptions | None = None) -> PCAResult:
-    """Validate one head's rows and run the combined Q+K PCA (SPEC 2). Raises HeadInputError."""
+                options: PCAOptions | None = None, moments: PooledMoments | None = None) -> PCAResult:
+    """Validate one head's rows and run the combined Q+K PCA (SPEC 2). Raises HeadInputError.
+
+    ``moments`` (:func:`pooled_moments` of the same rows) saves recomputing them.
+    """
     options = options or PCAOptions()
     validate_head(q, q_pos, k, k_pos, options.min_rows)
-    return pca_from_moments(pooled_moments(q, q_pos, k, k_pos), options)
+    return pca_from_moments(moments if moments is not None else pooled_moments(q, q_pos, k, k_pos), options)
 
 
 # ---- per-head table rows ---------------------------------------------------------------------------
@@ -356,31 +373,37 @@ def run_options(options: dict[str, Any], window: int | None, bucket: int | None,
             "n_heads_skipped": int((~ok_mask(heads)).sum()), "skipped": skipped_summary(heads)}
 
 
-def run_pca(model: str, heads: Iterable[HeadItem], options: PCAOptions | None = None
-            ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """SPEC 2 for every head of a model: (per-head table, per-layer/model summary, long metrics)."""
-    options = options or PCAOptions()
+def pca_head(head: HeadData | HeadInputError, options: PCAOptions,
+             moments: PooledMoments | None = None) -> dict[str, Any]:
+    """The PCA record of one head (SPEC 2), or its status and reason when it cannot be analysed."""
+    try:
+        if isinstance(head, HeadInputError):
+            raise head
+        return pca_record(analyse_pca(head.q, head.q_pos, head.k, head.k_pos, options, moments))
+    except HeadInputError as err:
+        return pca_record(None, error=err)
+
+
+def pca_tables(model: str, rows: list[dict[str, Any]], options: PCAOptions
+               ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Per-head rows -> (per-head table, per-layer/model summary, long metrics), options recorded."""
     opts = {"analysis": "pca", **options.to_dict()}
-    rows = []
-    for meta, head in heads:
-        base = head_columns(model, meta, head)
-        try:
-            if isinstance(head, HeadInputError):
-                raise head
-            rec = pca_record(analyse_pca(head.q, head.q_pos, head.k, head.k_pos, options))
-        except HeadInputError as err:
-            rec = pca_record(None, error=err)
-        rows.append({**base, **rec})
     table = pd.DataFrame(rows)
     if table.empty:
         table = pd.DataFrame(columns=["model", "layer", "q_head", "status", "taxonomy", "n_components",
                                       "evr", "r_q", "r_k", *PCA_UNITS])
-    window = first_int(table, "window")
-    bucket = first_int(table, "bucket")
     table["options"] = options_json(opts)
     layers = layer_and_model_summary(table, PCA_UNITS, model, category=("taxonomy", TAXONOMY))
-    rec_opts = run_options(opts, window, bucket, table)
+    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
     return table, layers, pca_metrics(table, model, rec_opts)
+
+
+def run_pca(model: str, heads: Iterable[HeadItem], options: PCAOptions | None = None
+            ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """SPEC 2 for every head of a model: (per-head table, per-layer/model summary, long metrics)."""
+    options = options or PCAOptions()
+    rows = [{**head_columns(model, meta, head), **pca_head(head, options)} for meta, head in heads]
+    return pca_tables(model, rows, options)
 
 
 def first_int(table: pd.DataFrame, col: str) -> int | None:

@@ -18,14 +18,20 @@ import numpy as np
 import pandas as pd
 import scipy.linalg
 
+from qk_core.capture_store import HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
 from qk_core.pca import (
     HeadInputError,
     HeadItem,
+    KindMoments,
+    PCAOptions,
     PooledMoments,
     first_int,
     head_columns,
+    kind_moments,
     options_from_dict,
+    pca_head,
+    pca_tables,
     pooled_moments,
     projection_pearson,
     run_options,
@@ -104,7 +110,10 @@ class RotationResult:
 
 def same_position_pairs(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray,
                         k_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices (iq, ik) of Q and K rows at the same (document, position); first occurrence of each."""
+    """Indices (iq, ik) of Q and K rows at the same (document, position); first occurrence of each.
+
+    These are SPEC 3's same-position pairs (delta = q - k) of separation_strength and the eigen axis.
+    """
     if len(q_pos) == 0 or len(k_pos) == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     _, inv = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]), return_inverse=True)
@@ -115,7 +124,11 @@ def same_position_pairs(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray,
 
 
 def circular_linear_r(theta: np.ndarray, x: np.ndarray) -> float:
-    """Circular-linear correlation (Mardia) of angles ``theta`` with a linear variable ``x``, in [0, 1]."""
+    """Circular-linear correlation (Mardia) of angles ``theta`` with a linear variable ``x``, in [0, 1].
+
+    SPEC 3 complement analysis: R^2 = (r_xc^2 + r_xs^2 - 2 r_xc r_xs r_cs) / (1 - r_cs^2) with c = cos theta,
+    s = sin theta; equivalently the multiple correlation of x regressed on (cos theta, sin theta).
+    """
     c, s = np.cos(theta), np.sin(theta)
     with np.errstate(invalid="ignore", divide="ignore"):
         r = np.corrcoef(np.vstack([x, c, s]))
@@ -336,37 +349,82 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
 # ---- a model ---------------------------------------------------------------------------------------
 
 
+def rotation_head(head: HeadData | HeadInputError, options: RotationOptions, moments: PooledMoments | None = None,
+                  keep_points: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
+    """The rotation record of one head (SPEC 3) and its plane points, or its status and reason."""
+    try:
+        if isinstance(head, HeadInputError):
+            raise head
+        res = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc, window=head.window,
+                               options=options, moments=moments, keep_points=keep_points)
+        return rotation_record(res), res.points
+    except HeadInputError as err:
+        return rotation_record(None, error=err), None
+
+
+def rotation_tables(model: str, rows: list[dict[str, Any]], options: RotationOptions
+                    ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Per-head rows -> (per-head table, per-layer/model summary, long metrics), options recorded."""
+    opts = {"analysis": "rotation", **options.to_dict()}
+    table = pd.DataFrame(rows)
+    if table.empty:
+        table = pd.DataFrame(columns=["model", "layer", "q_head", "status", "notes", *ROTATION_UNITS])
+    table["options"] = options_json(opts)
+    layers = layer_and_model_summary(table, ROTATION_UNITS, model)
+    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
+    return table, layers, rotation_metrics(table, model, rec_opts)
+
+
 def run_rotation(model: str, heads: Iterable[HeadItem], options: RotationOptions | None = None,
-                 keep_points: int = 400) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame,
-                                                  dict[tuple[int, int], dict[str, np.ndarray]]]:
+                 keep_points: int = 400) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
     """SPEC 3 for every head of a model: (per-head table, per-layer/model summary, long metrics, points).
 
     ``points`` maps (layer, q_head) of every analysed head to up to ``keep_points`` evenly spaced Q and K
     rows projected on {a, b} (bounded memory, for the plane scatter figure).
     """
-    options = options or RotationOptions()
-    opts = {"analysis": "rotation", **options.to_dict()}
-    rows, points = [], {}
+    out = run_geometry(model, heads, None, options or RotationOptions(), keep_points)
+    return out["rotation"]
+
+
+def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions | None,
+                 rotation_options: RotationOptions | None, keep_points: int = 400) -> dict[str, tuple]:
+    """SPEC 2 and/or SPEC 3 in one pass over the heads, each head read once (None skips an analysis).
+
+    The float64 moments of a head are computed once and shared by both analyses; the K-side moments are
+    reused by consecutive query heads of the same KV head (GQA). Results are identical to
+    :func:`qk_core.pca.run_pca` / :func:`run_rotation`. Returns ``{"pca": (heads, layers, metrics),
+    "rotation": (heads, layers, metrics, points)}`` for the analyses that ran.
+    """
+    pca_rows: list[dict[str, Any]] = []
+    rot_rows: list[dict[str, Any]] = []
+    points: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    mins = [o.min_rows for o in (pca_options, rotation_options) if o is not None]
+    k_cache: tuple[tuple[int, int], KindMoments] | None = None
     for meta, head in heads:
         base = head_columns(model, meta, head)
-        try:
-            if isinstance(head, HeadInputError):
-                raise head
-            res = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc,
-                                   window=head.window, options=options, keep_points=keep_points)
-            rec = rotation_record(res)
-            if res.points is not None:
-                points[(head.layer, head.q_head)] = res.points
-        except HeadInputError as err:
-            rec = rotation_record(None, error=err)
-        rows.append({**base, **rec})
-    table = pd.DataFrame(rows)
-    if table.empty:
-        table = pd.DataFrame(columns=["model", "layer", "q_head", "status", *ROTATION_UNITS])
-    table["options"] = options_json(opts)
-    layers = layer_and_model_summary(table, ROTATION_UNITS, model)
-    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
-    return table, layers, rotation_metrics(table, model, rec_opts), points
+        moments = None
+        if isinstance(head, HeadData) and mins:
+            try:
+                validate_head(head.q, head.q_pos, head.k, head.k_pos, min(mins))
+                kv = (head.layer, head.kv_head)
+                if k_cache is None or k_cache[0] != kv:
+                    k_cache = (kv, kind_moments(head.k, head.k_pos))
+                moments = pooled_moments(head.q, head.q_pos, head.k, head.k_pos, k_stats=k_cache[1])
+            except HeadInputError:
+                moments = None  # each analysis reports it in its own record
+        if pca_options is not None:
+            pca_rows.append({**base, **pca_head(head, pca_options, moments)})
+        if rotation_options is not None:
+            rec, pts = rotation_head(head, rotation_options, moments, keep_points)
+            rot_rows.append({**base, **rec})
+            if pts is not None:
+                points[(int(meta["layer"]), int(meta["q_head"]))] = pts
+    out: dict[str, tuple] = {}
+    if pca_options is not None:
+        out["pca"] = pca_tables(model, pca_rows, pca_options)
+    if rotation_options is not None:
+        out["rotation"] = (*rotation_tables(model, rot_rows, rotation_options), points)
+    return out
 
 
 #: Per-model metrics (long format) and the per-head column each is the mean of. Names follow

@@ -45,9 +45,8 @@ def heads_for(model: str) -> list[SyntheticHead]:
 def materialised(tmp_path_factory: pytest.TempPathFactory):
     from dagster import AssetKey, asset, materialize
 
+    from qk_assets.assets.geometry import geometry
     from qk_assets.assets.geometry_figures import geometry_figures
-    from qk_assets.assets.pca import pca
-    from qk_assets.assets.rotation import rotation
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import model_partitions
     from qk_assets.resources import StorageResource
@@ -66,14 +65,14 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
 
     res = StorageResource(root=str(root))
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res)}
-    analyses = [capture_stand_in, pca, rotation]
+    analyses = [capture_stand_in, geometry]
     selection = [AssetKey(k) for k in ("pca_heads", "pca_layers", "pca_metrics", "rotation_heads",
                                        "rotation_layers", "rotation_metrics")]
     results = {}
     for model in MODELS:
         results[model] = materialize(analyses, selection=selection, partition_key=model, resources=resources)
         assert results[model].success
-    cross = materialize([capture_stand_in, pca, rotation, geometry_figures], selection=[AssetKey("geometry_figures")],
+    cross = materialize([capture_stand_in, geometry, geometry_figures], selection=[AssetKey("geometry_figures")],
                         resources=resources)
     assert cross.success
 
@@ -162,3 +161,37 @@ def test_cross_model_table_has_every_materialised_model(materialised) -> None:
     assert list(table["rotation_heads_ok"]) == [12, 12] and list(table["rotation_heads_skipped"]) == [3, 0]
     bias = dict(zip(table["model"], table["bias_strength"], strict=True))
     assert bias["smollm2-135m"] > 0 > bias["gemma3-270m"]
+
+
+def test_subset_and_run_config_options(tmp_path: Path) -> None:
+    from dagster import AssetKey, asset, materialize
+
+    from qk_assets.assets.geometry import geometry
+    from qk_assets.io_manager import ParquetIOManager, asset_rel
+    from qk_assets.partitions import model_partitions
+    from qk_assets.resources import StorageResource
+    from qk_core.storage import Storage
+
+    storage = Storage(tmp_path / "storage")
+    cap = write_synthetic_capture(storage, "smollm2-135m", heads_for("gemma3-270m")[:4], d=D, window=WINDOW,
+                                  bucket=BUCKET, per_bucket=PER_BUCKET, doc_tokens=DOCS)
+    storage.write_parquet(asset_rel(["qk_capture"], "smollm2-135m"), pa.Table.from_pandas(cap))
+
+    @asset(name="qk_capture", partitions_def=model_partitions())
+    def capture_stand_in() -> pd.DataFrame:
+        raise AssertionError("never recomputed here")
+
+    res = StorageResource(root=str(storage.url))
+    config = {"ops": {"geometry": {"config": {"rotation_separation": "eigen", "rotation_complement": True,
+                                              "rotation_complement_pairs": 2}}}}
+    result = materialize([capture_stand_in, geometry], selection=[AssetKey(k) for k in ("rotation_heads",
+                         "rotation_metrics")], partition_key="smollm2-135m", run_config=config,
+                         resources={"storage": res, "io_manager": ParquetIOManager(storage=res)})
+    assert result.success
+    assert not storage.exists(asset_rel(["pca_heads"], "smollm2-135m"))  # PCA was not selected, not run
+    assert not storage.exists(asset_rel(["rotation_layers"], "smollm2-135m"))
+    heads = storage.read_parquet(asset_rel(["rotation_heads"], "smollm2-135m")).to_pandas()
+    assert '"separation": "eigen"' in heads["options"].iloc[0]
+    assert all(len(v) == 2 for v in heads["complement_share"])
+    metrics = storage.read_parquet(asset_rel(["rotation_metrics"], "smollm2-135m")).to_pandas()
+    assert set(metrics.loc[metrics["metric"] == "complement_pair_share", "key"]) == {"pair0", "pair1"}

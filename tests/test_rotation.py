@@ -8,6 +8,7 @@ orthogonal-complement check.
 from __future__ import annotations
 
 import numpy as np
+import pandas.testing as pd_testing
 import pytest
 from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal
 
@@ -238,3 +239,24 @@ def test_missing_pairs_and_undefined_b_are_notes_not_failures() -> None:
     assert np.isnan(r2.var_frac_b) and np.isnan(r2.mu_q_b) and any("centroid" in n for n in r2.notes)
     assert np.isfinite(r2.bias_strength)
     assert rotation_record(r2)["status"] == "ok"
+
+
+def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
+    from synthetic import SyntheticHead, write_synthetic_capture
+
+    from qk_core.pca import PCAOptions, iter_capture_heads, run_pca
+    from qk_core.rotation import run_geometry, run_rotation
+    from qk_core.storage import Storage
+
+    storage = Storage(tmp_path)
+    # GQA: four query heads per KV head, so the cached K-side moments are reused
+    heads = [SyntheticHead(layer, h, h // 4, SPECS["recency"]) for layer in (1, 3) for h in range(8)]
+    heads.append(SyntheticHead(4, 0, 0, SPECS["recency"], nan_rows=1))
+    cap = write_synthetic_capture(storage, "m", heads, d=8, per_bucket=2)
+    both = run_geometry("m", iter_capture_heads(storage, cap), PCAOptions(), RotationOptions(complement=True))
+    pca_alone = run_pca("m", iter_capture_heads(storage, cap))
+    rot_alone = run_rotation("m", iter_capture_heads(storage, cap), RotationOptions(complement=True))
+    for a, b in list(zip(both["pca"], pca_alone, strict=True)) + list(zip(both["rotation"][:3], rot_alone[:3],
+                                                                                 strict=True)):
+        pd_testing.assert_frame_equal(a, b)
+    assert both["rotation"][0]["status"].tolist().count("non_finite") == 1

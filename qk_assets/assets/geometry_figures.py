@@ -9,7 +9,7 @@ is one row per model with the values the figures show.
 import pandas as pd
 from dagster import AllPartitionMapping, AssetExecutionContext, AssetIn, MetadataValue, asset
 
-from qk_assets.assets.pca import GROUP
+from qk_assets.assets.geometry import GROUP
 from qk_assets.figures import save_figures
 from qk_assets.partitions import registry
 from qk_assets.resources import StorageResource

@@ -1,0 +1,188 @@
+"""Q/K geometry per model partition: combined Q+K PCA (SPEC 2) and planar rotation (SPEC 3).
+
+One multi-asset, ``geometry``, with six outputs: ``pca_heads``, ``pca_layers``, ``pca_metrics``,
+``rotation_heads``, ``rotation_layers``, ``rotation_metrics``. It reads the capture one head at a time
+(``qk_capture`` lists the heads and where the capture lives) and runs both analyses in one pass
+(:func:`qk_core.rotation.run_geometry`): each head's files are read once and its float64 moments are
+shared. Selecting only the PCA or only the rotation outputs runs only that analysis.
+
+Options, lowest to highest precedence: the defaults of :class:`qk_core.pca.PCAOptions` /
+:class:`qk_core.rotation.RotationOptions`, the registry entry's ``analysis.pca`` / ``analysis.rotation``
+tables, the run config (``pca_*`` / ``rotation_*`` fields). They are recorded in every output (``options``
+column / JSON) with L, B and the skipped heads.
+"""
+
+import json
+
+import pandas as pd
+from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, MetadataValue, Output, multi_asset
+
+from qk_assets.figures import save_figures
+from qk_assets.partitions import model_partitions, registry
+from qk_assets.resources import StorageResource
+from qk_core.blas import blas_threads
+from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions, iter_capture_heads
+from qk_core.rotation import ROTATION_UNITS, RotationOptions, run_geometry
+from qk_core.summaries import skipped_summary
+
+GROUP = "geometry"
+PCA_OUTS = ("pca_heads", "pca_layers", "pca_metrics")
+ROTATION_OUTS = ("rotation_heads", "rotation_layers", "rotation_metrics")
+
+
+class GeometryConfig(Config):
+    """Run-time overrides; unset (None) fields keep the registry / default values."""
+
+    pca_n_components: int | None = None
+    pca_sign_threshold: float | None = None
+    pca_min_rows: int | None = None
+    rotation_separation: str | None = None  # "centroid" (default) or "eigen"
+    rotation_complement: bool | None = None
+    rotation_complement_pairs: int | None = None
+    rotation_min_rows: int | None = None
+    rotation_min_pairs: int | None = None
+    plane_points: int = 400  # Q and K rows per head kept for the {a, b}-plane figure
+    blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
+
+
+def analysis_overrides(model_key: str, section: str) -> dict:
+    """The registry's ``analysis.<section>`` table of a model ({} when absent or not in the registry)."""
+    reg = registry()
+    if model_key not in reg.models:
+        return {}
+    raw = reg.model(model_key).analysis.get(section, {})
+    if not isinstance(raw, dict):
+        raise ValueError(f"{reg.path}: model '{model_key}', field 'analysis.{section}' must be a table")
+    return dict(raw)
+
+
+def resolve_options(model_key: str, config: GeometryConfig) -> tuple[PCAOptions, RotationOptions]:
+    """Defaults < registry ``analysis.pca`` / ``analysis.rotation`` < run config."""
+    values = config.model_dump()
+    picked = {}
+    for section in ("pca", "rotation"):
+        prefix = f"{section}_"
+        run = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix) and v is not None}
+        picked[section] = {**analysis_overrides(model_key, section), **run}
+    return PCAOptions.from_dict(picked["pca"]), RotationOptions.from_dict(picked["rotation"])
+
+
+def logged(context: AssetExecutionContext, items, total: int, label: str):
+    """Pass items through, logging progress every ~10 %."""
+    step = max(1, total // 10)
+    for i, item in enumerate(items, 1):
+        if i % step == 0 or i == total:
+            context.log.info(f"{label}: {i}/{total} heads")
+        yield item
+
+
+def units_markdown(units: dict[str, str]) -> str:
+    return "| column | unit |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in units.items())
+
+
+def _common(heads: pd.DataFrame) -> dict:
+    skipped = skipped_summary(heads)
+    out = {"options": MetadataValue.json(json.loads(heads["options"].iloc[0]) if len(heads) else {}),
+           "heads_ok": int((heads["status"] == "ok").sum()), "heads_skipped": int(sum(skipped.values())),
+           "skipped_reasons": MetadataValue.json(skipped)}
+    if "notes" in heads:
+        out["heads_with_notes"] = int((heads["notes"].fillna("") != "").sum())
+    return out
+
+
+@multi_asset(
+    outs={
+        "pca_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "One row per sampled head: EVR, r_q, r_k per component (sign rule applied), PC0 taxonomy, "
+            "positional budgets, the pooled mean and the components (row-major, n_components x d), counts, "
+            "status/reason for heads that could not be analysed, options (SPEC 2).")),
+        "pca_layers": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "Per-layer and whole-model summaries of the per-head PCA values: mean, median, quartiles, IQR, "
+            "heads used and skipped; taxonomy shares.")),
+        "pca_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "Per-model PCA values in the long metrics format: pca_share_<class>, pos_budget_q/k, "
+            "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key pc<j>).")),
+        "rotation_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "One row per sampled head: drift axis a, separation axis b, alpha_Q/alpha_K (per token and x L), "
+            "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "
+            "separation_strength, orthogonal-complement check, optional complement pairs, status/reason/notes, "
+            "options (SPEC 3).")),
+        "rotation_layers": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "Per-layer and whole-model summaries of the per-head rotation values: mean, median, quartiles, "
+            "IQR, heads used and skipped.")),
+        "rotation_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+            "Per-model rotation values in the long metrics format (bias_strength, bias_strength_window, "
+            "abs_alpha_k, mu_q_a, abs_r_k_a, abs_r_q_a, separation_strength, plane_var_fraction, ...).")),
+    },
+    ins={"qk_capture": AssetIn()},
+    partitions_def=model_partitions(),
+    can_subset=True,
+)
+def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: StorageResource,
+             qk_capture: pd.DataFrame):
+    """Combined Q+K PCA and planar rotation of every sampled head of one model, with figures (SPEC 2, 3, 7)."""
+    model = context.partition_key
+    selected = set(context.selected_output_names)
+    pca_opts, rot_opts = resolve_options(model, config)
+    do_pca, do_rot = bool(selected & set(PCA_OUTS)), bool(selected & set(ROTATION_OUTS))
+    store = storage.get()
+    items = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"geometry {model}")
+    with blas_threads(config.blas_threads):
+        out = run_geometry(model, items, pca_opts if do_pca else None, rot_opts if do_rot else None,
+                           keep_points=config.plane_points)
+    from qk_core.plots import geometry as plots  # matplotlib only when the asset runs
+
+    if do_pca:
+        heads, layers, metrics = out["pca"]
+        if skipped_summary(heads):
+            context.log.warning(f"pca {model}: skipped heads {skipped_summary(heads)} (status/reason columns)")
+        figures = save_figures(store, f"pca/{model}", {
+            "pc0_taxonomy": plots.fig_pca_taxonomy(heads, model, pca_opts.taxonomy_low, pca_opts.taxonomy_high),
+            "explained_variance": plots.fig_pca_explained_variance(heads, model),
+            "depth_pc0": plots.fig_depth_heatmaps(
+                heads, [("pc0_r_q", r"PC0 $r_q$ (sign rule: $\geq 0$)", "corr"), ("pc0_r_k", r"PC0 $r_k$", "corr")],
+                model, f"{model}: PC0 position correlation by depth"),
+        })
+        common = _common(heads)
+        shares = metrics[metrics["metric"].str.startswith("pca_share_")][["metric", "value", "n_heads"]]
+        model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
+        outputs = {
+            "pca_heads": (heads, {**common, "taxonomy": MetadataValue.md(shares.to_markdown(index=False)),
+                                  "taxonomy_classes": ", ".join(TAXONOMY),
+                                  "units": MetadataValue.md(units_markdown(PCA_UNITS)), **figures}),
+            "pca_layers": (layers, {**common, "model_summary": MetadataValue.md(
+                model_rows.to_markdown(index=False, floatfmt=".4g"))}),
+            "pca_metrics": (metrics, {**common, "preview": MetadataValue.md(
+                metrics[["metric", "key", "value", "median", "n_heads", "unit"]].head(40).to_markdown(
+                    index=False, floatfmt=".4g"))}),
+        }
+        for name, (value, meta) in outputs.items():
+            if name in selected:
+                yield Output(value, output_name=name, metadata=meta)
+    if do_rot:
+        heads, layers, metrics, points = out["rotation"]
+        if skipped_summary(heads):
+            context.log.warning(f"rotation {model}: skipped heads {skipped_summary(heads)} (status/reason columns)")
+        figures = save_figures(store, f"rotation/{model}", {
+            "ab_plane": plots.fig_plane_scatter(heads, points, model),
+            "depth_rotation": plots.fig_depth_heatmaps(
+                heads, [("abs_r_k_a", r"$|r_{k,a}|$", "abs"), ("bias_strength", "bias_strength (per token)", "signed")],
+                model, f"{model}: key drift and bias strength by depth"),
+        })
+        common = _common(heads)
+        main = ["bias_strength", "bias_strength_window", "abs_alpha_k", "mu_q_a", "abs_r_k_a", "abs_r_q_a",
+                "separation_strength", "plane_var_fraction", "orth_check"]
+        model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
+        outputs = {
+            "rotation_heads": (heads, {**common, "units": MetadataValue.md(units_markdown(ROTATION_UNITS)),
+                                       "max_orth_check": float(heads["orth_check"].max()) if len(heads) else 0.0,
+                                       **figures}),
+            "rotation_layers": (layers, {**common, "model_summary": MetadataValue.md(
+                model_rows.to_markdown(index=False, floatfmt=".4g"))}),
+            "rotation_metrics": (metrics, {**common, "preview": MetadataValue.md(
+                metrics.loc[metrics["metric"].isin(main), ["metric", "value", "median", "n_heads", "unit"]]
+                .to_markdown(index=False, floatfmt=".4g"))}),
+        }
+        for name, (value, meta) in outputs.items():
+            if name in selected:
+                yield Output(value, output_name=name, metadata=meta)
