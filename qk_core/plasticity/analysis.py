@@ -90,8 +90,9 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     base = {"layer": int(head.layer), "q_head": int(head.q_head), "kv_head": int(head.kv_head), "d": head.d,
             "L": L, "B": B, "covariance": opts.covariance, "n_queries": len(head.q_pos), "n_keys": len(head.k_pos),
             "n_docs": len(np.unique(head.k_doc))}
-    bad_q = int((~np.isfinite(head.q)).any(axis=1).sum())
-    bad_k = int((~np.isfinite(head.k)).any(axis=1).sum())
+    # a row holds NaN/inf iff its float64 sum is not finite (float32 values cannot overflow a float64 sum)
+    bad_q = int((~np.isfinite(np.sum(head.q, axis=1, dtype=np.float64))).sum())
+    bad_k = int((~np.isfinite(np.sum(head.k, axis=1, dtype=np.float64))).sum())
     if bad_q or bad_k:
         return failed_head(base, "non_finite", f"{bad_q} Q rows and {bad_k} K rows hold NaN or inf", J,
                            W.shape[0])

@@ -49,7 +49,7 @@ def closed_form(model: QueryModel, b: int, delta: np.ndarray) -> ClosedForm:
     norm2 = np.einsum("pi,pi->p", delta, delta)
     zero = norm2 == 0.0
     m = delta @ mean_o
-    v = np.einsum("pi,pi->p", delta @ cov_o, delta)
+    v = np.einsum("pi,pi->p", delta @ cov_o, delta)  # float64: near-degenerate directions stay exact
     delta1 = delta @ model.H[0]
     scale = (np.trace(model.cov[b]) if model.covariance == "full" else model.cov[b].sum()) / model.d
     valid = (~zero) & np.isfinite(v) & (v > 1e-12 * scale * norm2)

@@ -169,10 +169,11 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     if stt <= 0.0:
         raise QueryModelError("every query sits at one position: the slope on position is undefined")
     qbar = Q.mean(axis=0)
-    beta = (tc @ Q) / stt
+    Qc = Q - qbar
+    beta = (tc @ Qc) / stt
     alpha = qbar - beta * t.mean()
-    R = Q - alpha - np.outer(t, beta)  # detrended queries
-    sst = ((Q - qbar) ** 2).sum(axis=0)
+    R = Qc - np.outer(tc, beta)  # detrended queries: q - alpha - beta t
+    sst = np.einsum("ij,ij->j", Qc, Qc)
     ssr = beta * beta * stt
     scale = max(float(sst.max()), 1e-300)
     r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
@@ -199,7 +200,7 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     shrink = np.full(J, np.nan)
     status = [OK] * J
     # a bucket's covariance is degenerate when its total variance is ~0 next to the head's residual scale
-    floor = 1e-10 * max(float((R * R).mean()), 1e-300)
+    floor = 1e-10 * max(float(np.einsum("ij,ij->", R, R)) / R.size, 1e-300)
     orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for b in range(J):
         if counts[b] < min_queries:
