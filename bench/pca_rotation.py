@@ -5,14 +5,15 @@ at most 30 s on 2 cores, and peak memory stays bounded by a few heads' data.
 
 Three measurements, each in a fresh child process (so BLAS threads and peak RSS are its own):
 
-- ``arrays``: per head from in-memory arrays, exactly the per-head work of the two assets (each validates
-  and computes its own float64 moments), plus the variant that shares the moments between the two.
+- ``arrays``: per head from in-memory arrays: PCA and rotation as two independent calls (each validates
+  and computes its own float64 moments), and in one pass sharing the moments (what the asset does).
   A pool of distinct planted heads is cycled; generating them is not timed.
-- ``stream``: the assets' path from a capture on disk (the capture_store layout; head files written
-  directly, GQA 4 query heads per KV head): ``run_pca`` then ``run_rotation`` over
-  ``iter_capture_heads``, reading one head at a time; wall and CPU time, peak RSS over the baseline
-  after imports.
-- ``stream-trace``: the same under tracemalloc (numpy allocations) and the pyarrow pool high-water mark.
+- ``stream``: the asset path from a capture on disk (the capture_store layout; head files written
+  directly, GQA 4 query heads per KV head): ``run_geometry`` over ``iter_capture_heads``, one head in
+  memory at a time, for PCA + rotation (all outputs selected), PCA only and rotation only; wall and CPU
+  time, peak RSS over the baseline after imports.
+- ``stream-trace``: the one-pass run under tracemalloc (numpy allocations) and the pyarrow pool
+  high-water mark.
 
 Run::
 
@@ -94,7 +95,7 @@ def _arrays(args: argparse.Namespace) -> dict:
         analyse_rotation(q, qp, qd, k, kp, kd, window=args.window, options=ropt, keep_points=400)
         per_head.append(time.perf_counter() - t0)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    wall1 = time.perf_counter()
+    wall1, cpu1 = time.perf_counter(), time.process_time()
     for i in range(args.heads):
         q, qp, qd, k, kp, kd = pool[i % len(pool)]
         t0 = time.perf_counter()
@@ -103,13 +104,13 @@ def _arrays(args: argparse.Namespace) -> dict:
         pca_from_moments(m, popt)
         analyse_rotation(q, qp, qd, k, kp, kd, window=args.window, options=ropt, moments=m, keep_points=400)
         per_head_shared.append(time.perf_counter() - t0)
-    shared_wall = time.perf_counter() - wall1
+    shared_wall, shared_cpu = time.perf_counter() - wall1, time.process_time() - cpu1
     ph = np.array(per_head)
     return {
         "heads": args.heads, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
         "per_head_ms_mean": round(1e3 * ph.mean(), 2), "per_head_ms_p50": round(1e3 * np.median(ph), 2),
         "per_head_ms_p95": round(1e3 * np.percentile(ph, 95), 2),
-        "shared_moments_wall_s": round(shared_wall, 3),
+        "shared_moments_wall_s": round(shared_wall, 3), "shared_moments_cpu_s": round(shared_cpu, 3),
         "shared_moments_per_head_ms_mean": round(1e3 * np.mean(per_head_shared), 2),
     }
 
@@ -121,8 +122,8 @@ def child_stream(args: argparse.Namespace, trace: bool) -> dict:
     import pyarrow as pa
 
     from qk_core.blas import blas_threads
-    from qk_core.pca import PCAOptions, iter_capture_heads, run_pca
-    from qk_core.rotation import RotationOptions, run_rotation
+    from qk_core.pca import PCAOptions, iter_capture_heads
+    from qk_core.rotation import RotationOptions, run_geometry
     from qk_core.storage import Storage
 
     storage = Storage(args.workdir)
@@ -131,17 +132,17 @@ def child_stream(args: argparse.Namespace, trace: bool) -> dict:
     if trace:
         tracemalloc.start()
     out: dict = {"heads": len(capture), "baseline_rss_mb": round(base_rss, 1)}
-    for name, fn in (("pca", lambda: run_pca("bench", iter_capture_heads(storage, capture), PCAOptions())),
-                     ("rotation", lambda: run_rotation("bench", iter_capture_heads(storage, capture),
-                                                       RotationOptions(), keep_points=400))):
+    passes = {"both": (PCAOptions(), RotationOptions())}
+    if not trace:
+        passes.update(pca_only=(PCAOptions(), None), rotation_only=(None, RotationOptions()))
+    for name, (popt, ropt) in passes.items():
         wall0, cpu0 = time.perf_counter(), time.process_time()
         with blas_threads(args.blas_threads):
-            res = fn()
+            res = run_geometry("bench", iter_capture_heads(storage, capture), popt, ropt, keep_points=400)
         out[f"{name}_wall_s"] = round(time.perf_counter() - wall0, 3)
         out[f"{name}_cpu_s"] = round(time.process_time() - cpu0, 3)
-        out[f"{name}_heads_ok"] = int((res[0]["status"] == "ok").sum())
+        out[f"{name}_heads_ok"] = int(sum((r[0]["status"] == "ok").sum() for r in res.values()))
         del res
-    out["total_wall_s"] = round(out["pca_wall_s"] + out["rotation_wall_s"], 3)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out["peak_rss_over_baseline_mb"] = round(out["peak_rss_mb"] - base_rss, 1)
     if trace:
@@ -277,9 +278,10 @@ def markdown(r: dict) -> str:
         "",
         "| path | wall s | CPU s | notes |",
         "|---|---|---|---|",
-        f"| arrays, PCA + rotation as the assets run them | {a['wall_s']} | {a['cpu_s']} | per head "
+        f"| arrays, PCA and rotation as two independent calls | {a['wall_s']} | {a['cpu_s']} | per head "
         f"{a['per_head_ms_mean']} ms mean, {a['per_head_ms_p95']} ms p95 |",
-        f"| arrays, moments shared by PCA and rotation | {a['shared_moments_wall_s']} | | per head "
+        f"| arrays, one pass sharing the moments (as the asset) | {a['shared_moments_wall_s']} | "
+        f"{a['shared_moments_cpu_s']} | per head "
         f"{a['shared_moments_per_head_ms_mean']} ms mean |",
     ]
     if "arrays_default_threads" in r:
@@ -289,21 +291,21 @@ def markdown(r: dict) -> str:
     if "stream" in r:
         s, t, cap = r["stream"], r["stream_trace"], r["capture"]
         lines += [
-            f"| capture on disk: pca asset path (read + analyse) | {s['pca_wall_s']} | {s['pca_cpu_s']} | "
-            f"{s['pca_heads_ok']} heads ok |",
-            f"| capture on disk: rotation asset path | {s['rotation_wall_s']} | {s['rotation_cpu_s']} | "
-            f"{s['rotation_heads_ok']} heads ok |",
-            f"| capture on disk: both | {s['total_wall_s']} | | |",
+            f"| capture on disk: the `geometry` asset path, PCA + rotation in one pass (read + analyse) | "
+            f"{s['both_wall_s']} | {s['both_cpu_s']} | {s['both_heads_ok']} head results ok |",
+            f"| capture on disk: PCA outputs only | {s['pca_only_wall_s']} | {s['pca_only_cpu_s']} | |",
+            f"| capture on disk: rotation outputs only | {s['rotation_only_wall_s']} | {s['rotation_only_cpu_s']} "
+            "| |",
             "",
             f"Capture: {cap['capture_mb_on_disk']} MB on disk ({cap['q_files']} Q head files, {cap['k_files']} K "
             f"files; one head's Q + K as float32 = {cap['one_head_q_plus_k_float32_mb']} MB).",
             "",
-            "Memory of the streaming path (one head in memory at a time):",
+            "Memory of the streaming path (one head in memory at a time; all three passes in one process):",
             "",
             f"- peak RSS {s['peak_rss_mb']} MB, {s['peak_rss_over_baseline_mb']} MB over the baseline after imports "
             f"({s['baseline_rss_mb']} MB)",
-            f"- tracemalloc peak (numpy/Python allocations) {t['tracemalloc_peak_mb']} MB; pyarrow pool high-water "
-            f"mark {t['arrow_pool_max_mb']} MB",
+            f"- one-pass run under tracemalloc: peak of numpy/Python allocations {t['tracemalloc_peak_mb']} MB; "
+            f"pyarrow pool high-water mark {t['arrow_pool_max_mb']} MB; peak RSS {t['peak_rss_mb']} MB",
         ]
     lines += ["", "Raw numbers: `pca_rotation.json` beside this file.", ""]
     return "\n".join(lines)
