@@ -16,6 +16,8 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,33 @@ def _pretrained_args(key: str, src: Source) -> tuple[str, dict[str, Any]]:
         return str(path), {}
     gguf = resolve_gguf(src)
     return str(gguf.parent), {"gguf_file": gguf.name}
+
+
+def gguf_cache_dir(src: Source) -> Path:
+    """Folder caching the config and tokenizer converted from a GGUF file (parsing GGUF metadata is slow).
+
+    Keyed by package, package version, file name and size, so a new package version converts again.
+    """
+    ident = source_identity(src)
+    tag = f"{ident['package']}-{ident['package_version']}-{ident['file']}-{ident['size']}"
+    return CACHE_DIR / "gguf-converted" / tag.replace("/", "_")
+
+
+def _gguf_cached(src: Source, kind: str, convert: Any, load: Any) -> Any:
+    """Load ``kind`` (config / tokenizer) of a GGUF source from the conversion cache, converting once."""
+    folder = gguf_cache_dir(src) / kind
+    if (folder / ".complete").exists():
+        return load(str(folder))
+    obj = convert()
+    tmp = folder.parent / f".tmp-{kind}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    obj.save_pretrained(tmp)
+    (tmp / ".complete").write_text("ok")
+    try:
+        tmp.replace(folder)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return obj
 
 
 def _check_local_weights(key: str, src: Source) -> None:
@@ -168,7 +197,11 @@ def load_config(entry: ModelEntry) -> Any:
     if entry.source.kind == "local":
         _check_local_weights(entry.key, entry.source)
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=entry.trust_remote_code, **kwargs)
+        if entry.source.kind == "gguf_package":
+            config = _gguf_cached(entry.source, "config", lambda: AutoConfig.from_pretrained(name, **kwargs),
+                                  AutoConfig.from_pretrained)
+        else:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=entry.trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: config not available: {exc}") from exc
     return apply_config_overrides(config, entry.config_overrides)
@@ -180,6 +213,9 @@ def load_tokenizer(key: str, src: Source, trust_remote_code: bool = False) -> An
 
     name, kwargs = _pretrained_args(key, src)
     try:
+        if src.kind == "gguf_package":
+            return _gguf_cached(src, "tokenizer", lambda: AutoTokenizer.from_pretrained(name, **kwargs),
+                                AutoTokenizer.from_pretrained)
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{key}: tokenizer {src.describe()}: not available: {exc}") from exc
