@@ -12,7 +12,9 @@ the alias file, line and field; the previous join stays materialised.
 Automation, no clicking: ``benchmark_files_sensor`` hashes every file of ``benchmarks/`` and
 ``reference/`` (local or S3) and materialises the source assets a new, changed or removed file feeds;
 ``benchmark_automation_sensor`` then runs ``model_report`` and the joins through their automation
-conditions (eager: as soon as an input updates). Both sensors are on by default.
+conditions (eager: as soon as an input updates). Both sensors are on by default. Without a cursor
+(first start) the file sensor compares against the hashes recorded on the latest source
+materialisations, so restarting the daemon recomputes nothing that is up to date.
 """
 
 import hashlib
@@ -26,6 +28,7 @@ from dagster import (
     AutomationCondition,
     AutomationConditionSensorDefinition,
     Config,
+    DagsterInstance,
     DefaultSensorStatus,
     Failure,
     MetadataValue,
@@ -50,6 +53,7 @@ from qk_core.joins import (
 )
 from qk_core.plots.benchmarks import fig_length, fig_scores_vs_metrics, slug
 from qk_core.stats import MIN_N
+from qk_core.storage import Storage
 
 GROUP = "benchmarks"
 FIGURE_FOLDER = "benchmarks"
@@ -153,6 +157,24 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
 
 
 # ---- sensors ------------------------------------------------------------------------------------
+def baseline(instance: DagsterInstance, st: Storage) -> dict[str, dict[str, str]]:
+    """File hashes behind the latest materialisation of each source asset (its ``files`` metadata).
+
+    A sensor without a cursor (first start, reset) compares against these, so files the stored
+    assets were already computed from do not trigger a run; anything else counts as new.
+    """
+    prefix = st.uri("").rstrip("/") + "/"
+    out: dict[str, dict[str, str]] = {}
+    for name in ASSET_OF_KIND.values():
+        event = instance.get_latest_materialization_event(AssetKey(name))
+        mat = event.asset_materialization if event else None
+        files = mat.metadata.get("files") if mat else None
+        for uri, sha in (getattr(files, "value", None) or {}).items():
+            if uri.startswith(prefix):
+                out[uri[len(prefix):]] = {"token": "", "sha256": sha}
+    return out
+
+
 @sensor(
     name="benchmark_files_sensor",
     minimum_interval_seconds=SENSOR_INTERVAL_S,
@@ -164,7 +186,7 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
 def benchmark_files_sensor(context: SensorEvaluationContext, storage: StorageResource):
     st = storage.get()
     ensure_seed_files(st)
-    previous = json.loads(context.cursor) if context.cursor else {}
+    previous = json.loads(context.cursor) if context.cursor else baseline(context.instance, st)
     state, changed = scan_files(st, previous)
     if not changed:
         return SkipReason(f"no benchmark or reference file changed ({len(state)} files)")

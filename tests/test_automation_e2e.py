@@ -1,0 +1,87 @@
+"""End to end, nobody clicking: a benchmark file dropped into the storage root changes the join.
+
+A real ``dagster dev`` (webserver + daemon, tests/servers.py) runs the project's code location on
+127.0.0.1 with a temporary DAGSTER_HOME and storage root. The graph was materialised once before
+(in-process, into the same instance: a previous session), so the file sensor's first tick finds
+nothing new. A per-length score file is then written into ``benchmarks/``: the file sensor
+materialises ``benchmark_scores``, the automation sensor the joins; the test polls the join asset's
+Parquet until it holds the new file's rows, and checks that only sensors launched runs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from servers import dagster_servers, prepare_home, wait_for
+
+from qk_core.storage import Storage
+
+pytestmark = pytest.mark.slow
+
+PHASE_TIMEOUT_S = 300
+SETUP_TAG = "qk/e2e-setup"
+NEW_SUITE = "local RULER rerun (e2e test)"
+NEW_FILE = "benchmark,source,model_name,mode,length,score\n" + "".join(
+    f"RULER,{NEW_SUITE},Llama3.1 (8B),instruct,{length},{score}\n"
+    for length, score in [("4k", 90.0), ("8k", 88.0), ("16k", 85.0), ("32k", 80.0), ("64k", 70.0), ("128k", 60.0)])
+
+
+def read_join(root: Path) -> pd.DataFrame | None:
+    path = root / "assets" / "benchmark_joins" / "_all.parquet"
+    return pd.read_parquet(path) if path.exists() else None
+
+
+def materialise_once(home: Path, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark group materialised in-process into the servers' instance (a previous session)."""
+    from dagster import AssetSelection, DagsterInstance
+
+    from qk_assets.definitions import build_definitions
+
+    monkeypatch.setenv("QK_STORAGE_ROOT", str(root))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    defs = build_definitions()
+    keys = AssetSelection.groups("benchmarks").resolve(defs.resolve_asset_graph())
+    with DagsterInstance.from_config(str(home)) as instance:
+        job = defs.resolve_implicit_global_asset_job_def().get_subset(asset_selection=set(keys))
+        assert job.execute_in_process(instance=instance, tags={SETUP_TAG: "1"}).success
+
+
+def test_dropped_benchmark_file_rematerialises_the_join(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "storage"
+    root.mkdir()
+    materialise_once(prepare_home(tmp_path), root, monkeypatch)
+    first = read_join(root)
+    assert first is not None and NEW_SUITE not in set(first["suite"])
+    assert (root / "benchmarks" / "ruler.csv").exists()  # the seeds were copied on first materialisation
+    with dagster_servers(tmp_path, env={"QK_STORAGE_ROOT": str(root)}) as srv:
+        srv.wait_ready(timeout=PHASE_TIMEOUT_S)
+        t1 = time.monotonic()
+
+        # 2. a user drops a new score file (atomically, as any copy into a bucket would appear)
+        Storage(root).write_text("benchmarks/my_lab/ruler_rerun.csv", NEW_FILE)
+
+        def changed() -> pd.DataFrame | None:
+            df = read_join(root)
+            return df if df is not None and NEW_SUITE in set(df["suite"]) else None
+
+        after = wait_for(changed, PHASE_TIMEOUT_S, interval=2, what="the join to show the dropped file",
+                         on_timeout=srv.log_tail)
+        t2 = time.monotonic()
+        rows = after[after["suite"] == NEW_SUITE]
+        assert set(rows["model"]) == {"llama3.1-8b"}
+        assert rows["score"].to_numpy() == pytest.approx(sum([90, 88, 85, 80, 70, 60]) / 6)
+        assert set(rows["score_basis"]) == {"mean over lengths 4k, 8k, 16k, 32k, 64k, 128k"}
+        # everything else is unchanged
+        pd.testing.assert_frame_equal(after[after["suite"] != NEW_SUITE].reset_index(drop=True),
+                                      first.reset_index(drop=True))
+        # the runs were launched by the sensors, none by hand
+        runs = [r for r in srv.runs() if SETUP_TAG not in r["tags"]]
+        assert runs and all(r["status"] == "SUCCESS" for r in runs if r["status"] in ("SUCCESS", "FAILURE"))
+        triggers = {r["tags"].get("dagster/sensor_name") for r in runs}
+        assert {"benchmark_files_sensor", "benchmark_automation_sensor"} <= triggers
+        assert None not in triggers, "every run came from a sensor"
+        print(f"servers ready; join with the dropped file after {t2 - t1:.0f}s")
+    assert not srv.alive()
