@@ -161,7 +161,7 @@ def main() -> None:
     scaling = bench_scaling(max(3, repeats // 2))
     projected = model["wall_s"] + n_heads * read["per_head_read_wall_s"]
     out = {
-        "command": "python bench/plasticity.py" + (" --quick" if args.quick else ""),
+        "command": ".venv/bin/python bench/plasticity.py" + (" --quick" if args.quick else ""),
         "started": started, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                         "python": platform.python_version(), "numpy": np.__version__,
                                         "load_average_at_end": os.getloadavg()},
