@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from dagster import AssetKey, AssetSpec, DagsterInstance, materialize
+from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
 from qk_assets.assets import benchmarks as bench_assets
 from qk_assets.assets import joins as join_assets
@@ -31,8 +32,8 @@ ASSETS = [bench_assets.benchmark_scores, bench_assets.model_aliases, bench_asset
             for name in report_assets.METRIC_ASSETS]]
 
 
-def run(root: Path, names: list[str], instance: DagsterInstance):
-    storage = StorageResource(root=str(root))
+def run(root: Path | str, names: list[str], instance: DagsterInstance, endpoint: str | None = None):
+    storage = StorageResource(root=str(root), s3_endpoint_url=endpoint)
     return materialize(ASSETS, selection=[AssetKey(n) for n in names], instance=instance, raise_on_error=False,
                        resources={"storage": storage, "io_manager": ParquetIOManager(storage=storage)})
 
@@ -139,3 +140,83 @@ def test_bad_input_fails_and_previous_join_stays(tmp_path: Path, instance: Dagst
     jl = read(root, "benchmark_length_joins")
     cell = jl[(jl["suite"] == "my run") & (jl["model"] == "llama3.1-8b")]
     assert cell[["length", "score", "bin_key"]].values.tolist() == [["4k", 91.0, "4k"]]
+
+
+# ---- the file sensor, local and S3 ----------------------------------------------------------------
+@pytest.fixture(params=["local", "s3"])
+def sensor_root(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
+    if request.param == "local":
+        return str(tmp_path / "root"), None
+    s3 = request.getfixturevalue("moto_s3")
+    return s3.root("sensor"), s3.endpoint
+
+
+def tick(instance: DagsterInstance, storage: StorageResource, cursor: str | None):
+    from dagster import build_sensor_context
+
+    ctx = build_sensor_context(instance=instance, cursor=cursor, resources={"storage": storage})
+    result = join_assets.benchmark_files_sensor(ctx)
+    return result, ctx.cursor
+
+
+def selected(result) -> list[str] | None:
+    from dagster import RunRequest
+
+    if not isinstance(result, RunRequest):
+        return None
+    return sorted(k.to_user_string() for k in result.asset_selection)
+
+
+def test_file_sensor_requests_the_assets_a_change_feeds(sensor_root: tuple[str, str | None],
+                                                        instance: DagsterInstance) -> None:
+    root, endpoint = sensor_root
+    storage = StorageResource(root=root, s3_endpoint_url=endpoint)
+    st = storage.get()
+    # first tick, nothing materialised: seeds copied, every source asset requested
+    result, cursor = tick(instance, storage, None)
+    assert selected(result) == sorted(SOURCES)
+    assert st.exists("benchmarks/ruler.csv") and st.exists("reference/thesis_metrics.csv")
+    result, cursor = tick(instance, storage, cursor)
+    assert selected(result) is None  # nothing changed
+    st.write_text("benchmarks/lab/new.csv", "benchmark,model_name,mode,length,score\nRULER,M,m,4k,90\n")
+    result, cursor = tick(instance, storage, cursor)
+    assert selected(result) == ["benchmark_scores"]
+    st.write_bytes("benchmarks/model_aliases.csv", st.read_bytes("benchmarks/model_aliases.csv") + b"\n")
+    result, cursor = tick(instance, storage, cursor)
+    assert selected(result) == ["model_aliases"]
+    st.write_bytes("benchmarks/model_aliases.csv", st.read_bytes("benchmarks/model_aliases.csv"))  # same bytes
+    result, cursor = tick(instance, storage, cursor)
+    assert selected(result) is None
+    st.delete("reference/thesis_metrics.csv")
+    result, cursor = tick(instance, storage, cursor)
+    assert selected(result) == ["reference_metrics"]
+
+
+def test_file_sensor_without_cursor_trusts_the_latest_materialisations(tmp_path: Path,
+                                                                      instance: DagsterInstance) -> None:
+    root = tmp_path / "root"
+    assert run(root, SOURCES, instance).success
+    storage = StorageResource(root=str(root))
+    result, _ = tick(instance, storage, None)  # e.g. a daemon restart: nothing is recomputed
+    assert selected(result) is None
+    (root / "benchmarks" / "ruler.csv").write_text((root / "benchmarks" / "ruler.csv").read_text() + "\n")
+    result, _ = tick(instance, storage, None)
+    assert selected(result) == ["benchmark_scores"]
+
+
+def test_everything_reads_and_writes_through_s3(request: pytest.FixtureRequest, instance: DagsterInstance) -> None:
+    s3: MotoS3 = request.getfixturevalue("moto_s3")
+    root = s3.root("assets")
+    st = Storage(root, s3.endpoint)
+    st.write_text("benchmarks/lab/Qwen3-8B_nonthinking_context-1000_bon-1_summary.json",
+                  '{"average_overall_metric": 0.5, "average_token_length_metric": {"8k": 0.6}}')
+    res = run(root, SOURCES + DOWNSTREAM[:2], instance, s3.endpoint)
+    # the official CSV already has Qwen3-8B nonthinking overall: a duplicate, named with its S3 URI
+    assert not res.success and f"{root}/benchmarks/lab/Qwen3-8B_nonthinking" in failures(res)
+    st.delete("benchmarks/lab/Qwen3-8B_nonthinking_context-1000_bon-1_summary.json")
+    res = run(root, SOURCES + DOWNSTREAM[:2], instance, s3.endpoint)
+    assert res.success, failures(res)
+    jm = st.read_parquet("assets/benchmark_joins/_all.parquet").to_pandas()
+    assert set(jm["benchmark"]) == {"LongBench-Pro", "RULER"}
+    prefix = root.split("/", 3)[3]
+    assert f"{prefix}/assets/benchmark_joins/_all.parquet" in s3.keys(prefix)
