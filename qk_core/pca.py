@@ -344,7 +344,7 @@ def iter_capture_heads(storage: Storage, capture: pd.DataFrame) -> Iterator[Head
             readers[prefix] = CaptureReader(storage, prefix)
         reader = readers[prefix]
         meta = {"layer": int(row["layer"]), "q_head": int(row["q_head"]),
-                "kv_head": int(row.get("kv_head", -1)), "d": int(row.get("d", 0) or 0),
+                "kv_head": _int_or(row.get("kv_head"), -1), "d": _int_or(row.get("d"), 0),
                 "window": reader.window, "bucket": reader.bucket,
                 "attention_type": str(row.get("attention_type", "")),
                 "rope_applied": bool(row.get("rope_applied", True))}
@@ -353,6 +353,13 @@ def iter_capture_heads(storage: Storage, capture: pd.DataFrame) -> Iterator[Head
         except (CaptureError, StorageError) as exc:
             head = HeadInputError("read_error", str(exc))
         yield meta, head
+
+
+def _int_or(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputError) -> dict[str, Any]:

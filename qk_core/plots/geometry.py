@@ -21,6 +21,7 @@ from matplotlib import colormaps
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from qk_core.summaries import describe, ok_mask
 
@@ -175,6 +176,7 @@ def fig_depth_heatmaps(heads: pd.DataFrame, panels: Sequence[tuple[str, str, str
         step = max(1, len(layers) // 12)
         ax.set_xticks(np.arange(len(layers))[::step])
         ax.set_xticklabels([str(int(v)) for v in layers[::step]], fontsize=7)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlabel("layer (sampled)")
         if p == 0:
