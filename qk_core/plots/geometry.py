@@ -125,7 +125,8 @@ def fig_pca_explained_variance(heads: pd.DataFrame, model: str) -> Figure:
     bx.set_ylim(0, 1)
     bx.set_ylabel("|Pearson(projection, position)|")
     bx.set_title("Position correlation per component (bars: mean, whiskers: IQR)", fontsize=10)
-    bx.legend(fontsize=8)
+    if n_c:
+        bx.legend(fontsize=8)
     fig.suptitle(f"{model}: combined Q+K PCA ({_skip_note(heads)})", fontsize=11)
     return fig
 
