@@ -81,6 +81,9 @@ def test_report_and_joins_from_synthetic_upstream(tmp_path: Path, instance: Dags
     assert set(jm.loc[jm["model"] == "qwen3-4b", "value_source"]) == {"reference"}
     stats = read(root, "benchmark_stats")
     assert set(stats["value_basis"]) == {"preferred", "reference", "measured"}
+    thesis = stats[(stats["scope"] == "thesis") & (stats["value_basis"] == "reference")
+                   & (stats["metric"] == "ap_drop")]
+    assert thesis["pearson_r"].tolist() == [pytest.approx(-0.675, abs=1e-3)]  # config defaults through Dagster
     # the figures are on disk and embedded in the stats materialisation
     figs = sorted(p.name for p in (root / "figures" / "benchmarks").glob("*.png"))
     assert any(f.startswith("scores_longbench-pro") for f in figs) and any(f.startswith("length_") for f in figs)
