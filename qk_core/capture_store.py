@@ -11,13 +11,15 @@ determines the captured values, so a changed option never mixes with an older ca
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
 example_id int64, position int32 (raw token position t), vec fixed_size_list<float32>[d].
-Per-document files carry ``n_tokens`` (the document's token count inside the window, SPEC 1.7) in
-their Parquet key-value metadata. Every file is committed atomically through :class:`Storage`.
+Per-document files carry ``n_tokens`` (the document's token count inside the window, SPEC 1.7), the
+example id and an index of their row groups (one per (kind, layer, head), rows sorted that way) in their
+Parquet key-value metadata, so ``finalize()`` reads a batch of heads from every document without
+reading the rest and writes each head file in one piece (memory bounded by ``FINALIZE_BATCH_BYTES``).
+Every file is committed atomically through :class:`Storage`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from collections import defaultdict
@@ -32,7 +34,7 @@ import pyarrow as pa
 from qk_core.storage import Storage, StorageError
 
 SCHEMA_VERSION = 1
-FLUSH_BYTES = 4 << 20  # per head-file buffer before a row group is written during finalize()
+FINALIZE_BATCH_BYTES = 64 << 20  # vectors held in memory at once while finalize() fans out heads
 
 
 class CaptureError(RuntimeError):
@@ -129,94 +131,144 @@ class CaptureWriter:
         return {int(n.rsplit("doc-", 1)[1].split(".")[0]) for n in names if n.endswith(".parquet")}
 
     def write_document(self, example_id: int, n_tokens: int, rows: Iterable[HeadRows]) -> None:
-        """Commit one document's rows atomically (all heads, Q and K)."""
+        """Commit one document's rows atomically (all heads, Q and K).
+
+        Rows are stored sorted by (kind, layer, head), one Parquet row group per head, with an index of
+        the groups in the file's key-value metadata, so :meth:`finalize` reads any subset of heads
+        without reading the rest. Vectors are stored without dictionary encoding.
+        """
         rows = list(rows)
         if not rows:
             raise CaptureError(f"document {example_id}: no rows captured")
         d = rows[0].vectors.shape[1]
-        cols: dict[str, list[Any]] = defaultdict(list)
+        seen: set[tuple[str, int, int]] = set()
         for r in rows:
             n = len(r.positions)
             if r.vectors.shape != (n, d):
                 raise CaptureError(
                     f"document {example_id}, {r.kind} layer {r.layer} head {r.head}: vectors of shape "
                     f"{r.vectors.shape}, expected ({n}, {d})")
-            cols["kind"].append(np.full(n, r.kind, dtype=object))
-            cols["layer"].append(np.full(n, r.layer, dtype=np.int32))
-            cols["head"].append(np.full(n, r.head, dtype=np.int32))
-            cols["position"].append(np.asarray(r.positions, dtype=np.int32))
-            cols["vec"].append(np.asarray(r.vectors, dtype=np.float32))
-        total = sum(len(p) for p in cols["position"])
-        table = pa.table({
-            "kind": pa.array(np.concatenate(cols["kind"]), pa.string()),
-            "layer": pa.array(np.concatenate(cols["layer"])),
-            "head": pa.array(np.concatenate(cols["head"])),
-            "example_id": pa.array(np.full(total, example_id, dtype=np.int64)),
-            "position": pa.array(np.concatenate(cols["position"])),
-            "vec": _vec_array(np.concatenate(cols["vec"])),
-        }, schema=row_schema(d).with_metadata({"n_tokens": str(int(n_tokens))}))
-        self.storage.write_parquet(f"{self.prefix}/docs/doc-{int(example_id)}.parquet", table)
+            if (r.kind, r.layer, r.head) in seen:
+                raise CaptureError(f"document {example_id}: {r.kind} layer {r.layer} head {r.head} given twice")
+            seen.add((r.kind, r.layer, r.head))
+        rows.sort(key=lambda r: (r.kind, r.layer, r.head))
+        groups = []
+        rg = 0
+        for r in rows:
+            n = len(r.positions)
+            groups.append([r.kind, int(r.layer), int(r.head), n, rg if n else -1])
+            rg += 1 if n else 0
+        meta = {"n_tokens": str(int(n_tokens)), "example_id": str(int(example_id)), "groups": json.dumps(groups)}
+        schema = row_schema(d).with_metadata(meta)
+        rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
+        with self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
+            for r in rows:
+                n = len(r.positions)
+                if not n:
+                    continue
+                writer.write_table(pa.table({
+                    "kind": pa.array([r.kind] * n, pa.string()),
+                    "layer": pa.array(np.full(n, r.layer, dtype=np.int32)),
+                    "head": pa.array(np.full(n, r.head, dtype=np.int32)),
+                    "example_id": pa.array(np.full(n, example_id, dtype=np.int64)),
+                    "position": pa.array(np.asarray(r.positions, dtype=np.int32)),
+                    "vec": _vec_array(np.asarray(r.vectors, dtype=np.float32)),
+                }, schema=schema))
 
-    def finalize(self) -> dict[str, int]:
-        """Fan the document files out into per-head files (one pass, bounded memory)."""
+    def _doc_index(self, rel: str) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
+        """(example_id, n_tokens, d, {head file: (row group or -1, rows)}) of a document file from its footer.
+
+        The group map is None for a document file without a group index (then it is read whole).
+        """
+        pf = self.storage.parquet_file(rel)
+        meta = pf.schema_arrow.metadata or {}
+        d = pf.schema_arrow.field("vec").type.list_size
+        n_tokens = int(meta.get(b"n_tokens", b"-1"))
+        if b"groups" not in meta:
+            eid = int(pf.read(columns=["example_id"]).column("example_id")[0].as_py())
+            return eid, n_tokens, d, None
+        groups = {self._head_file(k, int(la), int(h)): (int(g), int(n))
+                  for k, la, h, n, g in json.loads(meta[b"groups"])}
+        return int(meta[b"example_id"]), n_tokens, d, groups
+
+    def _read_heads(self, rel: str, groups: dict[str, tuple[int, int]] | None,
+                    names: set[str]) -> dict[str, pa.Table]:
+        """Rows of the head files ``names`` held by one document file (only their row groups are read)."""
+        cols = ["example_id", "position", "vec"]
+        pf = self.storage.parquet_file(rel)
+        if groups is None:  # no group index: read whole, split by key
+            tbl = pf.read()
+            keys = pd.DataFrame({"kind": tbl.column("kind").to_numpy(zero_copy_only=False),
+                                 "layer": tbl.column("layer").to_numpy(), "head": tbl.column("head").to_numpy()})
+            out = {}
+            for (kind, layer, head), idx in keys.groupby(["kind", "layer", "head"]).indices.items():
+                name = self._head_file(kind, int(layer), int(head))
+                if name in names:
+                    out[name] = tbl.take(pa.array(idx)).select(cols)
+            return out
+        wanted = sorted((g, n, name) for name, (g, n) in groups.items() if name in names and g >= 0)
+        if not wanted:
+            return {}
+        tbl = pf.read_row_groups([g for g, _, _ in wanted], columns=cols)
+        out, offset = {}, 0
+        for _, n, name in wanted:
+            out[name] = tbl.slice(offset, n)
+            offset += n
+        return out
+
+    def finalize(self, batch_bytes: int = FINALIZE_BATCH_BYTES) -> dict[str, int]:
+        """Fan the document files out into per-head files, one whole-file write per head.
+
+        Heads are processed in batches of at most ``batch_bytes`` of vectors (bounded memory); each batch
+        reads only its heads' row groups from every document file. A head with no rows in any document
+        gets an empty file.
+        """
         docs = sorted(self.storage.ls(f"{self.prefix}/docs"))
         if not docs:
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no documents were captured")
-        buffers: dict[str, list[pa.Table]] = defaultdict(list)
+        index = [(rel, *self._doc_index(rel)) for rel in docs]
+        d = index[0][3]
         sizes: dict[str, int] = defaultdict(int)
-        counts: dict[str, int] = defaultdict(int)
-        writers: dict[str, Any] = {}
-        stack: list[Any] = []
-        doc_tokens = []
-
-        def flush(name: str) -> None:
-            if not buffers[name]:
-                return
-            tbl = pa.concat_tables(buffers[name])
-            if name not in writers:
-                cm = self.storage.parquet_writer(name, tbl.schema)
-                writers[name] = cm.__enter__()
-                stack.append(cm)
-            writers[name].write_table(tbl)
-            buffers[name].clear()
-            sizes[name] = 0
-
-        try:
-            for rel in docs:
-                pf = self.storage.parquet_file(rel)
-                meta = pf.schema_arrow.metadata or {}
-                tbl = pf.read()
-                eid = int(tbl.column("example_id")[0].as_py())
-                doc_tokens.append((eid, int(meta.get(b"n_tokens", b"-1"))))
-                df_keys = pd.DataFrame({
-                    "kind": tbl.column("kind").to_numpy(zero_copy_only=False),
-                    "layer": tbl.column("layer").to_numpy(),
-                    "head": tbl.column("head").to_numpy(),
-                })
-                for (kind, layer, head), idx in df_keys.groupby(["kind", "layer", "head"]).indices.items():
-                    name = self._head_file(kind, int(layer), int(head))
-                    part = tbl.take(pa.array(idx)).select(["example_id", "position", "vec"])
-                    buffers[name].append(part)
-                    sizes[name] += part.nbytes
-                    counts[name] += part.num_rows
-                    if sizes[name] >= FLUSH_BYTES:
-                        flush(name)
-            for name in list(buffers):
-                flush(name)
-        except BaseException:
-            for cm in reversed(stack):  # discard temporaries; nothing half-written becomes visible
-                with contextlib.suppress(RuntimeError):
-                    cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
-            raise
-        for cm in stack:
-            cm.__exit__(None, None, None)
+        for rel, _, _, _, groups in index:
+            if groups is None:
+                for name, n in self._count_legacy(rel).items():
+                    sizes[name] += n
+            else:
+                for name, (_, n) in groups.items():
+                    sizes[name] += n
+        row_bytes = 4 * d + 12
+        batches: list[list[str]] = [[]]
+        acc = 0
+        for name in sorted(sizes):
+            if batches[-1] and acc + sizes[name] * row_bytes > batch_bytes:
+                batches.append([])
+                acc = 0
+            batches[-1].append(name)
+            acc += sizes[name] * row_bytes
+        empty = row_schema(d).empty_table().select(["example_id", "position", "vec"])
+        counts: dict[str, int] = {}
+        for batch in batches:
+            names = set(batch)
+            parts: dict[str, list[pa.Table]] = defaultdict(list)
+            for rel, _, _, _, groups in index:
+                for name, part in self._read_heads(rel, groups, names).items():
+                    parts[name].append(part)
+            for name in batch:
+                tbl = pa.concat_tables(parts.pop(name, []) or [empty]).combine_chunks()
+                self.storage.write_parquet(name, tbl, use_dictionary=False)
+                counts[name] = tbl.num_rows
         self.storage.write_parquet(
             f"{self.prefix}/doc_tokens.parquet",
-            pa.table({"example_id": pa.array([e for e, _ in doc_tokens], pa.int64()),
-                      "n_tokens": pa.array([n for _, n in doc_tokens], pa.int32())}))
-        summary = {"n_docs": len(docs), "rows": dict(counts)}
+            pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
+                      "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())}))
+        summary = {"n_docs": len(docs), "rows": counts}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
         return summary
+
+    def _count_legacy(self, rel: str) -> dict[str, int]:
+        tbl = self.storage.parquet_file(rel).read(columns=["kind", "layer", "head"]).to_pandas()
+        return {self._head_file(k, int(la), int(h)): int(n)
+                for (k, la, h), n in tbl.groupby(["kind", "layer", "head"]).size().items()}
 
     def _head_file(self, kind: str, layer: int, head: int) -> str:
         return head_file(self.prefix, kind, layer, head)

@@ -1,0 +1,91 @@
+"""The capture store's per-document layout and batched fan-out (SPEC 1.9): any batch size gives the same
+head files, legacy document files without a group index still finalize, empty heads get empty files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from qk_core.capture_store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file, row_schema
+from qk_core.storage import Storage
+
+D = 8
+HEADS = [(0, 0), (0, 1), (3, 2), (5, 3)]  # (layer, q_head); kv = q_head // 2
+
+
+def manifest() -> dict:
+    return {"fingerprint": "fpfin", "window": 64, "bucket": 8,
+            "heads": [{"layer": la, "q_head": h, "kv_head": h // 2, "d": D} for la, h in HEADS]}
+
+
+def doc_rows(eid: int, rng: np.random.Generator, empty: tuple[str, int, int] | None = None) -> list[HeadRows]:
+    keys = [("q", la, h) for la, h in HEADS] + sorted({("k", la, h // 2) for la, h in HEADS})
+    rows = []
+    for kind, layer, head in keys:
+        n = 0 if (kind, layer, head) == empty else int(rng.integers(2, 7))
+        pos = np.sort(rng.choice(64, size=n, replace=False)).astype(np.int32)
+        rows.append(HeadRows(kind, layer, head, pos, (rng.standard_normal((n, D)) + eid).astype(np.float32)))
+    rng.shuffle(rows)  # the writer sorts
+    return rows
+
+
+def capture(root: Path, batch_bytes: int, legacy_doc: bool = False) -> tuple[CaptureWriter, dict]:
+    storage = Storage(root)
+    w = CaptureWriter(storage, "m", manifest())
+    rng = np.random.default_rng(0)
+    for eid in (3, 1, 20):
+        w.write_document(eid, 64, doc_rows(eid, rng, empty=("q", 5, 3)))
+    if legacy_doc:  # a document file as the first layout wrote it: one row group, no group index
+        rows = doc_rows(7, rng, empty=("q", 5, 3))
+        n = sum(len(r.positions) for r in rows)
+        tbl = pa.table({
+            "kind": pa.array([r.kind for r in rows for _ in r.positions], pa.string()),
+            "layer": pa.array(np.concatenate([np.full(len(r.positions), r.layer, np.int32) for r in rows])),
+            "head": pa.array(np.concatenate([np.full(len(r.positions), r.head, np.int32) for r in rows])),
+            "example_id": pa.array(np.full(n, 7, np.int64)),
+            "position": pa.array(np.concatenate([r.positions for r in rows])),
+            "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate([r.vectors for r in rows]).ravel()), D),
+        }, schema=row_schema(D).with_metadata({"n_tokens": "64"}))
+        storage.write_parquet(f"{w.prefix}/docs/doc-7.parquet", tbl)
+    return w, w.finalize(batch_bytes=batch_bytes)
+
+
+def head_tables(storage: Storage, summary: dict) -> dict[str, pa.Table]:
+    return {name: storage.read_parquet(name) for name in summary["rows"]}
+
+
+def test_batch_size_does_not_change_head_files(tmp_path: Path) -> None:
+    w_one, one = capture(tmp_path / "one", batch_bytes=1 << 30)
+    w_many, many = capture(tmp_path / "many", batch_bytes=1)  # one head per batch
+    assert one["rows"] == many["rows"] and len(one["rows"]) == 4 + 3
+    a, b = head_tables(w_one.storage, one), head_tables(w_many.storage, many)
+    for name in a:
+        assert a[name].equals(b[name])
+    # the files hold exactly the rows written, docs in file order and positions sorted within each doc
+    reader = CaptureReader(w_one.storage, w_one.prefix)
+    hd = reader.read_head(3, 2)
+    assert sorted(set(hd.q_doc)) == [1, 3, 20] and hd.q.dtype == np.float32
+    for doc in (1, 3, 20):
+        assert np.all(np.diff(hd.q_pos[hd.q_doc == doc]) > 0)
+        assert np.all(np.abs(hd.q[hd.q_doc == doc].mean() - doc) < 3)
+
+
+def test_empty_head_gets_an_empty_file_and_legacy_docs_finalize(tmp_path: Path) -> None:
+    w, summary = capture(tmp_path, batch_bytes=200, legacy_doc=True)
+    assert summary["n_docs"] == 4
+    assert summary["rows"][head_file(w.prefix, "q", 5, 3)] == 0
+    hd = CaptureReader(w.storage, w.prefix).read_head(5, 3)
+    assert hd.q.shape == (0, D) and len(hd.k) > 0
+    assert sorted(CaptureReader(w.storage, w.prefix).doc_tokens()["example_id"]) == [1, 3, 7, 20]
+    assert 7 in set(CaptureReader(w.storage, w.prefix).read_head(0, 1).q_doc)
+
+
+def test_duplicate_head_rows_rejected(tmp_path: Path) -> None:
+    w = CaptureWriter(Storage(tmp_path), "m", manifest())
+    r = HeadRows("q", 0, 0, np.arange(2, dtype=np.int32), np.zeros((2, D), np.float32))
+    with pytest.raises(CaptureError, match="q layer 0 head 0 given twice"):
+        w.write_document(1, 10, [r, r])
+    assert w.committed_doc_ids() == set()
