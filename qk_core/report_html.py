@@ -79,6 +79,11 @@ class ReportInputs:
     storage_url: str = ""
     generated_at: float | None = None
     notes: list[str] = field(default_factory=list)
+    model_order: list[str] = field(default_factory=list)  # every model key in registry order (for sorting)
+
+    def order(self) -> list[str]:
+        shown = [m.key for m in self.models]
+        return shown + [m for m in self.model_order if m not in shown]
 
 
 # ---- sections ---------------------------------------------------------------------------------
@@ -288,7 +293,9 @@ def html_table(df: pd.DataFrame, *, max_rows: int | None = MAX_ROWS, raw_html: I
 
 
 def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]) -> str:
-    """Long-format metrics of several models side by side: one row per (metric, key), value [lo, hi]."""
+    """Long-format metrics of several models side by side: one row per (metric, key), value [lo, hi].
+    Rows without a key (the model values) are shown; keyed rows (deciles, bins, components) follow,
+    collapsed."""
     df = pd.concat([f for f in frames.values() if f is not None and len(f)], ignore_index=True)
     if df.empty:
         return '<p class="missing">no metric rows</p>'
@@ -296,34 +303,43 @@ def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]
     df = df.copy()
     df["key"] = df["key"].fillna("").astype(str)
     df["cell"] = [fmt_interval(v, lo, hi) for v, lo, hi in zip(df["value"], df["lo"], df["hi"], strict=True)]
-    order = list(dict.fromkeys(zip(df["metric"], df["key"], strict=True)))
     rows = []
-    for metric, key in order:
-        sub = df[(df["metric"] == metric) & (df["key"] == key)]
+    for (metric, key), sub in df.groupby(["metric", "key"], sort=False):
         row = {"metric": esc(metric), "key": esc(key), "unit": esc(sub["unit"].iloc[0])}
+        heads = []
         for m in models:
             cell = sub.loc[sub["model"] == m]
-            row[m] = cell["cell"].iloc[0] if len(cell) else "–"
-        row["heads"] = esc("/".join(str(int(n)) for n in sub["n_heads"]))
+            row[esc(m)] = cell["cell"].iloc[0] if len(cell) else "–"
+            heads.append(str(int(cell["n_heads"].iloc[0])) if len(cell) else "–")
+        row["heads"] = esc(" / ".join(heads))
         rows.append(row)
-    out = pd.DataFrame(rows, columns=["metric", "key", "unit", *models, "heads"])
-    return html_table(out, max_rows=None, raw_html=out.columns,
-                      caption="model value = mean over heads, [95% interval] where defined; "
-                              "heads = heads contributing per model")
+    out = pd.DataFrame(rows, columns=["metric", "key", "unit", *(esc(m) for m in models), "heads"])
+    caption = ("model value = mean over heads [95% interval where defined]; heads = heads contributing, per model "
+               "in column order")
+    plain, keyed = out[out["key"] == ""].drop(columns="key"), out[out["key"] != ""]
+    parts = []
+    if len(plain):
+        parts.append(html_table(plain, max_rows=None, raw_html=plain.columns, caption=caption))
+    if len(keyed):
+        names = ", ".join(dict.fromkeys(keyed["metric"]))
+        parts.append(f'<details class="table"><summary>per bin / decile / component: {len(keyed)} rows '
+                     f"({names})</summary>{html_table(keyed, max_rows=None, raw_html=keyed.columns)}</details>")
+    return "".join(parts)
 
 
 def options_table(frames: dict[str | None, pd.DataFrame]) -> str:
-    """The distinct options that produced a metrics table, per model."""
+    """The distinct options that produced a metrics table, per model (in full)."""
     rows = []
     for part, df in frames.items():
         if df is None or "options" not in df.columns:
             continue
         for opt, sub in df.groupby("options", sort=False):
             models = ", ".join(sorted(set(sub["model"]))) if "model" in sub.columns else (part or "")
-            rows.append({"model": models, "metrics": len(sub), "options": options_text(opt)})
+            rows.append({"model": esc(models), "metrics": str(len(sub)), "options": esc(options_text(opt))})
     if not rows:
         return ""
-    return html_table(pd.DataFrame(rows), max_rows=None, caption="options behind these numbers")
+    df = pd.DataFrame(rows)
+    return html_table(df, max_rows=None, raw_html=df.columns, caption="options behind these numbers")
 
 
 def value_table(name: str, part: str | None, df: pd.DataFrame) -> str:
@@ -342,6 +358,121 @@ def _is_vector_column(col: pd.Series) -> bool:
         return False
     first = col.iloc[0]
     return isinstance(first, list | tuple | dict) or getattr(first, "ndim", 0) > 0
+
+
+# ---- the model summary and the benchmark statistics ----------------------------------------------
+PLASTICITY_SUMMARY: tuple[tuple[str, str], ...] = (
+    ("ap_overall", "AP overall"), ("ap_first20", "AP first 20%"), ("ap_last20", "AP last 20%"),
+    ("ap_drop", "AP drop"),
+)
+GEOMETRY_SUMMARY: tuple[tuple[str, str], ...] = (
+    ("bias_strength", "bias_strength (per token)"), ("bias_strength_window", "bias_strength (x L)"),
+    ("abs_alpha_k", "|alpha_K| (per token)"), ("mu_q_a", "mu_Q^a"), ("abs_r_k_a", "|r_k_a|"),
+    ("abs_r_q_a", "|r_q_a|"), ("separation_strength", "separation strength"),
+    ("plane_var_fraction", "plane variance fraction"),
+)
+
+
+def _short_suite(suite: str) -> str:
+    return re.split(r"\s*[(,]", str(suite), maxsplit=1)[0][:40]
+
+
+def _scores_by_model(joins: pd.DataFrame | None) -> dict[str, dict[str, list[str]]]:
+    """model -> benchmark -> ["score (mode, suite)", ...] from the joined overall scores."""
+    out: dict[str, dict[str, list[str]]] = {}
+    if joins is None or not {"model", "benchmark", "mode", "score"} <= set(joins.columns):
+        return out
+    cols = ["model", "benchmark", "suite", "mode", "score"] if "suite" in joins.columns else \
+        ["model", "benchmark", "mode", "score"]
+    for rec in joins[cols].drop_duplicates().to_dict("records"):
+        suite = rec.get("suite")
+        where = rec["mode"] + (f", {_short_suite(suite)}" if suite and suite != rec["benchmark"] else "")
+        out.setdefault(rec["model"], {}).setdefault(rec["benchmark"], []).append(
+            f"{fmt_num(float(rec['score']))} <span class=\"ci\">({esc(where)})</span>")
+    return out
+
+
+def summary_tables(report: pd.DataFrame, joins: pd.DataFrame | None, model_order: list[str]) -> str:
+    """Two tables, one row per model (measured first, then the thesis's reference models): plasticity
+    aggregates beside the benchmark overall scores the joins matched, then the rotation geometry."""
+    df = report[report["key"].fillna("").astype(str) == ""].copy()
+    if df.empty:
+        return ""
+    src = "value_source" if "value_source" in df.columns else None
+    if src:  # measured takes precedence over reference (SPEC 5)
+        df = df.sort_values(src, key=lambda c: c.map({"measured": 0}).fillna(1), kind="stable")
+    df = df.drop_duplicates(["model", "metric"])
+    scores = _scores_by_model(joins)
+    benches = sorted({b for per in scores.values() for b in per})
+
+    def rank(m: str) -> tuple[int, int, str]:
+        measured = src is not None and (df.loc[df["model"] == m, src] == "measured").any()
+        return (0 if measured else 1, model_order.index(m) if m in model_order else len(model_order), m)
+
+    models = sorted(set(df["model"]), key=rank)
+    out = []
+    for title, metrics, with_scores in (("Plasticity and benchmark scores", PLASTICITY_SUMMARY, True),
+                                        ("Rotation geometry", GEOMETRY_SUMMARY, False)):
+        shown = [(m, label) for m, label in metrics if m in set(df["metric"])]
+        if not shown:
+            continue
+        rows = []
+        for model in models:
+            sub = df[df["model"] == model]
+            if not set(sub["metric"]) & {m for m, _ in shown}:
+                continue
+            row = {"model": f"<b>{esc(model)}</b>",
+                   "values": esc(" + ".join(sorted(set(sub[src])))) if src else ""}
+            for metric, label in shown:
+                cell = sub[sub["metric"] == metric]
+                row[esc(label)] = fmt_interval(*cell[["value", "lo", "hi"]].iloc[0]) if len(cell) else "–"
+            if with_scores:
+                for b in benches:
+                    row[esc(f"{b} overall (0-100)")] = "<br>".join(scores.get(model, {}).get(b, [])) or "–"
+            rows.append(row)
+        table = pd.DataFrame(rows)
+        out.append(f"<h3>{esc(title)}</h3>" + html_table(
+            table, max_rows=None, raw_html=table.columns,
+            caption="model value = mean over heads [95% document-bootstrap interval where defined]; values: "
+                    "measured here, or the thesis's published reference values (measured take precedence)"))
+    return "".join(out)
+
+
+def stats_table(stats: pd.DataFrame) -> str:
+    """Across-model correlations (SPEC 5 c) with p-values and n: one row per benchmark, mode and metric."""
+    need = {"analysis", "benchmark", "mode", "metric", "n", "pearson_r", "pearson_p"}
+    if not need <= set(stats.columns):
+        return ""
+    df = stats[stats["analysis"] == "across_models"]
+    if "value_basis" in df.columns:
+        df = df[df["value_basis"] == "preferred"]
+    df = df[pd.to_numeric(df["n"], errors="coerce").fillna(0) >= 3]
+    if df.empty:
+        return '<p class="missing">no across-model statistic with n >= 3</p>'
+
+    def stat(r: object, p: object) -> str:
+        return f"{esc(fmt_num(r))} <span class=\"ci\">(p {esc(fmt_num(p))})</span>"
+
+    rows = []
+    keys = [c for c in ("benchmark", "suite", "mode", "metric", "scope") if c in df.columns]
+    for rec in df.sort_values(keys).to_dict("records"):
+        rows.append({
+            "benchmark": esc(rec["benchmark"]) + (
+                f"<br><small>{esc(rec['suite'])}</small>" if rec.get("suite") and rec["suite"] != rec["benchmark"]
+                else ""),
+            "mode": esc(rec["mode"]), "metric": esc(rec["metric"]),
+            "models used": esc(rec.get("scope", "")),
+            "n (measured / reference)": esc(f"{rec['n']} ({rec.get('n_measured', '–')} / "
+                                            f"{rec.get('n_reference', '–')})"),
+            "Pearson r": stat(rec["pearson_r"], rec["pearson_p"]),
+            "Spearman rho": stat(rec.get("spearman_rho"), rec.get("spearman_p")),
+            "Kendall tau": stat(rec.get("kendall_tau"), rec.get("kendall_p")),
+        })
+    out = pd.DataFrame(rows)
+    return html_table(out, max_rows=None, raw_html=out.columns,
+                      caption="correlation of each metric with the benchmark overall score across models "
+                              "(models used: all matched models, or the thesis's 7 LongBench-Pro models); "
+                              "benchmark modes are never mixed")
 
 
 # ---- page pieces ------------------------------------------------------------------------------
@@ -412,7 +543,8 @@ figcaption .src { color:#8a94a3; }
 .tablewrap { overflow-x:auto; margin:8px 0; }
 table { border-collapse:collapse; font-size:13px; background:#fff; }
 caption { caption-side:bottom; text-align:left; font-size:12px; color:var(--muted); padding-top:4px; }
-th, td { border-bottom:1px solid var(--rule); padding:4px 10px; text-align:left; vertical-align:top; }
+th, td { border-bottom:1px solid var(--rule); padding:4px 10px; text-align:left; vertical-align:top;
+         max-width:560px; overflow-wrap:break-word; }
 th { background:#f1f4f8; font-weight:600; position:sticky; top:0; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; }
 tbody tr:nth-child(even) { background:#fafbfc; }
@@ -465,15 +597,36 @@ def _part_order(parts: Iterable[str | None], model_order: list[str]) -> list[str
     return sorted(set(parts), key=rank)
 
 
+def parse_md_table(text: str) -> pd.DataFrame | None:
+    """A markdown pipe table (as ``DataFrame.to_markdown`` writes it) as a DataFrame; None otherwise."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines()]
+    if len(lines) < 2 or not lines[0].startswith("|") or not re.fullmatch(r"\|[\s:|-]+\|", lines[1]):
+        return None
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    head = cells(lines[0])
+    rows = [cells(ln) for ln in lines[2:] if ln.startswith("|")]
+    if any(len(r) != len(head) for r in rows):
+        return None
+    return pd.DataFrame(rows, columns=head)
+
+
 def metadata_table(states: list[AssetState], model_order: list[str]) -> str:
-    """Textual metadata of one asset's partitions side by side: one row per entry, one column per partition."""
+    """Textual metadata of one asset's partitions side by side: one row per entry, one column per partition;
+    entries that are tables (layer metadata, head manifests, ...) follow, collapsed, one per partition."""
     order = _part_order((st.partition for st in states), model_order)
     states = sorted(states, key=lambda st: order.index(st.partition))
     keys = list(dict.fromkeys(k for st in states for k in st.metadata))
     if not keys:
         return ""
+    tables = {k: {st.partition: parse_md_table(st.metadata[k]) for st in states if k in st.metadata} for k in keys}
+    tabular = [k for k in keys if any(t is not None for t in tables[k].values())]
     rows = []
     for k in keys:
+        if k in tabular:
+            continue
         row = {"entry": f"<b>{esc(k)}</b>"}
         for st in states:
             text = st.metadata.get(k, "–")
@@ -486,13 +639,21 @@ def metadata_table(states: list[AssetState], model_order: list[str]) -> str:
             row[esc(st.partition or st.asset)] = esc(text if len(text) < 400 else text[:397] + "...")
         rows.append(row)
     df = pd.DataFrame(rows)
-    return html_table(df, max_rows=None, raw_html=df.columns)
+    out = [html_table(df, max_rows=None, raw_html=df.columns)] if rows else []
+    for k in tabular:
+        for part, t in tables[k].items():
+            if t is None:
+                continue
+            label = f"{k} [{part}]" if part else k
+            out.append(f'<details class="table"><summary>{esc(label)}: {len(t):,} rows</summary>'
+                       f"{html_table(t, max_rows=400)}</details>")
+    return "".join(out)
 
 
 def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
     """One section: figures per model, then the model-value tables with options, then the other tables
     (collapsed), then what is not yet computed."""
-    model_order = [m.key for m in inputs.models]
+    model_order = inputs.order()
     assets = sorted({a for a in inputs.tables if section_of(a) is sec and a not in SKIP_ASSETS}
                     | {f.asset for f in inputs.figures if section_of(f.asset) is sec})
     figs = [f for f in inputs.figures if section_of(f.asset) is sec]
@@ -513,9 +674,25 @@ def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
         out.append(f"<h3>{esc(title)}</h3>")
         out.append('<div class="figs">' + "".join(figure_html(f) for f in shown) + "</div>")
     details = []
+    if sec.id != "models":
+        for asset in assets:
+            states = [st for st in inputs.states if st.asset == asset and st.metadata]
+            meta = metadata_table(states, model_order) if states else ""
+            if meta:
+                details.append(f'<details class="table"><summary>{esc(asset)}: materialisation metadata'
+                               f"</summary>{meta}</details>")
     for asset in assets:
         present = {p: df for p, df in inputs.tables.get(asset, {}).items() if df is not None}
         if not present:
+            continue
+        if asset == "model_report" and None in present and is_metrics_frame(present[None]):
+            joins = inputs.tables.get("benchmark_joins", {}).get(None)
+            out.append(summary_tables(present[None], joins, model_order))
+            details.append(value_table(asset, None, present[None]))
+            continue
+        if asset == "benchmark_stats" and None in present:
+            out.append("<h3>Correlations with the benchmark scores</h3>" + stats_table(present[None]))
+            details.append(value_table(asset, None, present[None]))
             continue
         if all(is_metrics_frame(df) for df in present.values()):
             out.append(f"<h3>{esc(asset)}: model values</h3>")
@@ -531,8 +708,9 @@ def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
             else:
                 details.append(value_table(asset, p, df))
     if details:
-        out.append("<h3>Stored tables</h3><p class=\"cols\">The first rows of each table; the whole table is in "
-                   "the Parquet file named in the provenance section.</p>" + "".join(details))
+        out.append("<h3>Stored tables and metadata</h3><p class=\"cols\">The first rows of each table (the whole "
+                   "table is in the Parquet file named in the provenance section) and the metadata each "
+                   "materialisation recorded.</p>" + "".join(details))
     if missing:
         out.append('<div class="missing">Not yet computed:<ul>' + "".join(f"<li>{m}</li>" for m in missing)
                    + "</ul></div>")

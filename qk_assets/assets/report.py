@@ -63,14 +63,15 @@ def _text_metadata(metadata: dict) -> dict[str, str]:
     """The entries worth showing as provenance (no figures, no long previews)."""
     out = {}
     for k, v in metadata.items():
-        if k.startswith("fig_") or k in ("path", "preview"):
+        if k.startswith("fig_") or k in ("path", "preview", "capture_prefix"):
             continue
         raw = getattr(v, "value", v)
         if isinstance(raw, dict | list):
             text = json.dumps(raw, sort_keys=True, default=str)
         else:
             text = str(getattr(raw, "path", raw))
-        if text.startswith("![") or len(text) > 2000:
+        is_table = text.startswith("|")
+        if text.startswith("![") or len(text) > (200_000 if is_table else 2000):
             continue
         out[k] = text
     return out
@@ -155,7 +156,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         title="Q/K geometry of long-context attention — report",
         models=[_model_info(k) for k in models], tables=tables, figures=figures, states=states,
         defined_assets=[k.to_user_string() for k in UPSTREAM], expected_assets=EXPECTED,
-        storage_url=st.url, generated_at=time.time(),
+        storage_url=st.url, generated_at=time.time(), model_order=list(registry().model_keys),
     )
     page = render_report(inputs)
     st.write_text(PAGE, page)
