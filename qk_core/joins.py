@@ -98,7 +98,7 @@ def metric_values(report: pd.DataFrame, basis: str = "preferred") -> pd.DataFram
 
 # ---- scores -------------------------------------------------------------------------------------
 def overall_scores(scores: pd.DataFrame) -> pd.DataFrame:
-    """The overall score of every (benchmark, suite, mode, model).
+    """The overall score of every (benchmark, suite, mode, model) (SPEC 5 a).
 
     A reported ``overall`` row is used as is. A suite that reports per-length scores only (RULER
     tables) gets the mean over its lengths — the RULER paper's average — for models that have every

@@ -183,7 +183,7 @@ def baseline(instance: DagsterInstance, st: Storage) -> dict[str, dict[str, str]
     description="Materialises the benchmark source assets when a file under benchmarks/ or reference/ is "
                 "added, changed (by content hash) or removed, local or S3.",
 )
-def benchmark_files_sensor(context: SensorEvaluationContext, storage: StorageResource):
+def benchmark_files_sensor(context: SensorEvaluationContext, storage: StorageResource) -> RunRequest | SkipReason:
     st = storage.get()
     ensure_seed_files(st)
     previous = json.loads(context.cursor) if context.cursor else baseline(context.instance, st)
