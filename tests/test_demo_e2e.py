@@ -1,0 +1,101 @@
+"""``make demo`` end to end on the real code location, with two tiny local models as the demo group.
+
+``python -m qk_assets.demo`` runs in a fresh process against a temporary registry (two tiny models of
+different families in the ``demo`` group, a local corpus), storage root and Dagster instance: every stage
+(corpus, capture, PCA, rotation, plasticity, benchmarks, model report, joins, cross-model figures)
+materialises, the report is built with every figure resolving in Chromium, and a second run computes
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from chromium import probe_images
+from tiny_models import build_tiny_model, sample_texts, write_corpus_jsonl, write_registry
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {"tiny-llama": "llama", "tiny-qwen": "qwen3"}
+PER_MODEL = ("qk_capture", "pca_heads", "pca_metrics", "rotation_heads", "rotation_metrics", "plasticity_heads",
+             "plasticity_profiles", "plasticity_metrics")
+
+
+def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "qk_assets.demo", "--log-level", "WARNING", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("demo_e2e")
+    models = {}
+    for i, (key, family) in enumerate(MODELS.items()):
+        build_tiny_model(family, tmp / key, seed=i)
+        models[key] = {"family": family, "source": {"local": str(tmp / key)}, "window": 64, "bucket": 8,
+                       "dtype": "float32", "groups": ["demo"], "capture": {"heads": 6, "per_bucket": 2},
+                       "analysis": {"plasticity": {"bootstrap": 20, "pairs_per_bucket": 64,
+                                                   "min_queries_per_bucket": 4}}}
+    corpus = write_corpus_jsonl(tmp / "corpus.jsonl", sample_texts(8, 120, seed=5))
+    write_registry(tmp / "registry.toml", models, corpus)
+    # the shipped alias table names the study models; this registry's models get their own (a user's
+    # file of that name is never overwritten by the seeds)
+    (tmp / "storage" / "benchmarks").mkdir(parents=True)
+    (tmp / "storage" / "benchmarks" / "model_aliases.csv").write_text(
+        "model,hf_repo,benchmark,benchmark_model_name,mode,checkpoint_relation,note\n"
+        "tiny-llama,,LongBench-Pro,Llama-3.1-8B-Instruct,nonthinking,same,test stand-in\n"
+        "tiny-qwen,,LongBench-Pro,Qwen3-8B,nonthinking,same,test stand-in\n")
+    home = tmp / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    env = {**os.environ, "QK_REGISTRY": str(tmp / "registry.toml"), "QK_STORAGE_ROOT": str(tmp / "storage"),
+           "QK_DEVICE": "cpu", "DAGSTER_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    first = demo(env)
+    second = demo(env)
+    return {"storage": tmp / "storage", "home": home, "first": first.stdout, "second": second.stdout, "env": env}
+
+
+def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> None:
+    out, storage = demo_run["first"], demo_run["storage"]
+    assert "0 asset partition(s) failed or skipped" in out
+    for key in MODELS:
+        for asset in PER_MODEL:
+            assert (storage / "assets" / asset / f"{key}.parquet").is_file(), (asset, key)
+    for asset in ("model_report", "benchmark_scores", "benchmark_joins", "benchmark_stats", "geometry_figures",
+                  "report_html"):
+        assert (storage / "assets" / asset / "_all.parquet").is_file(), asset
+    # one run per partition set, in dependency order: corpus, each model, unpartitioned, then the report
+    runs = re.findall(r"^\[run \d+\] (\S+): (.*)$", out, re.M)
+    starts = [part for part, what in runs if not what.startswith(("ok", "FAILED"))]
+    assert starts[0] == "tiny" and starts[1:3] == list(MODELS) and starts[-1] == "unpartitioned"
+    assert [what for part, what in runs if not what.startswith(("ok", "FAILED"))][-1] == "report_html"
+    assert f"report: {(storage / 'report' / 'index.html').as_uri()}" in out
+
+
+def test_report_shows_figures_of_every_stage(demo_run: dict) -> None:
+    page = demo_run["storage"] / "report" / "index.html"
+    text = page.read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', text)
+    stages = {s.split("/")[1] for s in srcs}
+    assert {"pca", "rotation", "plasticity", "geometry"} <= stages, stages
+    for key in MODELS:
+        assert any(f"/{key}/" in s for s in srcs), key
+    assert '<div class="missing">' not in text.split('id="trajectory"')[0]  # every demo stage is there
+    probe = probe_images(page)
+    assert len(probe["images"]) == len(srcs)
+    broken = [i["src"] for i in probe["images"] if not (i["complete"] and i["naturalWidth"] > 0)]
+    assert broken == []
+
+
+def test_second_demo_computes_nothing(demo_run: dict) -> None:
+    out = demo_run["second"]
+    assert "everything is up to date; nothing to compute" in out
+    assert "[run " not in out
