@@ -60,15 +60,13 @@ def _reset_peak() -> bool:
         return False
 
 
-def child(mode: str, tokens: int, n_docs: int, threads: int) -> dict:
+def _setup(tokens: int, n_docs: int, threads: int) -> tuple:
     import torch
 
     torch.set_num_threads(threads)
-    from qk_core.capture import capture_model
     from qk_core.corpus import sotu_corpus
     from qk_core.model_loading import load_model
     from qk_core.registry import load_registry
-    from qk_core.storage import Storage
 
     reg = load_registry()
     entry = reg.model(MODEL)
@@ -79,67 +77,108 @@ def child(mode: str, tokens: int, n_docs: int, threads: int) -> dict:
     loaded = load_model(entry, "cpu")
     load_s = time.perf_counter() - t
     ids = [loaded.tokenizer(text, truncation=True, max_length=tokens)["input_ids"] for text in docs["text"]]
-    rss_loaded = _vm("VmRSS")
-    reset = _reset_peak()
-    per_doc: list[float] = []
-    extra: dict = {}
+    return entry, docs, loaded, ids, load_s
+
+
+def _plain(loaded, ids: list[list[int]]) -> tuple[float, list[float]]:
+    import torch
+
+    per_doc = []
     t = time.perf_counter()
+    for x in ids:
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
+        per_doc.append(time.perf_counter() - t1)
+    return time.perf_counter() - t, per_doc
+
+
+def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
+    from qk_core.capture import capture_model
+    from qk_core.storage import Storage
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        marks = [t]
+        result = capture_model(entry, docs, Storage(tmp), loaded=loaded,
+                               on_document=lambda e, n: marks.append(time.perf_counter()))
+        wall = time.perf_counter() - t
+        q_rows = int(result.heads["n_q_rows"].sum())
+        k_rows = int(result.heads.drop_duplicates(["layer", "kv_head"])["n_k_rows"].sum())
+        extra = {"heads": len(result.heads), "rows": q_rows + k_rows, "forward_collect_s": result.seconds,
+                 "finalize_s": time.perf_counter() - marks[-1],
+                 "disk_mb": sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / 2**20}
+    return wall, [b - a for a, b in itertools.pairwise(marks)], extra
+
+
+def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int) -> dict:
+    """``timing``: plain and capture passes alternated in one process; ``plain``/``capture``: one pass
+    in a fresh process for its peak RSS."""
+    entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads)
+    base = {"mode": mode, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
+            "rss_after_load_mb": _vm("VmRSS")}
+    if mode == "timing":
+        _plain(loaded, ids[:1])  # warm-up (first-call allocations), not timed
+        pairs = []
+        for r in range(repeats):
+            order = ("plain", "capture") if r % 2 == 0 else ("capture", "plain")
+            rec: dict = {"order": list(order)}
+            for m in order:
+                if m == "plain":
+                    rec["plain_s"], rec["plain_per_doc_s"] = _plain(loaded, ids)
+                else:
+                    rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded)
+            rec["ratio"] = rec["capture_s"] / rec["plain_s"]
+            pairs.append(rec)
+        return {**base, "pairs": pairs}
+    reset = _reset_peak()
     if mode == "plain":
-        for x in ids:
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
-            per_doc.append(time.perf_counter() - t1)
+        wall, per_doc = _plain(loaded, ids)
+        extra: dict = {}
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            marks = [time.perf_counter()]
-            result = capture_model(entry, docs, Storage(tmp), loaded=loaded,
-                                   on_document=lambda e, n: marks.append(time.perf_counter()))
-            per_doc = [b - a for a, b in itertools.pairwise(marks)]
-            extra = {"heads": len(result.heads), "rows": int(result.heads["n_q_rows"].sum()
-                                                             + result.heads.drop_duplicates(
-                                                                 ["layer", "kv_head"])["n_k_rows"].sum()),
-                     "forward_collect_s": result.seconds,
-                     "disk_mb": sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / 2**20}
-    wall = time.perf_counter() - t
-    return {"mode": mode, "wall_s": wall, "per_doc_s": per_doc, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
-            "rss_after_load_mb": rss_loaded, "peak_rss_phase_mb": _vm("VmHWM") if reset else float("nan"),
+        wall, per_doc, extra = _capture(entry, docs, loaded)
+    return {**base, "wall_s": wall, "per_doc_s": per_doc,
+            "peak_rss_phase_mb": _vm("VmHWM") if reset else float("nan"),
             "peak_rss_lifetime_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
+
+
+def _run_child(mode: str, a: argparse.Namespace, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens), "--docs",
+                           str(a.docs), "--threads", str(a.threads), "--repeats", str(a.repeats)],
+                          env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--docs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="alternated plain/capture pairs of the timing run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--child", choices=["plain", "capture"])
+    ap.add_argument("--child", choices=["timing", "plain", "capture"])
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads)))
+        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats)))
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load0 = os.getloadavg()
-    runs = []
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1"}
-    for _ in range(a.repeats):
-        for mode in ("plain", "capture"):
-            proc = subprocess.run([sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens), "--docs",
-                                   str(a.docs), "--threads", str(a.threads)], env=env, cwd=REPO,
-                                  capture_output=True, text=True, check=True)
-            res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
-            runs.append(res)
-            print(f"{mode}: wall {res['wall_s']:.1f}s, phase peak RSS {res['peak_rss_phase_mb']:.0f} MB", flush=True)
+    timing = _run_child("timing", a, env)
+    for p in timing["pairs"]:
+        print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s ratio {p['ratio']:.3f}",
+              flush=True)
+    mem = {m: _run_child(m, a, env) for m in ("plain", "capture")}
+    for m, r in mem.items():
+        print(f"{m}: phase peak RSS {r['peak_rss_phase_mb']:.0f} MB, wall {r['wall_s']:.1f}s", flush=True)
     load1 = os.getloadavg()
-
-    def med(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["mode"] == mode)
-
+    plain_s = statistics.median(p["plain_s"] for p in timing["pairs"])
+    capture_s = statistics.median(p["capture_s"] for p in timing["pairs"])
     summary = {
-        "wall_ratio": med("capture", "wall_s") / med("plain", "wall_s"),
-        "peak_rss_phase_ratio": med("capture", "peak_rss_phase_mb") / med("plain", "peak_rss_phase_mb"),
-        "peak_rss_lifetime_ratio": med("capture", "peak_rss_lifetime_mb") / med("plain", "peak_rss_lifetime_mb"),
+        "wall_ratio_median_of_pairs": statistics.median(p["ratio"] for p in timing["pairs"]),
+        "wall_ratio_of_medians": capture_s / plain_s,
+        "peak_rss_phase_ratio": mem["capture"]["peak_rss_phase_mb"] / mem["plain"]["peak_rss_phase_mb"],
+        "peak_rss_lifetime_ratio": mem["capture"]["peak_rss_lifetime_mb"] / mem["plain"]["peak_rss_lifetime_mb"],
     }
     cmd = "python bench/capture_cpu.py" + "".join(
         f" --{k} {v}" for k, v in (("tokens", a.tokens), ("docs", a.docs), ("repeats", a.repeats),
@@ -149,34 +188,52 @@ def main() -> None:
             "python": platform.python_version(), "gpu": "not available in this task: GPU timings not measured"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capture_cpu.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2))
-    rows = "\n".join(
-        f"| {r['mode']} | {r['wall_s']:.2f} | {' / '.join(f'{x:.2f}' for x in r['per_doc_s'])} | "
-        f"{r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | {r['peak_rss_lifetime_mb']:.0f} |"
-        for r in runs)
-    cap = next(r for r in runs if r["mode"] == "capture")
+    (out / "capture_cpu.json").write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing,
+                                                      "memory": mem}, indent=2))
+    extra = timing["pairs"][0]["capture_extra"]
+    pair_rows = "\n".join(
+        f"| {i + 1} | {' then '.join(p['order'])} | {p['plain_s']:.2f} | "
+        f"{' / '.join(f'{x:.2f}' for x in p['plain_per_doc_s'])} | {p['capture_s']:.2f} | "
+        f"{' / '.join(f'{x:.2f}' for x in p['capture_per_doc_s'])} | {p['capture_extra']['finalize_s']:.2f} | "
+        f"{p['ratio']:.3f} |" for i, p in enumerate(timing["pairs"]))
+    mem_rows = "\n".join(
+        f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
+        f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
     md = f"""# Q/K capture vs plain backbone forward, CPU (SPEC 1.3)
 
 Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {started}.
-Machine: {os.cpu_count()} CPUs, torch threads {a.threads}, load average {[round(x, 2) for x in load0]} at start,
-{[round(x, 2) for x in load1]} at end (shared machine). Model: {MODEL} (GGUF, fp32 on CPU), {a.docs} SOTU documents
-x {a.tokens} tokens; capture: all {cap.get('heads')} heads, bucket {a.tokens // 16}, 8 positions per bucket,
-{cap.get('rows')} rows written ({cap.get('disk_mb', 0):.1f} MB incl. the per-head fan-out).
+Machine: {os.cpu_count()} CPUs, torch threads {a.threads}; load average {[round(x, 2) for x in load0]} at start,
+{[round(x, 2) for x in load1]} at end (a shared machine: other jobs ran beside this one).
+Model: {MODEL} (GGUF dequantised, fp32 on CPU, sdpa attention), {a.docs} SOTU documents x {a.tokens} tokens.
+Capture: all {extra['heads']} heads, bucket {a.tokens // 16}, 8 positions per bucket, {extra['rows']} rows
+({extra['disk_mb']:.1f} MB on disk with the per-head fan-out).
 Target: capture <= 1.05x the plain forward in wall time and in peak memory.
 
-| mode | wall s (measured phase) | per document s | RSS after load MB | phase peak RSS MB | lifetime peak RSS MB |
-|---|---|---|---|---|---|
-{rows}
+## Wall time (one process, plain and capture passes alternated)
 
-Ratios (capture / plain, medians): wall **{summary['wall_ratio']:.3f}x**, peak RSS of the phase
-**{summary['peak_rss_phase_ratio']:.3f}x**, lifetime peak RSS {summary['peak_rss_lifetime_ratio']:.3f}x.
+| pair | order | plain s | plain per doc s | capture s | capture per doc s | of which finalize s | ratio |
+|---|---|---|---|---|---|---|---|
+{pair_rows}
 
-The capture phase includes everything after loading: the probe forward, the forwards under the capture
-function, the host transfers, the per-document Parquet commits and `finalize()`. The plain phase is only
-the forwards. Model loading (GGUF dequantisation) is excluded from both and reported in the JSON.
+Capture / plain: **{summary['wall_ratio_median_of_pairs']:.3f}x** (median of the pair ratios;
+ratio of the medians {summary['wall_ratio_of_medians']:.3f}x). The capture pass is everything after loading:
+the probe forward, the forwards under the capture function, one host transfer per document, the
+per-document Parquet commits and `finalize()`; the plain pass is only the forwards. The first per-document
+time of the capture includes the probe and the head sampling.
 
-GPU: no GPU was available in this task, so the GPU part (bf16 capture vs plain forward) was not measured.
-On GPU the vectors are gathered on the device and moved to host once per document, exactly as on CPU.
+## Peak memory (fresh process per mode; peak RSS of the measured phase after loading)
+
+| mode | wall s | RSS after load MB | phase peak RSS MB | lifetime peak RSS MB |
+|---|---|---|---|---|
+{mem_rows}
+
+Capture / plain: phase peak RSS **{summary['peak_rss_phase_ratio']:.3f}x**, lifetime peak RSS
+{summary['peak_rss_lifetime_ratio']:.3f}x (the lifetime peak includes loading, the same in both).
+
+## GPU
+
+No GPU was available in this task, so the GPU part (bf16 capture vs plain forward) was not measured.
+On GPU the same code gathers the sampled rows on the device and moves them to host once per document.
 
 Raw numbers: `capture_cpu.json` beside this file.
 """

@@ -34,7 +34,7 @@ import pyarrow as pa
 from qk_core.storage import Storage, StorageError
 
 SCHEMA_VERSION = 1
-FINALIZE_BATCH_BYTES = 64 << 20  # vectors held in memory at once while finalize() fans out heads
+FINALIZE_BATCH_BYTES = 32 << 20  # vectors held in memory at once while finalize() fans out heads
 
 
 class CaptureError(RuntimeError):
