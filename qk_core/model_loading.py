@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,11 +140,27 @@ def _local_content_token(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def source_identity(src: Source, config: Any = None) -> dict[str, Any]:
-    """What identifies the weights or tokenizer of a source: repo, revisions, resolved commit, version."""
+def resolve_hub_commit(repo: str, revision: str | None) -> str | None:
+    """The commit a hub revision resolved to, read from the local HF cache (None when not cached)."""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        path = try_to_load_from_cache(repo, name, revision=revision)
+        if isinstance(path, str) and (m := re.search(r"snapshots/([0-9a-f]{40})/", Path(path).as_posix())):
+            return m.group(1)
+    return None
+
+
+def source_identity(src: Source) -> dict[str, Any]:
+    """What identifies the weights or tokenizer of a source: repo, revisions, resolved commit, version.
+
+    For hub sources call it after loading (the resolved commit is read from the HF cache).
+    """
     if src.kind == "hub":
         return {"kind": "hub", "repo": src.repo, "requested_revision": src.revision,
-                "resolved_commit": getattr(config, "_commit_hash", None) if config is not None else None}
+                "resolved_commit": resolve_hub_commit(str(src.repo), src.revision)}
     if src.kind == "local":
         path = Path(str(src.path))
         return {"kind": "local", "path": str(path), "requested_revision": src.revision, "resolved_commit": None,
@@ -245,11 +262,10 @@ class LoadedModel:
 
 def model_identity(entry: ModelEntry, config: Any) -> dict[str, Any]:
     """Identity of an entry's weights and tokenizer, known after loading the config only."""
-    tok_cfg = config if entry.tokenizer == entry.source else None
     return {
         "family": entry.family,
-        "source": source_identity(entry.source, config),
-        "tokenizer": {**source_identity(entry.tokenizer, tok_cfg), "source": entry.tokenizer.describe()},
+        "source": source_identity(entry.source),
+        "tokenizer": {**source_identity(entry.tokenizer), "source": entry.tokenizer.describe()},
         "config_overrides": entry.config_overrides,
         "trust_remote_code": entry.trust_remote_code,
         "model_type": getattr(config, "model_type", None),
@@ -258,8 +274,11 @@ def model_identity(entry: ModelEntry, config: Any) -> dict[str, Any]:
 
 
 def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str | None = None,
-               config: Any = None) -> LoadedModel:
-    """Load an entry's model (no LM head) on ``device`` in the entry's dtype, plus its tokenizer."""
+               config: Any = None, tokenizer: Any = None) -> LoadedModel:
+    """Load an entry's model (no LM head) on ``device`` in the entry's dtype, plus its tokenizer.
+
+    ``config`` / ``tokenizer`` reuse ones already loaded with :func:`load_config` / :func:`load_tokenizer`.
+    """
     import torch
     from transformers import AutoModel
 
@@ -279,7 +298,8 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: weights not available: {exc}") from exc
     model = model.to(device).eval() if device == "cpu" else model.eval()
-    tokenizer = load_tokenizer(entry.key, entry.tokenizer, entry.trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(entry.key, entry.tokenizer, entry.trust_remote_code)
     backbone = text_backbone(model)
     identity = model_identity(entry, config)
     identity.update({"model_class": type(model).__name__, "backbone_class": type(backbone).__name__,

@@ -174,3 +174,28 @@ def test_credentials_never_logged_or_stored(models: Path, tmp_path: Path, monkey
     for rel in storage.ls(result.prefix, recursive=True):
         if rel.endswith(".json"):
             assert secret not in storage.read_text(rel)
+
+
+def test_hub_source_from_offline_cache_records_resolved_commit(models: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub repo present in the local HF cache loads offline; the resolved commit is recorded, and a
+    revision the cache does not hold is an error naming repo and revision."""
+    from huggingface_hub import constants
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / "models--qk-test--tiny-llama"
+    shutil.copytree(models / "llama", repo_dir / "snapshots" / sha)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    reg = registry(models, tmp_path, ok={"family": "llama", "source": {"hub": "qk-test/tiny-llama"}},
+                   bad={"family": "llama", "source": {"hub": "qk-test/tiny-llama", "revision": "v2"}})
+    storage = Storage(tmp_path / "storage")
+    result = capture_model(reg.model("ok"), docs(), storage, device="cpu")
+    src = result.manifest["model"]["source"]
+    assert (src["repo"], src["requested_revision"], src["resolved_commit"]) == ("qk-test/tiny-llama", "main", sha)
+    assert result.manifest["model"]["tokenizer"]["source"] == "hub:qk-test/tiny-llama@main"
+    with pytest.raises(ModelSourceError, match=r"bad: hub:qk-test/tiny-llama@v2: config not available"):
+        capture_model(reg.model("bad"), docs(), storage, device="cpu")
+    assert not storage.exists("captures/bad")

@@ -36,6 +36,7 @@ from qk_core.model_loading import (
     LoadedModel,
     load_config,
     load_model,
+    load_tokenizer,
     model_identity,
     resolve_device,
     resolve_dtype,
@@ -227,6 +228,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     dev = loaded.device if loaded is not None else resolve_device(device)
     dtype = loaded.dtype if loaded is not None else resolve_dtype(entry.dtype, dev)
     config = loaded.model.config if loaded is not None else load_config(entry)
+    # the tokenizer is resolved before the fingerprint: its resolved commit is part of the identity
+    tokenizer = loaded.tokenizer if loaded is not None else load_tokenizer(entry.key, entry.tokenizer,
+                                                                           entry.trust_remote_code)
     ident = capture_identity(entry, config, docs, corpus_name, dtype)
     fp = fingerprint(ident)
     prefix = capture_prefix(entry.key, fp)
@@ -237,7 +241,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
 
     if loaded is None:
         log.info(f"{entry.key}: loading {entry.source.describe()} on {dev} as {dtype}")
-        loaded = load_model(entry, dev, config=config)
+        loaded = load_model(entry, dev, config=config, tokenizer=tokenizer)
     infos = probe_layers(loaded, entry.capture.include_sliding)
     heads = plan_heads(entry, infos)
     sampled = {h["layer"] for h in heads}
