@@ -1,6 +1,11 @@
 """The Dagster UI shows the figures on a materialisation: a real webserver on the shipped code location
 (workspace.yaml) against a temp instance where a figure-bearing asset was materialised by the demo's
-code path; GraphQL returns the embedded PNG, and headless Chromium draws the asset's page."""
+code path; GraphQL returns the embedded PNG, and headless Chromium draws the asset's page.
+
+Only the webserver is started (not ``dagster dev``): the daemon's default-on sensors would launch
+benchmark runs in the temp instance that this test does not need. Port and polling come from
+``servers.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,8 @@ import base64
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chromium import dump_dom, load_png, screenshot
+from servers import free_port, prepare_home, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 # A figure-bearing asset that needs no capture: the SmolLM3 trajectory on the thesis's reference values.
@@ -54,24 +58,11 @@ query Mats($key: AssetKeyInput!, $parts: [String!]) {
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the webserver exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"{url} did not answer within {timeout} s")
+def server_info(url: str, proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"the webserver exited with {proc.returncode}")
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.status == 200
 
 
 def graphql(base: str, query: str, variables: dict) -> dict:
@@ -87,9 +78,7 @@ def graphql(base: str, query: str, variables: dict) -> dict:
 def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(base URL, storage root) of a webserver on the shipped workspace over a materialised temp instance."""
     tmp = tmp_path_factory.mktemp("ui")
-    home = tmp / "home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    home = prepare_home(tmp)
     env = {**os.environ, "DAGSTER_HOME": str(home), "QK_STORAGE_ROOT": str(tmp / "storage")}
     proc = subprocess.run([sys.executable, "-c", MATERIALISE], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -101,7 +90,8 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{base}/server_info", server, timeout=240)
+        wait_for(lambda: server_info(f"{base}/server_info", server), timeout=240, what="the webserver",
+                 on_timeout=lambda: (tmp / "webserver.log").read_text()[-4000:])
         yield base, tmp / "storage"
     finally:
         server.terminate()
