@@ -122,8 +122,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "mechanistic value was measured here or taken from the thesis (reference); benchmark modes "
                 "are never mixed in one statistic.", (r"bench", r"join", r"alias", r"reference", r"stats")),
     SectionSpec("trajectory", "Training trajectory", "SPEC 6",
-                "Geometry across SmolLM3-3B training checkpoints (needs the checkpoint series from the "
-                "hub; not part of the offline demo).", (r"trajectory",)),
+                "Geometry across SmolLM3-3B training checkpoints. The checkpoints come from the hub, so "
+                "the offline demo captures none of them: its trajectory shows the thesis's published "
+                "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",)),
 )
 OTHER = SectionSpec("other", "Other assets", "", "Assets not covered by a section above.", (r".*",))
 SKIP_ASSETS = {"report_html"}
@@ -174,9 +175,9 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
     (r".*", r"heatmap", "Heatmap (colour: the quantity named in the figure)."),
 )
 # the order figures are shown in, by name (others follow alphabetically)
-FIGURE_ORDER = ("profiles", "heatmap", "closed_vs_empirical", "components", "decile_profiles", "pc0_taxonomy",
-                "explained_variance", "depth_pc0", "ab_plane", "depth_rotation", "pc_roles", "rq_rk_bars",
-                "bias_distributions", "bias_vs_separation", "ap_bias", "bias_decomposition")
+FIGURE_ORDER = ("ap_bias", "bias_decomposition", "profiles", "heatmap", "closed_vs_empirical", "components",
+                "decile_profiles", "pc0_taxonomy", "explained_variance", "depth_pc0", "ab_plane", "depth_rotation",
+                "pc_roles", "rq_rk_bars", "bias_distributions", "bias_vs_separation")
 
 
 def caption_for(fig: Figure) -> str:
@@ -275,6 +276,8 @@ def html_table(df: pd.DataFrame, *, max_rows: int | None = MAX_ROWS, raw_html: I
     """A plain table; columns named in ``raw_html`` hold ready HTML (everything else is escaped)."""
     raw = set(raw_html)
     shown = df if max_rows is None else df.head(max_rows)
+    if df.empty:
+        return f'<p class="more">{caption + ": " if caption else ""}no rows</p>'
     head = "".join(f"<th>{esc(c)}</th>" for c in shown.columns)
     rows = []
     for rec in shown.itertuples(index=False):

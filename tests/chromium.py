@@ -73,6 +73,7 @@ def dump_dom(url: str, timeout: float = 120, budget_ms: int = 8000, width: int =
 def probe_images(page: Path, width: int = 1280) -> dict:
     """Load a copy of ``page`` (same folder, so relative links resolve) with :data:`IMG_PROBE`; return
     ``{"images": [{src, naturalWidth, x, y, w, h, ...}], "height": ...}``."""
+    page = page.resolve()
     probe = page.with_name(".probe-" + page.name)
     probe.write_text(page.read_text(encoding="utf-8").replace("</body>", IMG_PROBE + "</body>"), encoding="utf-8")
     try:

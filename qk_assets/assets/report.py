@@ -147,6 +147,8 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                 dest = f"{REPORT_DIR}/{src_rel}"
                 st.write_bytes(dest, st.read_bytes(src_rel))
                 fig_name = mkey[len("fig_"):-len("_path")]
+                if any(f.src == src_rel for f in figures):  # one file attached to several outputs
+                    continue
                 figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=part))
                 inventory.append({"asset": name, "partition": part or "", "kind": "figure", "path": st.uri(dest)})
 
