@@ -272,7 +272,7 @@ def is_metrics_frame(df: pd.DataFrame) -> bool:
 
 
 def html_table(df: pd.DataFrame, *, max_rows: int | None = MAX_ROWS, raw_html: Iterable[str] = (),
-               caption: str = "") -> str:
+               caption: str = "", cls: str = "") -> str:
     """A plain table; columns named in ``raw_html`` hold ready HTML (everything else is escaped)."""
     raw = set(raw_html)
     shown = df if max_rows is None else df.head(max_rows)
@@ -284,14 +284,15 @@ def html_table(df: pd.DataFrame, *, max_rows: int | None = MAX_ROWS, raw_html: I
         cells = []
         for col, val in zip(shown.columns, rec, strict=True):
             text = str(val) if col in raw else esc(fmt_num(val))
-            cls = ' class="num"' if isinstance(val, int | float) and not isinstance(val, bool) else ""
-            cells.append(f"<td{cls}>{text}</td>")
+            num = ' class="num"' if isinstance(val, int | float) and not isinstance(val, bool) else ""
+            cells.append(f"<td{num}>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     cap = f"<caption>{caption}</caption>" if caption else ""
     more = ""
     if max_rows is not None and len(df) > max_rows:
         more = f'<p class="more">showing {max_rows} of {len(df):,} rows</p>'
-    return f'<div class="tablewrap"><table>{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(rows)}' \
+    klass = f' class="{cls}"' if cls else ""
+    return f'<div class="tablewrap"><table{klass}>{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(rows)}' \
            f"</tbody></table></div>{more}"
 
 
@@ -549,6 +550,9 @@ caption { caption-side:bottom; text-align:left; font-size:12px; color:var(--mute
 th, td { border-bottom:1px solid var(--rule); padding:4px 10px; text-align:left; vertical-align:top;
          max-width:560px; overflow-wrap:break-word; }
 th { background:#f1f4f8; font-weight:600; position:sticky; top:0; }
+table.fixed { table-layout:fixed; width:100%; }
+table.fixed td { overflow-wrap:anywhere; }
+table.fixed th:first-child { width:230px; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; }
 tbody tr:nth-child(even) { background:#fafbfc; }
 .ci { color:var(--muted); font-size:12px; white-space:nowrap; }
@@ -642,7 +646,7 @@ def metadata_table(states: list[AssetState], model_order: list[str]) -> str:
             row[esc(st.partition or st.asset)] = esc(text if len(text) < 400 else text[:397] + "...")
         rows.append(row)
     df = pd.DataFrame(rows)
-    out = [html_table(df, max_rows=None, raw_html=df.columns)] if rows else []
+    out = [html_table(df, max_rows=None, raw_html=df.columns, cls="fixed")] if rows else []
     for k in tabular:
         for part, t in tables[k].items():
             if t is None:
