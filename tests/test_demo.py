@@ -261,3 +261,27 @@ def test_outputs_of_an_unsplittable_multi_asset_are_recomputed_together(env) -> 
     failed, out = demo(instance, defs, reg_path, storage)
     assert failed == 0 and CALLS == ["xy"], out
     assert "computed together with x" in out
+
+
+def test_runs_of_an_interrupted_demo_are_failed_and_free_the_gpu_slot(tmp_path: Path) -> None:
+    from dagster import DagsterRun, DagsterRunStatus
+
+    from qk_assets.demo import DEMO_TAG, fail_dead_demo_runs
+
+    (tmp_path / "home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "home"),
+                           overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        dead = instance.add_run(DagsterRun(job_name="__ASSET_JOB", run_id="d" * 32, tags={DEMO_TAG: "1"},
+                                           status=DagsterRunStatus.STARTED))
+        other = instance.add_run(DagsterRun(job_name="__ASSET_JOB", run_id="e" * 32,
+                                            status=DagsterRunStatus.STARTED))  # e.g. launched from the UI
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", dead.run_id, "qk_capture").is_claimed
+        assert not storage.claim_concurrency_slot("gpu", other.run_id, "qk_capture").is_claimed
+        storage.free_concurrency_slot_for_step(other.run_id, "qk_capture")  # drop the pending claim
+
+        assert fail_dead_demo_runs(instance) == 1
+        assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
+        assert instance.get_run_by_id(other.run_id).status == DagsterRunStatus.STARTED
+        assert storage.get_concurrency_info("gpu").claimed_slots == []
