@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from chromium import load_png, probe_images, region_std, screenshot
 from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
+from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
 from qk_assets.assets import report as report_module
 from qk_assets.figures import save_figures
@@ -20,6 +21,7 @@ from qk_assets.io_manager import ParquetIOManager
 from qk_assets.resources import StorageResource
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, caption_for, render_report
+from qk_core.storage import Storage
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
@@ -71,11 +73,8 @@ def toy_stats(context: AssetExecutionContext) -> pd.DataFrame:
                          "p_value": [0.096], "n": [7], "source": ["reference"]})
 
 
-@pytest.fixture(scope="module")
-def built_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Toy upstream assets materialised in a temp instance, then the real report_html asset."""
-    tmp = tmp_path_factory.mktemp("report")
-    storage = StorageResource(root=str(tmp / "storage"))
+def build_report(tmp: Path, storage: StorageResource) -> dict:
+    """Toy upstream assets materialised in a temp instance, then the real report_html asset; its metadata."""
     resources = {"storage": storage, "io_manager": ParquetIOManager(storage=storage)}
     mp = pytest.MonkeyPatch()
     mp.setattr(report_module, "UPSTREAM", {AssetKey("plasticity_metrics"): models_def,
@@ -90,12 +89,18 @@ def built_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
             assert materialize([toy_stats], instance=instance, resources=resources).success
             result = materialize([report_module.report_html], instance=instance, resources=resources)
             assert result.success
-            meta = result.asset_materializations_for_node("report_html")[0].metadata
-            assert meta["figures"].value == 4
+            return dict(result.asset_materializations_for_node("report_html")[0].metadata)
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def built_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("report")
+    meta = build_report(tmp, StorageResource(root=str(tmp / "storage")))
+    assert meta["figures"].value == 4
     page = tmp / "storage" / "report" / "index.html"
-    assert page.exists()
+    assert page.exists() and meta["report"].value == page.as_uri()
     return page
 
 
@@ -155,3 +160,21 @@ def test_builder_escapes_and_formats() -> None:
     assert "<b>qk_capture</b>: not yet computed (defined, never materialised)" in page
     assert "<b>pca_heads</b>: not yet computed (not yet part of the code location)" in page
     assert "bias_strength distributions" in caption_for(Figure("x", "bias_distributions", "geometry_figures"))
+
+
+def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """With an S3 storage root the page and its figures land under ``report/`` on S3; a copy of that
+    folder opens locally with every figure (what the README tells researchers to do)."""
+    s3: MotoS3 = request.getfixturevalue("moto_s3")
+    root = s3.root("report")
+    meta = build_report(tmp_path, StorageResource(root=root, s3_endpoint_url=s3.endpoint))
+    assert meta["report"].value == f"{root}/report/index.html"
+    st = Storage(root, s3.endpoint)
+    files = st.ls("report", recursive=True)
+    assert "report/index.html" in files and sum(f.endswith(".png") for f in files) == 4
+    local = tmp_path / "copy"
+    for rel in files:
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_bytes(st.read_bytes(rel))
+    probe = probe_images(local / "report" / "index.html")
+    assert len(probe["images"]) == 4 and all(i["naturalWidth"] > 100 for i in probe["images"])
