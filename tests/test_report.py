@@ -178,3 +178,23 @@ def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequ
         (local / rel).write_bytes(st.read_bytes(rel))
     probe = probe_images(local / "report" / "index.html")
     assert len(probe["images"]) == 4 and all(i["naturalWidth"] > 100 for i in probe["images"])
+
+
+def test_report_is_requested_after_an_upstream_update(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real code location: once the report exists, a new upstream materialisation makes the
+    automation condition request it (the daemon's report_automation_sensor then runs it)."""
+    import dagster as dg
+
+    from qk_assets.definitions import build_definitions
+
+    monkeypatch.setenv("QK_STORAGE_ROOT", str(tmp_path / "storage"))
+    defs = build_definitions()
+    assert any(s.name == "report_automation_sensor" for s in defs.sensors)
+    job = defs.resolve_implicit_job_def_def_for_assets([AssetKey("report_html")])
+    with dg.instance_for_test() as instance:
+        assert job.execute_in_process(instance=instance, asset_selection=[AssetKey("report_html")]).success
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        assert first.get_requested_partitions(AssetKey("report_html")) == set()
+        instance.report_runless_asset_event(dg.AssetMaterialization("model_aliases"))
+        second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
+        assert second.get_requested_partitions(AssetKey("report_html")) == {None}

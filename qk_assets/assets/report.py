@@ -4,7 +4,8 @@ Thin: it reads what the other assets stored (their Parquet values, their figure 
 provenance of their latest materialisations from the Dagster instance), copies the figures next to the
 page and calls :func:`qk_core.report_html.render_report`. It depends on every other asset of the code
 location by key, so it is stale whenever any of them is recomputed; assets that are missing (not yet
-materialised, or not yet defined) appear in the page as "not yet computed".
+materialised, or not yet defined) appear in the page as "not yet computed". With the daemon running
+(``make ui``), ``report_automation_sensor`` rebuilds the page after upstream updates.
 """
 
 import importlib
@@ -18,6 +19,10 @@ from dagster import (
     AssetKey,
     AssetRecordsFilter,
     AssetsDefinition,
+    AssetSelection,
+    AutomationCondition,
+    AutomationConditionSensorDefinition,
+    DefaultSensorStatus,
     MetadataValue,
     PartitionsDefinition,
     asset,
@@ -100,7 +105,17 @@ def _model_info(key: str) -> ModelInfo:
     )
 
 
-@asset(deps=sorted(UPSTREAM, key=lambda k: k.to_user_string()), group_name="report", kinds={"html"})
+# Rebuild the page after any upstream materialisation, once nothing upstream is still running (so a
+# backfill of many models rebuilds it once at the end, not after every partition).
+REPORT_CONDITION = (
+    AutomationCondition.any_deps_updated().since_last_handled()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("after upstream updates, once nothing upstream runs")
+
+
+@asset(deps=sorted(UPSTREAM, key=lambda k: k.to_user_string()), group_name="report", kinds={"html"},
+       automation_condition=REPORT_CONDITION)
 def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
     """The static HTML report with every figure and table (SPEC 7), the options and provenance of every
     number; one row per item the page shows (asset, partition, kind, path)."""
@@ -181,3 +196,14 @@ def _prune_stale_figures(st: Storage, keep: set[str]) -> None:
     for rel in st.ls(f"{REPORT_DIR}/figures", recursive=True):
         if rel.endswith(".png") and rel not in keep:
             st.delete(rel)
+
+
+report_automation_sensor = AutomationConditionSensorDefinition(
+    "report_automation_sensor",
+    target=AssetSelection.assets("report_html"),
+    minimum_interval_seconds=30,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Rebuilds the static report after its inputs change (with `make ui`, i.e. the daemon, running).",
+)
+
+SENSORS = [report_automation_sensor]
