@@ -269,3 +269,19 @@ def test_short_document_captured_over_its_own_length(zoo: Path, tmp_path: Path) 
     assert len(short_pos) == 7 * PER_BUCKET  # ceil(201 / 32) buckets
     assert len(head.q_pos[head.q_doc == 12]) == (WINDOW // BUCKET) * PER_BUCKET
     assert np.array_equal(np.unique(short_pos // BUCKET), np.arange(7))
+
+
+def test_bernoulli_sampler_end_to_end(zoo: Path, tmp_path: Path) -> None:
+    """Thesis protocol: positions kept with probability rate/B, drawn per (document, layer, kind)."""
+    _, reader, loaded = run_and_read(zoo, tmp_path, "llama",
+                                     capture={"position_sampler": "bernoulli", "bernoulli_rate": 8.0})
+    assert reader.manifest["sampler"]["position_sampler"] == "bernoulli"
+    weights = reference_weights(loaded, zoo)
+    a, b = reader.read_head(0, 0), reader.read_head(1, 0)
+    assert not np.array_equal(a.q_pos, a.k_pos) and not np.array_equal(a.q_pos, b.q_pos)
+    n_rows = len(a.q_pos)
+    assert abs(n_rows - (SHORT_CHARS + 1 + WINDOW) * 8 / BUCKET) < 4 * np.sqrt(n_rows)
+    qm, km = a.q_doc == 12, a.k_doc == 12
+    err, n, _ = tm.logit_mismatch(a.q[qm], a.q_pos[qm], a.k[km], a.k_pos[km], reader.manifest["layers"][0]["scaling"],
+                                  weights[12][0][0])
+    assert err < 2e-4 and n > 100

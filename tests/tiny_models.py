@@ -214,26 +214,29 @@ def logit_mismatch(q: Any, q_pos: Any, k: Any, k_pos: Any, scaling: float, weigh
     """Compare captured q·k·scaling with the model's own logits of one head and one document.
 
     ``weights`` is that head's (T, T) post-softmax attention from :func:`eager_attention_weights`;
-    its log equals the logits up to a per-row constant, so both sides are taken relative to the
-    diagonal (query t against key t, always visible). Pairs compared: causal, inside the sliding
-    ``window`` if any, and both weights above ``min_weight``. Returns (max abs difference, number of
-    pairs compared, the (n_q, n_k) weights at the sampled positions).
+    its log equals the logits up to a per-row constant, so both sides are taken relative to one
+    reference key per query row (the visible sampled key with the largest weight). Pairs compared:
+    causal, inside the sliding ``window`` if any, weights above ``min_weight``. Returns (max abs
+    difference, number of pairs compared, the (n_q, n_k) weights at the sampled positions).
     """
     import numpy as np
 
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
+    q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
     w = np.asarray(weights, dtype=np.float64)[np.ix_(q_pos, k_pos)]
     s = scaling * q @ k.T
-    diag = np.array([int(np.flatnonzero(k_pos == t)[0]) for t in q_pos])
-    rows = np.arange(len(q_pos))
     valid = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         valid &= (q_pos[:, None] - k_pos[None, :]) < window
+    valid &= w > min_weight
+    rows = np.flatnonzero(valid.any(axis=1))
+    if not len(rows):
+        return 0.0, 0, w
+    ref = np.where(valid, w, -1.0).argmax(axis=1)[rows]
     with np.errstate(divide="ignore"):
         r = np.log(w)
-    valid &= (w > min_weight) & (w[rows, diag] > min_weight)[:, None]
-    ds = s - s[rows, diag][:, None]
-    dr = r - r[rows, diag][:, None]
-    err = float(np.max(np.abs(ds - dr)[valid])) if valid.any() else 0.0
-    return err, int(valid.sum()), w
+    ds = s[rows] - s[rows, ref][:, None]
+    dr = r[rows] - r[rows, ref][:, None]
+    v = valid[rows]
+    return float(np.max(np.abs(ds - dr)[v])), int(v.sum()), w
