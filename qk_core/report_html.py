@@ -149,7 +149,7 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
     (r"^plasticity", r"closed|empirical", "Closed-form vs empirical AP per head (SPEC 4.3): distance from the "
      "diagonal shows how far the Gaussian query model is from the data (AP, dimensionless)."),
     (r"^plasticity", r"decile", "Decile profiles of all models: mean AP per tenth of the window (x: position / L)."),
-    (r"^pca", r"taxonomy|pc0", "PC0 r_q vs r_k per head (thesis Fig. A.1), with the taxonomy thresholds 0.3 and "
+    (r"^pca", r"taxonomy|^pc0", "PC0 r_q vs r_k per head (thesis Fig. A.1), with the taxonomy thresholds 0.3 and "
      "0.7 (Pearson correlations with token position)."),
     (r"^pca", r"explained|evr", "Explained-variance ratio per principal component (fraction of the pooled Q+K "
      "variance), over heads."),
@@ -680,14 +680,13 @@ def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
         title = part if part is not None else "All models"
         out.append(f"<h3>{esc(title)}</h3>")
         out.append('<div class="figs">' + "".join(figure_html(f) for f in shown) + "</div>")
-    details = []
+    details: dict[str, list[str]] = {a: [] for a in assets}  # per asset: its metadata and stored tables
     if sec.id != "models":
         for asset in assets:
             states = [st for st in inputs.states if st.asset == asset and st.metadata]
             meta = metadata_table(states, model_order) if states else ""
             if meta:
-                details.append(f'<details class="table"><summary>{esc(asset)}: materialisation metadata'
-                               f"</summary>{meta}</details>")
+                details[asset].append(f"<h4>materialisation metadata</h4>{meta}")
     for asset in assets:
         present = {p: df for p, df in inputs.tables.get(asset, {}).items() if df is not None}
         if not present:
@@ -695,11 +694,11 @@ def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
         if asset == "model_report" and None in present and is_metrics_frame(present[None]):
             joins = inputs.tables.get("benchmark_joins", {}).get(None)
             out.append(summary_tables(present[None], joins, model_order))
-            details.append(value_table(asset, None, present[None]))
+            details[asset].append(value_table(asset, None, present[None]))
             continue
         if asset == "benchmark_stats" and None in present:
             out.append("<h3>Correlations with the benchmark scores</h3>" + stats_table(present[None]))
-            details.append(value_table(asset, None, present[None]))
+            details[asset].append(value_table(asset, None, present[None]))
             continue
         if all(is_metrics_frame(df) for df in present.values()):
             out.append(f"<h3>{esc(asset)}: model values</h3>")
@@ -713,11 +712,19 @@ def render_section(sec: SectionSpec, inputs: ReportInputs) -> str:
                 label = f"{asset}[{p}]" if p else asset
                 out.append(f"<h3>{esc(label)}</h3>" + html_table(df))
             else:
-                details.append(value_table(asset, p, df))
-    if details:
-        out.append("<h3>Stored tables and metadata</h3><p class=\"cols\">The first rows of each table (the whole "
-                   "table is in the Parquet file named in the provenance section) and the metadata each "
-                   "materialisation recorded.</p>" + "".join(details))
+                details[asset].append(value_table(asset, p, df))
+    blocks = []
+    for asset, items in details.items():
+        if not items:
+            continue
+        n_parts = len(inputs.tables.get(asset, {}))
+        what = f"{n_parts} stored table{'s' if n_parts != 1 else ''}" if n_parts else "no stored table"
+        blocks.append(f'<details class="table"><summary><b>{esc(asset)}</b>: {what}, metadata</summary>'
+                      f'{"".join(items)}</details>')
+    if blocks:
+        out.append("<h3>Stored tables and metadata</h3><p class=\"cols\">Per asset: the metadata each "
+                   "materialisation recorded and the first rows of each stored table (the whole table is in the "
+                   "Parquet file named in the provenance section).</p>" + "".join(blocks))
     if missing:
         out.append('<div class="missing">Not yet computed:<ul>' + "".join(f"<li>{m}</li>" for m in missing)
                    + "</ul></div>")

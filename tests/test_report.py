@@ -160,6 +160,10 @@ def test_builder_escapes_and_formats() -> None:
     assert "<b>qk_capture</b>: not yet computed (defined, never materialised)" in page
     assert "<b>pca_heads</b>: not yet computed (not yet part of the code location)" in page
     assert "bias_strength distributions" in caption_for(Figure("x", "bias_distributions", "geometry_figures"))
+    assert "by layer depth" in caption_for(Figure("x", "depth_pc0", "pca_heads"))
+    assert "Fig. A.1" in caption_for(Figure("x", "pc0_taxonomy", "pca_heads"))
+    assert "Fig. 6.4" in caption_for(Figure("x", "profiles", "plasticity_profiles"))
+    assert "checkpoints" in caption_for(Figure("x", "profiles", "trajectory"))
 
 
 def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequest, tmp_path: Path) -> None:
