@@ -320,7 +320,7 @@ def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()
 
 def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
              group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-             log_level: str = "INFO", out=sys.stdout) -> int:
+             log_level: str = "INFO", verbose: bool = False, out=sys.stdout) -> int:
     """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
 
     def say(msg: str) -> None:
@@ -340,8 +340,15 @@ def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, s
         say(f"  note: {note}")
     decisions = Planner(instance, graph, registry).decide(nodes, force=force)
     todo = [d.node for d in decisions if d.reason]
+    fresh = [d for d in decisions if not d.reason]
+    if fresh and verbose:
+        for d in fresh:
+            say(f"  ok   {node_name(d.node):<48} up to date")
+    elif fresh:
+        say(f"  ok   {len(fresh)} asset partitions are up to date (--verbose lists them)")
     for d in decisions:
-        say(f"  {'run ' if d.reason else 'ok  '} {node_name(d.node):<48} {d.reason or 'up to date'}")
+        if d.reason:
+            say(f"  run  {node_name(d.node):<48} {d.reason}")
     if not todo:
         say("demo: everything is up to date; nothing to compute")
     if dry_run:
@@ -391,6 +398,7 @@ def main(argv: Iterable[str] | None = None) -> int:
                         help="only these model keys of the group (globs, e.g. 'smollm3-3b@*')")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and why; run nothing")
     parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
+    parser.add_argument("--verbose", action="store_true", help="also list the up-to-date asset partitions")
     parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
@@ -401,7 +409,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     instance = DagsterInstance.get()
     storage = Storage.from_settings()
     failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models,
-                      dry_run=args.dry_run,
+                      dry_run=args.dry_run, verbose=args.verbose,
                       force=args.force, log_level=args.log_level)
     return 1 if failed else 0
 
