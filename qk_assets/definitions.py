@@ -2,21 +2,13 @@
 
 Each module of :mod:`qk_assets.assets` is one stage of the lineage graph. Its assets are picked up
 automatically; a module may also export ``SENSORS``, ``JOBS`` and ``ASSET_CHECKS`` lists.
-An asset that loads (``AssetIn``) an asset no module defines yet gets an external placeholder for it,
-so the code location loads while the stages are written in parallel.
 """
 
 import importlib
 import pkgutil
 from types import ModuleType
 
-from dagster import (
-    AssetsDefinition,
-    AssetSpec,
-    Definitions,
-    load_asset_checks_from_modules,
-    load_assets_from_modules,
-)
+from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
 from qk_assets import assets as assets_pkg
 from qk_assets.io_manager import ParquetIOManager
@@ -30,29 +22,13 @@ def asset_modules() -> list[ModuleType]:
     return [importlib.import_module(f"{assets_pkg.__name__}.{n}") for n in names]
 
 
-def placeholder_specs(assets: list[object]) -> list[AssetSpec]:
-    """External placeholders for the data inputs (``AssetIn``) whose asset nothing defines yet."""
-    produced: set = set()
-    needed: set = set()
-    for a in assets:
-        if isinstance(a, AssetsDefinition):
-            produced |= set(a.keys)
-            for name, key in a.keys_by_input_name.items():
-                if not a.node_def.input_def_named(name).dagster_type.is_nothing:
-                    needed.add(key)
-        elif hasattr(a, "key"):
-            produced.add(a.key)
-    return [AssetSpec(key, group_name="placeholders", description="Placeholder: no stage defines this asset yet.")
-            for key in sorted(needed - produced, key=lambda k: k.to_user_string())]
-
-
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or Settings.from_env()
     storage = StorageResource.from_settings(settings)
     modules = asset_modules()
     assets = with_code_versions(load_assets_from_modules(modules), modules)
     return Definitions(
-        assets=[*assets, *placeholder_specs(assets)],
+        assets=assets,
         asset_checks=load_asset_checks_from_modules(modules),
         sensors=[s for m in modules for s in getattr(m, "SENSORS", [])],
         jobs=[j for m in modules for j in getattr(m, "JOBS", [])],

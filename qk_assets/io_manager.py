@@ -4,7 +4,7 @@ Path: ``assets/<asset key path>/<partition key>.parquet`` (``_all.parquet`` when
 Loading several upstream partitions (a report over all models, a trajectory over a series) yields a
 ``dict[partition_key, DataFrame]`` holding only the partitions that exist; one partition yields the
 DataFrame itself. An input declared with ``AssetIn(..., metadata={"allow_missing": True})`` whose
-upstream is unpartitioned (or a placeholder for an asset not defined yet) and not written yet loads as
+upstream is unpartitioned and not written yet loads as
 an empty dict instead of failing.
 """
 
