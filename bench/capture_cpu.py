@@ -84,13 +84,13 @@ def _plain(loaded, ids: list[list[int]]) -> tuple[float, list[float]]:
     import torch
 
     per_doc = []
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for x in ids:
         t1 = time.perf_counter()
         with torch.inference_mode():
             loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
         per_doc.append(time.perf_counter() - t1)
-    return time.perf_counter() - t, per_doc
+    return time.perf_counter() - t, per_doc, time.process_time() - c
 
 
 def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
@@ -98,15 +98,15 @@ def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
     from qk_core.storage import Storage
 
     with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         marks = [t]
         result = capture_model(entry, docs, Storage(tmp), loaded=loaded,
                                on_document=lambda e, n: marks.append(time.perf_counter()))
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
         q_rows = int(result.heads["n_q_rows"].sum())
         k_rows = int(result.heads.drop_duplicates(["layer", "kv_head"])["n_k_rows"].sum())
         extra = {"heads": len(result.heads), "rows": q_rows + k_rows, "forward_collect_s": result.seconds,
-                 "finalize_s": time.perf_counter() - marks[-1],
+                 "finalize_s": time.perf_counter() - marks[-1], "cpu_s": cpu,
                  "disk_mb": sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / 2**20}
     return wall, [b - a for a, b in itertools.pairwise(marks)], extra
 
@@ -125,15 +125,16 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int) -> di
             rec: dict = {"order": list(order)}
             for m in order:
                 if m == "plain":
-                    rec["plain_s"], rec["plain_per_doc_s"] = _plain(loaded, ids)
+                    rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"] = _plain(loaded, ids)
                 else:
                     rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded)
             rec["ratio"] = rec["capture_s"] / rec["plain_s"]
+            rec["cpu_ratio"] = rec["capture_extra"]["cpu_s"] / rec["plain_cpu_s"]
             pairs.append(rec)
         return {**base, "pairs": pairs}
     reset = _reset_peak()
     if mode == "plain":
-        wall, per_doc = _plain(loaded, ids)
+        wall, per_doc, _ = _plain(loaded, ids)
         extra: dict = {}
     else:
         wall, per_doc, extra = _capture(entry, docs, loaded)
@@ -166,8 +167,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1"}
     timing = _run_child("timing", a, env)
     for p in timing["pairs"]:
-        print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s ratio {p['ratio']:.3f}",
-              flush=True)
+        print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s ratio {p['ratio']:.3f}"
+              f" cpu ratio {p['cpu_ratio']:.3f}", flush=True)
     mem = {m: _run_child(m, a, env) for m in ("plain", "capture")}
     for m, r in mem.items():
         print(f"{m}: phase peak RSS {r['peak_rss_phase_mb']:.0f} MB, wall {r['wall_s']:.1f}s", flush=True)
@@ -177,6 +178,7 @@ def main() -> None:
     summary = {
         "wall_ratio_median_of_pairs": statistics.median(p["ratio"] for p in timing["pairs"]),
         "wall_ratio_of_medians": capture_s / plain_s,
+        "cpu_ratio_median_of_pairs": statistics.median(p["cpu_ratio"] for p in timing["pairs"]),
         "peak_rss_phase_ratio": mem["capture"]["peak_rss_phase_mb"] / mem["plain"]["peak_rss_phase_mb"],
         "peak_rss_lifetime_ratio": mem["capture"]["peak_rss_lifetime_mb"] / mem["plain"]["peak_rss_lifetime_mb"],
     }
@@ -195,7 +197,7 @@ def main() -> None:
         f"| {i + 1} | {' then '.join(p['order'])} | {p['plain_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['plain_per_doc_s'])} | {p['capture_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['capture_per_doc_s'])} | {p['capture_extra']['finalize_s']:.2f} | "
-        f"{p['ratio']:.3f} |" for i, p in enumerate(timing["pairs"]))
+        f"{p['ratio']:.3f} | {p['cpu_ratio']:.3f} |" for i, p in enumerate(timing["pairs"]))
     mem_rows = "\n".join(
         f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
         f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
@@ -211,12 +213,14 @@ Target: capture <= 1.05x the plain forward in wall time and in peak memory.
 
 ## Wall time (one process, plain and capture passes alternated)
 
-| pair | order | plain s | plain per doc s | capture s | capture per doc s | of which finalize s | ratio |
-|---|---|---|---|---|---|---|---|
+| pair | order | plain s | plain per doc s | capture s | capture per doc s | finalize s | wall ratio | CPU ratio |
+|---|---|---|---|---|---|---|---|---|
 {pair_rows}
 
 Capture / plain: **{summary['wall_ratio_median_of_pairs']:.3f}x** (median of the pair ratios;
-ratio of the medians {summary['wall_ratio_of_medians']:.3f}x). The capture pass is everything after loading:
+ratio of the medians {summary['wall_ratio_of_medians']:.3f}x); process CPU time
+**{summary['cpu_ratio_median_of_pairs']:.3f}x** (median of the pairs; less sensitive to other jobs on the machine).
+The capture pass is everything after loading:
 the probe forward, the forwards under the capture function, one host transfer per document, the
 per-document Parquet commits and `finalize()`; the plain pass is only the forwards. The first per-document
 time of the capture includes the probe and the head sampling.

@@ -185,10 +185,11 @@ class CaptureSession:
             return
         if query.shape[0] != 1:
             raise CaptureHookError(f"layer {layer}: capture runs with batch size 1, got {query.shape[0]}")
-        q_heads, kv_heads = idx
-        q = query[0].index_select(0, q_heads).index_select(1, self._pos_t[(layer, "q")])
-        k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")])
-        self._buffers[layer] = (q.to(torch.float32), k.to(torch.float32))
+        dev = query.device  # layers of a model sharded over devices may live elsewhere
+        q_heads, kv_heads = (t.to(dev) for t in idx)
+        q = query[0].index_select(0, q_heads).index_select(1, self._pos_t[(layer, "q")].to(dev))
+        k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")].to(dev))
+        self._buffers[layer] = (q.to(self.device, torch.float32), k.to(self.device, torch.float32))
 
     # ---- after the forward -------------------------------------------------------------------
     def missing_layers(self) -> list[int]:
