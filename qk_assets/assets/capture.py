@@ -28,7 +28,8 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
     description=(
         "Post-RoPE query/key vectors of sampled heads at sampled positions (SPEC 1), stored under "
         "captures/<model>/<fingerprint>/. Value: one row per sampled head (layer, q_head, kv_head, d, "
-        "attention_type, sliding_window, rope_applied, n_q_rows, n_k_rows, capture_prefix)."),
+        "attention_type, sliding_window (-1 for full attention), rope_applied, n_q_rows, n_k_rows, "
+        "capture_prefix); per-layer metadata is in the capture manifest."),
 )
 def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: StorageResource,
                device: TorchDeviceResource) -> pd.DataFrame:
