@@ -33,8 +33,11 @@ ui: setup
 lint: setup
 	$(BIN)/ruff check qk_core qk_assets tests bench
 
+# Speed/memory benchmarks; each writes bench/results/<name>.{json,md} (run on a quiet machine).
 bench: setup
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python bench/capture_cpu.py --repeats 4
+	$(BIN)/python bench/pca_rotation.py
+	$(BIN)/python bench/plasticity.py
 
 # Headless Chromium for the report/UI tests (Debian package; installed when we are root).
 browser:

@@ -9,7 +9,6 @@ does not. An asset that declares its own ``code_version`` keeps it.
 
 import ast
 import hashlib
-import importlib.util
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -18,16 +17,16 @@ from types import ModuleType
 from dagster import AssetsDefinition, AssetSpec
 
 OWN_PACKAGES = ("qk_core", "qk_assets")
+SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the folder holding both packages
 
 
 def _module_file(name: str) -> Path | None:
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    return Path(spec.origin)
+    """The source file of an own module, found from its dotted name alone (nothing is imported)."""
+    base = SOURCE_ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None  # an attribute imported from a module (``from m import f``), not a module
 
 
 def _imported_names(path: Path, module_name: str) -> set[str]:
