@@ -224,3 +224,31 @@ def write_synthetic_capture(storage, model_key: str, heads: list[SyntheticHead],
         "sliding_window": 0, "rope_applied": True,
         "n_q_rows": counts.get(("q", h.layer, h.q_head), 0), "n_k_rows": counts.get(("k", h.layer, h.kv_head), 0),
         "capture_prefix": capture_prefix(model_key, fingerprint)} for h in heads])
+
+
+def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]], **capture_kw):
+    """Write one synthetic capture per model and its ``qk_capture`` value where the IO manager reads it.
+
+    Returns ``(storage, resources, capture_stand_in)``: the Dagster resources over ``root`` and an asset of
+    the ``qk_capture`` key and partitions that only tells Dagster about the dependency (never executed).
+    Models get seeds 0, 1, ... in the given order.
+    """
+    import pyarrow as pa
+    from dagster import asset
+
+    from qk_assets.io_manager import ParquetIOManager, asset_rel
+    from qk_assets.partitions import model_partitions
+    from qk_assets.resources import StorageResource
+    from qk_core.storage import Storage
+
+    storage = Storage(root)
+    for i, (model, heads) in enumerate(heads_by_model.items()):
+        cap = write_synthetic_capture(storage, model, heads, seed=i, **capture_kw)
+        storage.write_parquet(asset_rel(["qk_capture"], model), pa.Table.from_pandas(cap))
+
+    @asset(name="qk_capture", partitions_def=model_partitions())
+    def capture_stand_in() -> pd.DataFrame:
+        raise AssertionError("the upstream is read from storage, never recomputed here")
+
+    res = StorageResource(root=str(root))
+    return storage, {"storage": res, "io_manager": ParquetIOManager(storage=res)}, capture_stand_in

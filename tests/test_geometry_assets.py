@@ -11,15 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pytest
 from synthetic import (
     CloudSpec,
     HeadSpec,
     SyntheticHead,
     expected_rotation,
+    stage_synthetic_models,
     stratified_positions,
-    write_synthetic_capture,
 )
 
 MODELS = {"smollm2-135m": "llama", "gemma3-270m": "gemma3"}  # two demo partitions of the shipped registry
@@ -43,28 +42,16 @@ def heads_for(model: str) -> list[SyntheticHead]:
 
 @pytest.fixture(scope="module")
 def materialised(tmp_path_factory: pytest.TempPathFactory):
-    from dagster import AssetKey, asset, materialize
+    from dagster import AssetKey, materialize
 
     from qk_assets.assets.geometry import geometry
     from qk_assets.assets.geometry_figures import geometry_figures
-    from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.partitions import model_partitions
-    from qk_assets.resources import StorageResource
-    from qk_core.storage import Storage
+    from qk_assets.io_manager import asset_rel
 
     root = tmp_path_factory.mktemp("geometry") / "storage"
-    storage = Storage(root)
-    for i, model in enumerate(MODELS):
-        cap = write_synthetic_capture(storage, model, heads_for(model), d=D, window=WINDOW, bucket=BUCKET,
-                                      per_bucket=PER_BUCKET, doc_tokens=DOCS, seed=i)
-        storage.write_parquet(asset_rel(["qk_capture"], model), pa.Table.from_pandas(cap))
-
-    @asset(name="qk_capture", partitions_def=model_partitions())
-    def capture_stand_in() -> pd.DataFrame:
-        raise AssertionError("the upstream is read from storage, never recomputed here")
-
-    res = StorageResource(root=str(root))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res)}
+    storage, resources, capture_stand_in = stage_synthetic_models(
+        root, {m: heads_for(m) for m in MODELS}, d=D, window=WINDOW, bucket=BUCKET, per_bucket=PER_BUCKET,
+        doc_tokens=DOCS)
     analyses = [capture_stand_in, geometry]
     selection = [AssetKey(k) for k in ("pca_heads", "pca_layers", "pca_metrics", "rotation_heads",
                                        "rotation_layers", "rotation_metrics")]
@@ -164,29 +151,19 @@ def test_cross_model_table_has_every_materialised_model(materialised) -> None:
 
 
 def test_subset_and_run_config_options(tmp_path: Path) -> None:
-    from dagster import AssetKey, asset, materialize
+    from dagster import AssetKey, materialize
 
     from qk_assets.assets.geometry import geometry
-    from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.partitions import model_partitions
-    from qk_assets.resources import StorageResource
-    from qk_core.storage import Storage
+    from qk_assets.io_manager import asset_rel
 
-    storage = Storage(tmp_path / "storage")
-    cap = write_synthetic_capture(storage, "smollm2-135m", heads_for("gemma3-270m")[:4], d=D, window=WINDOW,
-                                  bucket=BUCKET, per_bucket=PER_BUCKET, doc_tokens=DOCS)
-    storage.write_parquet(asset_rel(["qk_capture"], "smollm2-135m"), pa.Table.from_pandas(cap))
-
-    @asset(name="qk_capture", partitions_def=model_partitions())
-    def capture_stand_in() -> pd.DataFrame:
-        raise AssertionError("never recomputed here")
-
-    res = StorageResource(root=str(storage.url))
+    storage, resources, capture_stand_in = stage_synthetic_models(
+        tmp_path / "storage", {"smollm2-135m": heads_for("gemma3-270m")[:4]}, d=D, window=WINDOW, bucket=BUCKET,
+        per_bucket=PER_BUCKET, doc_tokens=DOCS)
     config = {"ops": {"geometry": {"config": {"rotation_separation": "eigen", "rotation_complement": True,
                                               "rotation_complement_pairs": 2}}}}
     result = materialize([capture_stand_in, geometry], selection=[AssetKey(k) for k in ("rotation_heads",
                          "rotation_metrics")], partition_key="smollm2-135m", run_config=config,
-                         resources={"storage": res, "io_manager": ParquetIOManager(storage=res)})
+                         resources=resources)
     assert result.success
     assert not storage.exists(asset_rel(["pca_heads"], "smollm2-135m"))  # PCA was not selected, not run
     assert not storage.exists(asset_rel(["rotation_layers"], "smollm2-135m"))

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pytest
-from synthetic import CloudSpec, HeadSpec, SyntheticHead, write_synthetic_capture
+from synthetic import CloudSpec, HeadSpec, SyntheticHead, stage_synthetic_models
 
 MODELS = ("smollm2-135m", "gemma3-270m")  # demo partitions of the shipped registry
 D, WINDOW, BUCKET, PER_BUCKET = 16, 2048, 128, 4
@@ -33,27 +32,15 @@ def heads_for(model: str) -> list[SyntheticHead]:
 
 @pytest.fixture(scope="module")
 def materialised(tmp_path_factory: pytest.TempPathFactory):
-    from dagster import AssetKey, asset, materialize
+    from dagster import AssetKey, materialize
 
     from qk_assets.assets.plasticity import plasticity, plasticity_deciles
-    from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.partitions import model_partitions
-    from qk_assets.resources import StorageResource
-    from qk_core.storage import Storage
+    from qk_assets.io_manager import asset_rel
 
     root = tmp_path_factory.mktemp("plasticity") / "storage"
-    storage = Storage(root)
-    for i, model in enumerate(MODELS):
-        cap = write_synthetic_capture(storage, model, heads_for(model), d=D, window=WINDOW, bucket=BUCKET,
-                                      per_bucket=PER_BUCKET, doc_tokens=DOCS, seed=i)
-        storage.write_parquet(asset_rel(["qk_capture"], model), pa.Table.from_pandas(cap))
-
-    @asset(name="qk_capture", partitions_def=model_partitions())
-    def capture_stand_in() -> pd.DataFrame:
-        raise AssertionError("the upstream is read from storage, never recomputed here")
-
-    res = StorageResource(root=str(root))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res)}
+    storage, resources, capture_stand_in = stage_synthetic_models(
+        root, {m: heads_for(m) for m in MODELS}, d=D, window=WINDOW, bucket=BUCKET, per_bucket=PER_BUCKET,
+        doc_tokens=DOCS)
     outs = ["plasticity_heads", "plasticity_profiles", "plasticity_bins", "plasticity_pairs", "plasticity_heatmap",
             "plasticity_components", "plasticity_metrics"]
     results = {}
