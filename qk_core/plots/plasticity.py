@@ -31,6 +31,14 @@ from qk_core.plasticity.aggregates import fmt_tokens
 _TOK = FuncFormatter(lambda x, _pos: fmt_tokens(x) if x >= 0 else "")
 
 
+
+def _empty(fig: Figure, message: str) -> Figure:
+    """A figure that says why it has nothing to draw (never a blank image)."""
+    ax = fig.add_subplot()
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+    return fig
+
 def _token_axis(axis, L: int) -> None:
     """Major ticks at power-of-two token multiples (about 4 over [0, L]), labelled 512, 1k, 1.5k, 8k, ..."""
     step = 1
@@ -60,12 +68,10 @@ def _frac_axis(ax, L: int) -> None:
 def fig_profiles(profiles: pd.DataFrame, model: str, L: int, B: int, options: dict | None = None) -> Figure:
     """Thesis Fig. 6.4: per-head profiles (colour = layer) with the mean and IQR over heads."""
     fig = Figure(figsize=(8.5, 5.0))
-    ax = fig.add_subplot()
     p = profiles[np.isfinite(profiles["ap"].astype(float))]
     if p.empty:
-        ax.text(0.5, 0.5, "no bucket with a value", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return fig
+        return _empty(fig, "no bucket with a value")
+    ax = fig.add_subplot()
     layers = p["layer"].astype(int)
     norm = Normalize(vmin=int(layers.min()), vmax=max(int(layers.max()), int(layers.min()) + 1))
     cmap = colormaps["viridis"]
@@ -111,10 +117,7 @@ def fig_heatmap(heatmap: pd.DataFrame, model: str, L: int, B: int, options: dict
     """Thesis Fig. 6.3: mean PP per (inter-key distance, query-to-key-midpoint distance) cell, and counts."""
     fig = Figure(figsize=(12.5, 5.0))
     if heatmap.empty:
-        ax = fig.add_subplot()
-        ax.text(0.5, 0.5, "no pair with a value", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return fig
+        return _empty(fig, "no pair with a value")
     axes = fig.subplots(1, 2, sharey=True, gridspec_kw={"wspace": 0.12})
     xe, ye, g = _grid(heatmap, "pp_mean")
     _, _, c = _grid(heatmap, "n_pairs")
@@ -142,10 +145,7 @@ def fig_components(components: pd.DataFrame, model: str, L: int, B: int, options
     """Component weights: heads (rows, by layer) x query coordinates, with the mean over heads on top."""
     fig = Figure(figsize=(10, 6.5))
     if components.empty:
-        ax = fig.add_subplot()
-        ax.text(0.5, 0.5, "no component weights", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return fig
+        return _empty(fig, "no component weights")
     mat = components.pivot_table(index=["layer", "q_head"], columns="coord", values="weight").sort_index()
     gs = fig.add_gridspec(2, 2, height_ratios=[1, 3], width_ratios=[40, 1], hspace=0.06, wspace=0.03)
     top = fig.add_subplot(gs[0, 0])
