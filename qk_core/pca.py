@@ -14,7 +14,7 @@ the pooled cloud's total variance.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import pandas as pd
 
 from qk_core.capture_store import CaptureError, CaptureReader, HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
+from qk_core.options_schema import STRICT_TABLE, PosInt, UnitFloat, validate_options
 from qk_core.storage import Storage, StorageError
 from qk_core.summaries import layer_and_model_summary, ok_mask, skipped_summary
 
@@ -37,24 +38,22 @@ class HeadInputError(ValueError):
         self.reason = reason
 
 
-def options_from_dict(cls: type, values: dict[str, Any] | None, where: str) -> Any:
-    values = dict(values or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
-    return cls(**values)
+def options_from_dict(cls: type, values: dict[str, Any] | None, name: str) -> Any:
+    """``cls`` from a table (registry ``analysis.<name>`` merged with the run config), strictly checked."""
+    return validate_options(cls, values, name)
 
 
 @dataclass(frozen=True)
 class PCAOptions:
     """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
 
-    n_components: int = 10
-    sign_threshold: float = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
-    taxonomy_low: float = 0.3
-    taxonomy_high: float = 0.7
-    min_rows: int = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    __pydantic_config__ = STRICT_TABLE
+
+    n_components: PosInt = 10
+    sign_threshold: UnitFloat = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
+    taxonomy_low: UnitFloat = 0.3
+    taxonomy_high: UnitFloat = 0.7
+    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
 
     def __post_init__(self) -> None:
         if self.n_components < 1:
@@ -66,7 +65,7 @@ class PCAOptions:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> PCAOptions:
-        return options_from_dict(cls, values, "pca options")
+        return options_from_dict(cls, values, "pca")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

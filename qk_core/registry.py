@@ -4,7 +4,9 @@ Every model and every checkpoint of a series becomes one *model key* (the Dagste
 capture and the per-model analyses): ``<slug>`` for a model, ``<series>@<revision>`` for a checkpoint.
 Corpora are declared in the same file and referenced by name.
 
-Loading validates every entry and raises :class:`RegistryError` naming the entry and the field.
+Loading validates every entry against one pydantic schema (:func:`entry_schema`: types without coercion,
+ranges, unknown keys at every nesting level, the analysis option tables included) and raises
+:class:`RegistryError` naming the file, the entry and the field.
 """
 
 from __future__ import annotations
@@ -12,14 +14,27 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+
+from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, error_lines
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SAMPLERS = ("stratified", "bernoulli")
-CORPUS_KINDS = ("longbench_pro", "local_file", "sotu")
 SOURCE_KINDS = ("hub", "local", "gguf_package")
 
 
@@ -53,16 +68,18 @@ class Source:
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    """Sampling options of a capture (SPEC 1.4-1.6)."""
+    """Sampling options of a capture (SPEC 1.4-1.6); ``bernoulli_rate`` is expected positions per bucket."""
 
-    heads: int = 300
-    seed: int = 0
-    position_sampler: str = "stratified"
-    per_bucket: int = 1
-    bernoulli_rate: float = 1.0
-    include_sliding: bool = False
-    max_docs: int | None = None
-    layers: tuple[int, ...] | None = None  # capture only these layers (each must be eligible); None = all
+    __pydantic_config__ = STRICT_TABLE
+
+    heads: PosInt = 300
+    seed: NonNegInt = 0
+    position_sampler: Literal["stratified", "bernoulli"] = "stratified"
+    per_bucket: PosInt = 1
+    bernoulli_rate: PosFloat = 1.0
+    include_sliding: Bool = False
+    max_docs: PosInt | None = None
+    layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
 
 
 @dataclass(frozen=True)
@@ -136,109 +153,179 @@ def _err(path: Path, entry: str, fld: str, msg: str) -> RegistryError:
     return RegistryError(f"{path}: entry '{entry}', field '{fld}': {msg}")
 
 
-def _source(path: Path, entry: str, fld: str, raw: Any, revision: str | None = None) -> Source:
-    if not isinstance(raw, dict):
-        raise _err(path, entry, fld, "must be a table like {hub = 'org/name', revision = 'main'}")
-    kinds = [k for k in ("hub", "local", "gguf_package") if k in raw]
-    if len(kinds) != 1:
-        raise _err(path, entry, fld, "needs exactly one of 'hub', 'local', 'gguf_package'")
-    unknown = set(raw) - {"hub", "local", "gguf_package", "revision", "file"}
-    if unknown:
-        raise _err(path, entry, fld, f"unknown keys {sorted(unknown)}")
-    kind = kinds[0]
-    rev = raw.get("revision", revision)
-    if kind == "hub":
-        repo = raw["hub"]
-        if not isinstance(repo, str) or not re.match(r"^[\w.-]+/[\w.-]+$", repo):
-            raise _err(path, entry, f"{fld}.hub", f"'{repo}' is not an 'org/name' repo id")
-        rev = rev or "main"
-        if not isinstance(rev, str) or not REVISION_RE.match(rev):
-            raise _err(path, entry, f"{fld}.revision", f"invalid revision {rev!r}")
-        return Source("hub", repo=repo, revision=rev)
-    if kind == "local":
-        p = Path(str(raw["local"]).format(revision=rev or ""))
+# ---- the schema (pydantic v2): every table, every nesting level; unknown keys are errors --------------
+_TABLE = ConfigDict(extra="forbid")
+HubRepo = Annotated[Str, StringConstraints(pattern=r"^[\w.-]+/[\w.-]+$")]
+Revision = Annotated[Str, StringConstraints(pattern=REVISION_RE.pattern)]
+
+
+class SourceSpec(BaseModel):
+    """``{hub = "org/name", revision = "main"}`` | ``{local = "dir"}`` | ``{gguf_package = "pkg", file = "x.gguf"}``."""
+
+    model_config = _TABLE
+    hub: HubRepo | None = None
+    local: Annotated[Str, Field(min_length=1)] | None = None
+    gguf_package: Annotated[Str, Field(min_length=1)] | None = None
+    revision: Revision | None = None
+    file: Annotated[Str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SourceSpec:
+        if sum(x is not None for x in (self.hub, self.local, self.gguf_package)) != 1:
+            raise ValueError("needs exactly one of 'hub', 'local', 'gguf_package'")
+        return self
+
+
+class EntryFields(BaseModel):
+    """The fields of a model entry (also of ``[defaults]`` and of a series and its checkpoints).
+
+    Every field is optional here so that ``[defaults]`` validates with the same schema; required fields
+    are checked after merging. The ``analysis`` field is added by :func:`entry_schema`.
+    """
+
+    model_config = _TABLE
+    family: Annotated[Str, Field(min_length=1)] | None = None
+    source: SourceSpec | None = None
+    tokenizer: SourceSpec | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    window: Annotated[int, Strict(), Field(ge=16)] | None = None
+    bucket: PosInt | None = None
+    corpus: Str = ""
+    config_overrides: dict[str, Any] = Field(default_factory=dict)  # free: keys of the model's HF config
+    trust_remote_code: Bool = False
+    capture: CaptureOptions = Field(default_factory=CaptureOptions)
+    groups: list[Str] = Field(default_factory=list)
+    description: Str = ""
+
+
+def analysis_option_classes() -> dict[str, type]:
+    """Every per-model analysis with an options table in ``analysis = { <name> = {...} }``.
+
+    Add an analysis here (its options dataclass annotated with :mod:`qk_core.options_schema` types) and
+    its table is validated in the registry like the others.
+    """
+    from qk_core.pca import PCAOptions
+    from qk_core.plasticity.options import PlasticityOptions
+    from qk_core.rotation import RotationOptions
+
+    return {"pca": PCAOptions, "rotation": RotationOptions, "plasticity": PlasticityOptions}
+
+
+@cache
+def entry_schema() -> type[EntryFields]:
+    """:class:`EntryFields` plus ``analysis``: a table of the known analyses' option tables only."""
+    tables: dict[str, Any] = {name: (cls | None, None) for name, cls in analysis_option_classes().items()}
+    analysis = create_model("AnalysisTables", __config__=_TABLE, **tables)
+    return create_model("ModelEntrySchema", __base__=EntryFields, analysis=(analysis, Field(default_factory=analysis)))
+
+
+class CheckpointSpec(BaseModel):
+    """One checkpoint of a series: its revision plus any entry field it overrides."""
+
+    model_config = ConfigDict(extra="allow")  # the extra keys are entry fields, checked with the entry
+    revision: Annotated[Str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+
+
+class _CorpusCommon(BaseModel):
+    model_config = _TABLE
+    n_docs: PosInt | None = None
+
+
+class LongBenchProCorpus(_CorpusCommon):
+    kind: Literal["longbench_pro"]
+    repo: HubRepo
+    revision: Revision = "main"
+    split: Str = "test"
+    token_lengths: list[Str] | None = None
+
+
+class LocalFileCorpus(_CorpusCommon):
+    kind: Literal["local_file"]
+    path: Annotated[Str, Field(min_length=1)]
+    token_lengths: list[Str] | None = None
+
+
+class SotuCorpus(_CorpusCommon):
+    kind: Literal["sotu"]
+    url: Annotated[Str, StringConstraints(pattern=r"^https://")]
+    sha256: Annotated[Str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    min_chars: NonNegInt | None = None
+
+
+#: One schema per corpus ``kind``.
+CORPUS_SCHEMAS: dict[str, type[BaseModel]] = {"longbench_pro": LongBenchProCorpus, "local_file": LocalFileCorpus,
+                                              "sotu": SotuCorpus}
+
+
+def _validated(path: Path, entry: str, schema: type[BaseModel], raw: Any, prefix: str = "") -> Any:
+    """Validate ``raw`` against ``schema``; errors name the file, the entry and the field."""
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        lines = error_lines(exc, prefix)
+        raise RegistryError(f"{path}: entry '{entry}', " + "; ".join(lines)) from None
+
+
+def _source(spec: SourceSpec, base: Path, revision: str | None = None) -> Source:
+    rev = spec.revision or revision
+    if spec.hub is not None:
+        return Source("hub", repo=spec.hub, revision=rev or "main")
+    if spec.local is not None:
+        # only the literal '{revision}' is replaced: a path may contain other braces ('{0}', '{x}')
+        p = Path(spec.local.replace("{revision}", rev or ""))
         if not p.is_absolute():
-            p = (path.parent / p).resolve()
+            p = (base / p).resolve()
         return Source("local", path=str(p), revision=rev)
-    pkg = raw["gguf_package"]
-    if not isinstance(pkg, str) or not pkg:
-        raise _err(path, entry, f"{fld}.gguf_package", "must name an installed package")
-    return Source("gguf_package", package=pkg, file=raw.get("file"))
+    return Source("gguf_package", package=spec.gguf_package, file=spec.file)
 
 
-def _int(path: Path, entry: str, fld: str, val: Any, minimum: int = 1) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
-        raise _err(path, entry, fld, f"must be an integer >= {minimum}, got {val!r}")
-    return val
-
-
-_MODEL_KEYS = {
-    "family", "source", "tokenizer", "dtype", "window", "bucket", "corpus", "config_overrides",
-    "trust_remote_code", "capture", "analysis", "groups", "description", "checkpoints",
-}
-
-
-def _capture_opts(path: Path, entry: str, raw: dict[str, Any]) -> CaptureOptions:
-    allowed = set(CaptureOptions.__dataclass_fields__)
-    unknown = set(raw) - allowed
-    if unknown:
-        raise _err(path, entry, "capture", f"unknown keys {sorted(unknown)}")
-    if raw.get("layers") is not None:
-        layers = raw["layers"]
-        if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                   for x in layers):
-            raise _err(path, entry, "capture.layers", "must be a list of layer indices (integers >= 0)")
-        raw = {**raw, "layers": tuple(layers)}
-    opts = CaptureOptions(**raw)
-    _int(path, entry, "capture.heads", opts.heads)
-    _int(path, entry, "capture.per_bucket", opts.per_bucket)
-    _int(path, entry, "capture.seed", opts.seed, minimum=0)
-    if opts.max_docs is not None:
-        _int(path, entry, "capture.max_docs", opts.max_docs)
-    if opts.position_sampler not in SAMPLERS:
-        raise _err(path, entry, "capture.position_sampler", f"must be one of {SAMPLERS}")
-    return opts
+def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Later layers win; ``capture`` merges key by key, ``analysis`` table by table."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, val in layer.items():
+            if key in ("capture", "analysis") and isinstance(val, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **val}
+            else:
+                out[key] = val
+    return out
 
 
 def _model(path: Path, key: str, raw: dict[str, Any], defaults: dict[str, Any],
            corpora: dict[str, CorpusEntry], revision: str | None = None) -> ModelEntry:
-    unknown = set(raw) - _MODEL_KEYS
-    if unknown:
-        raise _err(path, key, sorted(unknown)[0], "unknown field")
-    merged = {**defaults, **raw}
+    merged = _merge(defaults, raw)
+    spec = _validated(path, key, entry_schema(), merged)
     for required in ("family", "source", "window"):
-        if required not in merged:
+        if getattr(spec, required) is None:
             raise _err(path, key, required, "is required")
-    source = _source(path, key, "source", merged["source"], revision)
-    tok_raw = merged.get("tokenizer")
-    tokenizer = _source(path, key, "tokenizer", tok_raw) if tok_raw is not None else source
-    window = _int(path, key, "window", merged["window"], minimum=16)
-    bucket = _int(path, key, "bucket", merged.get("bucket", window // 16))
+    source = _source(spec.source, path.parent, revision)
+    tokenizer = _source(spec.tokenizer, path.parent) if spec.tokenizer is not None else source
+    window = spec.window
+    bucket = spec.bucket if spec.bucket is not None else window // 16
     if bucket > window:
         raise _err(path, key, "bucket", f"bucket width {bucket} exceeds window {window}")
-    dtype = merged.get("dtype", "auto")
-    if dtype not in DTYPES:
-        raise _err(path, key, "dtype", f"must be one of {DTYPES}, got {dtype!r}")
-    corpus = merged.get("corpus", "")
-    if corpus not in corpora:
-        raise _err(path, key, "corpus", f"unknown corpus {corpus!r}; declared: {sorted(corpora)}")
-    trc = merged.get("trust_remote_code", False)
-    if not isinstance(trc, bool):
-        raise _err(path, key, "trust_remote_code", "must be true or false")
-    overrides = merged.get("config_overrides", {})
-    if not isinstance(overrides, dict):
-        raise _err(path, key, "config_overrides", "must be a table")
-    capture = _capture_opts(path, key, {**defaults.get("capture", {}), **raw.get("capture", {})})
-    analysis = {**defaults.get("analysis", {}), **raw.get("analysis", {})}
-    groups = merged.get("groups", [])
-    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
-        raise _err(path, key, "groups", "must be a list of names")
+    if spec.corpus not in corpora:
+        raise _err(path, key, "corpus", f"unknown corpus {spec.corpus!r}; declared: {sorted(corpora)}")
+    capture = spec.capture
+    if capture.layers is not None:
+        capture = replace(capture, layers=tuple(capture.layers))
     return ModelEntry(
-        key=key, family=str(merged["family"]), source=source, tokenizer=tokenizer, dtype=dtype,
-        window=window, bucket=bucket, corpus=corpus, config_overrides=overrides,
-        trust_remote_code=trc, capture=capture, analysis=analysis, groups=tuple(groups),
-        description=str(merged.get("description", "")),
+        key=key, family=spec.family, source=source, tokenizer=tokenizer, dtype=spec.dtype,
+        window=window, bucket=bucket, corpus=spec.corpus, config_overrides=dict(spec.config_overrides),
+        trust_remote_code=spec.trust_remote_code, capture=capture,
+        analysis={k: dict(v) for k, v in merged.get("analysis", {}).items()},
+        groups=tuple(spec.groups), description=spec.description,
     )
+
+
+def _tables(path: Path, doc: dict[str, Any], name: str) -> dict[str, Any]:
+    val = doc.get(name, {})
+    if not isinstance(val, dict):
+        raise RegistryError(f"{path}: '{name}' must be a table of tables")
+    for key, entry in val.items():
+        if not isinstance(entry, dict):
+            raise _err(path, key, "(entry)", f"[{name}.{key}] must be a table, got {entry!r}")
+    return val
 
 
 def load_registry(path: str | Path | None = None) -> Registry:
@@ -259,17 +346,20 @@ def load_registry(path: str | Path | None = None) -> Registry:
         raise RegistryError(f"{path}: unknown top-level tables {sorted(unknown)}")
 
     corpora: dict[str, CorpusEntry] = {}
-    for name, raw in doc.get("corpora", {}).items():
+    for name, raw in _tables(path, doc, "corpora").items():
         if not SLUG_RE.match(name):
             raise _err(path, name, "name", "corpus names use a-z, 0-9, '.', '_', '-'")
-        kind = raw.get("kind")
-        if kind not in CORPUS_KINDS:
-            raise _err(path, name, "kind", f"must be one of {CORPUS_KINDS}, got {kind!r}")
-        corpora[name] = CorpusEntry(name, kind, {k: v for k, v in raw.items() if k != "kind"})
+        if raw.get("kind") not in CORPUS_SCHEMAS:
+            raise _err(path, name, "kind", f"must be one of {tuple(CORPUS_SCHEMAS)}, got {raw.get('kind')!r}")
+        spec = _validated(path, name, CORPUS_SCHEMAS[raw["kind"]], raw)
+        corpora[name] = CorpusEntry(name, spec.kind, spec.model_dump(exclude_unset=True, exclude={"kind"}))
 
     defaults = doc.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise RegistryError(f"{path}: 'defaults' must be a table")
+    _validated(path, "defaults", entry_schema(), defaults)
     models: dict[str, ModelEntry] = {}
-    for slug, raw in doc.get("models", {}).items():
+    for slug, raw in _tables(path, doc, "models").items():
         if not SLUG_RE.match(slug):
             raise _err(path, slug, "slug", "model slugs use a-z, 0-9, '.', '_', '-' (max 64)")
         if "checkpoints" in raw:
@@ -277,7 +367,7 @@ def load_registry(path: str | Path | None = None) -> Registry:
         models[slug] = _model(path, slug, raw, defaults, corpora)
 
     series: dict[str, Series] = {}
-    for name, raw in doc.get("series", {}).items():
+    for name, raw in _tables(path, doc, "series").items():
         if not SLUG_RE.match(name):
             raise _err(path, name, "slug", "series slugs use a-z, 0-9, '.', '_', '-'")
         if name in models:
@@ -288,19 +378,16 @@ def load_registry(path: str | Path | None = None) -> Registry:
         base = {k: v for k, v in raw.items() if k != "checkpoints"}
         keys = []
         for i, ck in enumerate(ckpts):
-            if not isinstance(ck, dict) or "revision" not in ck:
-                raise _err(path, name, f"checkpoints[{i}].revision", "is required")
-            rev = ck["revision"]
-            if not isinstance(rev, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", rev):
-                raise _err(path, name, f"checkpoints[{i}].revision", f"invalid revision {rev!r}")
+            if not isinstance(ck, dict):
+                raise _err(path, name, f"checkpoints[{i}]", f"must be a table, got {ck!r}")
+            rev = _validated(path, name, CheckpointSpec, ck, f"checkpoints[{i}]").revision
             key = f"{name}@{rev}"
             if key in models:
                 raise _err(path, name, f"checkpoints[{i}].revision", f"duplicate revision {rev!r}")
-            merged = {**base, **{k: v for k, v in ck.items() if k != "revision"}}
-            src = dict(merged.get("source", {}))
-            if "hub" in src:
-                src["revision"] = rev
-            merged["source"] = src
+            merged = _merge(base, {k: v for k, v in ck.items() if k != "revision"})
+            src = merged.get("source")
+            if isinstance(src, dict) and "hub" in src:
+                merged["source"] = {**src, "revision": rev}
             entry = _model(path, key, merged, defaults, corpora, revision=rev)
             models[key] = replace(entry, series=name, revision_label=rev, step_index=i)
             keys.append(key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -20,6 +20,7 @@ import scipy.linalg
 
 from qk_core.capture_store import HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
+from qk_core.options_schema import STRICT_TABLE, Bool, PosInt
 from qk_core.pca import (
     HeadInputError,
     HeadItem,
@@ -46,11 +47,14 @@ SEPARATION_AXES = ("centroid", "eigen")
 class RotationOptions:
     """Options of the planar rotation (SPEC 3); recorded with every output."""
 
-    separation: str = "centroid"  # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
-    complement: bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
-    complement_pairs: int = 4  # consecutive singular-vector pairs analysed
-    min_rows: int = 10  # fewer Q or K rows than this: the head is reported, not analysed
-    min_pairs: int = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
+    __pydantic_config__ = STRICT_TABLE
+
+    # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
+    separation: Literal["centroid", "eigen"] = "centroid"
+    complement: Bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
+    complement_pairs: PosInt = 4  # consecutive singular-vector pairs analysed
+    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
 
     def __post_init__(self) -> None:
         if self.separation not in SEPARATION_AXES:
@@ -62,7 +66,7 @@ class RotationOptions:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
-        return options_from_dict(cls, values, "rotation options")
+        return options_from_dict(cls, values, "rotation")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -74,3 +74,107 @@ def test_new_entry_adds_a_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert "extra-model" in partitions.model_partitions().get_partition_keys()
     finally:
         partitions.registry.cache_clear()
+
+
+MODEL = '[models.m]\nfamily="llama"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\n'
+
+
+@pytest.mark.parametrize(
+    ("extra", "entry", "field", "why"),
+    [
+        ('capture={include_sliding="true"}\n', "m", "capture.include_sliding", "valid boolean"),
+        ('capture={position_sampler="bernoulli", bernoulli_rate=-1.0}\n', "m", "capture.bernoulli_rate", "greater"),
+        ('capture={heads=3.5}\n', "m", "capture.heads", "valid integer"),
+        ('capture={heads="300"}\n', "m", "capture.heads", "valid integer"),
+        ('capture={per_bucket=0}\n', "m", "capture.per_bucket", "greater"),
+        ('capture={layers=[0, -1]}\n', "m", "capture.layers[1]", "greater"),
+        ('capture={hedas=3}\n', "m", "capture.hedas", "unknown"),
+        ('analysis={plasticty={covariance="diagonal"}}\n', "m", "analysis.plasticty", "unknown"),
+        ('analysis={pca={n_componets=3}}\n', "m", "analysis.pca.n_componets", "unknown"),
+        ('analysis={pca={n_components=0}}\n', "m", "analysis.pca.n_components", "greater"),
+        ('analysis={rotation={complement="yes"}}\n', "m", "analysis.rotation.complement", "valid boolean"),
+        ('analysis={plasticity={bootstrap=-5}}\n', "m", "analysis.plasticity.bootstrap", "greater"),
+        ('analysis={plasticity={length_bin_edges=[0, 1.5]}}\n', "m", "analysis.plasticity.length_bin_edges[1]",
+         "valid integer"),
+        ('analysis={plasticity={ci=nan}}\n', "m", "analysis.plasticity.ci", "less than"),
+        ('window="64"\n', "m", "window", "valid integer"),
+        ('groups="study"\n', "m", "groups", "valid list"),
+        ('descripton="typo"\n', "m", "descripton", "unknown"),
+        ('tokenizer={hub="a/b", revison="x"}\n', "m", "tokenizer.revison", "unknown"),
+        ('source={hub="a/b", local="x"}\n', "m", "source", "exactly one"),
+    ],
+)
+def test_schema_rejects_wrong_types_ranges_and_unknown_keys(tmp_path: Path, extra: str, entry: str, field: str,
+                                                             why: str) -> None:
+    """Every nesting level is checked (issue 14.3); before the schema these loaded and changed results."""
+    path = tmp_path / "registry.toml"
+    body = MODEL.replace('window=64\n', "") if extra.startswith("window") else MODEL
+    body = body.replace('source={hub="a/b"}\n', "") if extra.startswith("source") else body
+    path.write_text(BASE + body + extra)
+    with pytest.raises(RegistryError) as err:
+        load_registry(path)
+    msg = str(err.value)
+    assert str(path) in msg and f"entry '{entry}'" in msg and f"'{field}'" in msg, msg
+    assert why in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("text", "entry", "field"),
+    [
+        ('[defaults]\ncapture={seed=-1}\n' + MODEL, "defaults", "capture.seed"),
+        ('[defaults]\ncorpuss="c"\n' + MODEL, "defaults", "corpuss"),
+        ('[corpora.d]\nkind="sotu"\nurl="https://x"\nsha256="00"\n', "d", "sha256"),
+        ('[corpora.d]\nkind="local_file"\npath="x"\nn_docs="5"\n', "d", "n_docs"),
+        ('[corpora.d]\nkind="local_file"\npaht="x"\n', "d", "paht"),
+        ('[series.s]\nfamily="x"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\n'
+         'checkpoints=[{revision="r1", capture={heads=true}}]\n', "s@r1", "capture.heads"),
+        ('[series.s]\nfamily="x"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\ncheckpoints=[{revision="bad rev"}]\n',
+         "s", "checkpoints[0].revision"),
+    ],
+)
+def test_schema_covers_defaults_corpora_and_series(tmp_path: Path, text: str, entry: str, field: str) -> None:
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + text)
+    with pytest.raises(RegistryError) as err:
+        load_registry(path)
+    msg = str(err.value)
+    assert str(path) in msg and f"entry '{entry}'" in msg and f"'{field}'" in msg, msg
+
+
+def test_valid_values_keep_their_meaning(tmp_path: Path) -> None:
+    """Integers are accepted where a float belongs, lists become tuples, table merges keep both sides."""
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + '[defaults]\ncapture={heads=7}\nanalysis={pca={n_components=4}}\n' + MODEL
+                    + 'capture={position_sampler="bernoulli", bernoulli_rate=8, layers=[0, 2]}\n'
+                    + 'analysis={plasticity={covariance="diagonal"}}\n')
+    m = load_registry(path).model("m")
+    assert m.capture.heads == 7 and m.capture.bernoulli_rate == 8.0 and m.capture.layers == (0, 2)
+    assert m.analysis == {"pca": {"n_components": 4}, "plasticity": {"covariance": "diagonal"}}
+
+
+def test_local_path_with_braces(tmp_path: Path) -> None:
+    """A local path may contain '{0}' or other braces; only '{revision}' is substituted."""
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + '[models.m]\nfamily="llama"\nsource={local="w/{0}/{x}"}\nwindow=64\ncorpus="c"\n'
+                    + '[series.s]\nfamily="llama"\nsource={local="ck/{revision}"}\nwindow=64\ncorpus="c"\n'
+                    + 'checkpoints=[{revision="r1"}]\n')
+    reg = load_registry(path)
+    assert reg.model("m").source.path == str(tmp_path / "w" / "{0}" / "{x}")
+    assert reg.model("s@r1").source.path == str(tmp_path / "ck" / "r1")
+
+
+def test_run_config_overrides_use_the_same_schema() -> None:
+    """Registry table < run config, both checked strictly (PCA, rotation, plasticity options)."""
+    from qk_core.pca import PCAOptions
+    from qk_core.plasticity import PlasticityOptions, PlasticityOptionsError
+    from qk_core.rotation import RotationOptions
+
+    assert PlasticityOptions.from_analysis({"plasticity": {"seed": 1}}, seed=3).seed == 3
+    with pytest.raises(PlasticityOptionsError, match=r"'keep_pairs'.*valid boolean"):
+        PlasticityOptions.from_analysis({}, keep_pairs="false")
+    with pytest.raises(PlasticityOptionsError, match=r"'pairs_per_bucket'.*greater"):
+        PlasticityOptions.from_analysis({"plasticity": {"pairs_per_bucket": 4}}, pairs_per_bucket=-1)
+    with pytest.raises(ValueError, match=r"'n_components'.*valid integer"):
+        PCAOptions.from_dict({"n_components": "3"})
+    with pytest.raises(ValueError, match="'separation'"):
+        RotationOptions.from_dict({"separation": "centriod"})

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, UnitFloat, validate_options
 
 COVARIANCES = ("full", "diagonal")
 #: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
@@ -43,17 +45,19 @@ class PlasticityOptions:
     keep_pairs: keep the per-pair records (4.7).
     """
 
-    pairs_per_bucket: int = 1024
-    covariance: str = "full"
-    bootstrap: int = 200
-    seed: int = 0
-    ci: float = 0.95
-    min_queries_per_bucket: int = 10
-    length_bin_edges: tuple[int, ...] = LENGTH_BIN_EDGES
-    ruler_lengths: tuple[int, ...] = RULER_LENGTHS
-    position_bin_edges: tuple[int, ...] | None = None
-    heatmap_bin: int | None = None
-    keep_pairs: bool = True
+    __pydantic_config__ = STRICT_TABLE
+
+    pairs_per_bucket: PosInt = 1024
+    covariance: Literal["full", "diagonal"] = "full"
+    bootstrap: NonNegInt = 200
+    seed: NonNegInt = 0
+    ci: UnitFloat = 0.95
+    min_queries_per_bucket: PosInt = 10
+    length_bin_edges: tuple[NonNegInt, ...] = LENGTH_BIN_EDGES
+    ruler_lengths: tuple[PosInt, ...] = RULER_LENGTHS
+    position_bin_edges: tuple[NonNegInt, ...] | None = None
+    heatmap_bin: PosInt | None = None
+    keep_pairs: Bool = True
 
     def __post_init__(self) -> None:
         if self.covariance not in COVARIANCES:
@@ -81,19 +85,12 @@ class PlasticityOptions:
 
     @classmethod
     def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
-        """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table)."""
-        table = (analysis or {}).get("plasticity", {}) or {}
+        """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table) and overrides,
+        strictly checked (:mod:`qk_core.options_schema`)."""
+        table = (analysis or {}).get("plasticity", {})
         if not isinstance(table, dict):
             raise PlasticityOptionsError(f"analysis.plasticity must be a table of options, got {table!r}")
-        raw = {**table, **overrides}
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise PlasticityOptionsError(f"unknown plasticity options {sorted(unknown)}; known: {sorted(known)}")
-        for name in ("length_bin_edges", "ruler_lengths", "position_bin_edges"):
-            if raw.get(name) is not None:
-                raw[name] = tuple(int(x) for x in raw[name])
-        return cls(**raw)
+        return validate_options(cls, {**table, **overrides}, "plasticity", PlasticityOptionsError)
 
     def with_(self, **changes: Any) -> PlasticityOptions:
         return replace(self, **changes)
