@@ -75,7 +75,7 @@ class CaptureOptions:
     heads: PosInt = 300
     seed: NonNegInt = 0
     position_sampler: Literal["stratified", "bernoulli"] = "stratified"
-    per_bucket: PosInt = 1
+    per_bucket: PosInt = 2  # SPEC 1.6: two keys of one document below query bucket 1 (1 = the thesis's budget)
     bernoulli_rate: PosFloat = 1.0
     include_sliding: Bool = False
     max_docs: PosInt | None = None

@@ -20,7 +20,7 @@ import scipy.linalg
 
 from qk_core.capture_store import HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
-from qk_core.options_schema import STRICT_TABLE, Bool, PosInt
+from qk_core.options_schema import STRICT_TABLE, Bool, PosInt, UnitFloat
 from qk_core.pca import (
     HeadInputError,
     HeadItem,
@@ -55,6 +55,8 @@ class RotationOptions:
     complement_pairs: PosInt = 4  # consecutive singular-vector pairs analysed
     min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
     min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
+    stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
+    capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
 
     def __post_init__(self) -> None:
         if self.separation not in SEPARATION_AXES:
@@ -63,6 +65,9 @@ class RotationOptions:
             raise ValueError("complement_pairs must be >= 1")
         if self.min_rows < 3 or self.min_pairs < 1:
             raise ValueError("min_rows must be >= 3 and min_pairs >= 1")
+        for name in ("stability_min", "capture_min"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
@@ -90,7 +95,12 @@ class RotationResult:
     var_frac_b: float
     separation_strength: float
     n_pairs: int
-    orth_check: float  # max |Pearson(position, x·u)| over directions u orthogonal to a (must be ~0)
+    split_half_cos: float  # |cos(a_even, a_odd)|, diagnostic (i)
+    r2_axis: float  # R^2(t ~ x.a), pooled
+    r2_full: float  # R^2(t ~ x), OLS on all d coordinates, pooled
+    position_capture: float  # r2_axis / r2_full, diagnostic (ii)
+    stable_axis: bool  # split_half_cos >= options.stability_min
+    captures_position: bool  # position_capture >= options.capture_min
     window: int
     n_q: int
     n_k: int
@@ -110,6 +120,10 @@ class RotationResult:
     @property
     def plane_var_fraction(self) -> float:
         return self.var_frac_a + self.var_frac_b
+
+    @property
+    def diagnostics_pass(self) -> bool:
+        return self.stable_axis and self.captures_position
 
 
 def same_position_pairs(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray,
@@ -141,37 +155,57 @@ def circular_linear_r(theta: np.ndarray, x: np.ndarray) -> float:
     return float(np.sqrt(np.clip(r2, 0.0, 1.0))) if np.isfinite(r2) else float("nan")
 
 
-def orthogonal_complement_basis(a: np.ndarray) -> np.ndarray:
-    """(d, d-1) orthonormal basis of the complement of unit vector a (Householder reflection)."""
-    d = a.shape[0]
-    e = np.zeros(d)
-    e[0] = 1.0
-    u = a + np.copysign(1.0, a[0]) * e  # reflection mapping a to -sign(a0) e1, numerically stable
-    u /= np.linalg.norm(u)
-    H = np.eye(d) - 2.0 * np.outer(u, u)
-    return H[:, 1:]
+def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
+                         k_doc: np.ndarray) -> tuple[float, int, int]:
+    """SPEC 3 diagnostic (i): |cos(a_even, a_odd)| of the drift axes fitted on even and on odd document ids.
 
-
-def max_orthogonal_position_r(m: PooledMoments, a: np.ndarray) -> float:
-    """SPEC 3 numerical check: max |Pearson| of pooled position with x·u over unit u ⟂ a.
-
-    The maximum of (u^T c)^2 / (u^T S u var t) over u ⟂ a is c^T M c / var t with
-    M = S^-1 - S^-1 a a^T S^-1 / (a^T S^-1 a) (S the pooled scatter, c its cross-scatter with t): one
-    Cholesky solve. A singular S falls back to the explicit complement basis and its pseudo-inverse.
+    Each half's axis is its pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns
+    (|cos|, rows in the even half, rows in the odd half); |cos| is NaN when a half has fewer than 3 rows,
+    no position spread or no position covariance. Near 1: a stable axis; near 0: noise (for a random
+    axis in d dimensions |cos| is about sqrt(2 / (pi d))).
     """
+    axes, counts = [], []
+    for parity in (0, 1):
+        mq, mk = np.asarray(q_doc) % 2 == parity, np.asarray(k_doc) % 2 == parity
+        x = np.vstack([np.asarray(q, np.float64)[mq], np.asarray(k, np.float64)[mk]])
+        t = np.concatenate([np.asarray(q_pos)[mq], np.asarray(k_pos)[mk]]).astype(np.float64)
+        counts.append(len(t))
+        if len(t) < 3 or np.ptp(t) == 0:
+            axes.append(None)
+            continue
+        c = (t - t.mean()) @ (x - x.mean(axis=0))
+        norm = float(np.linalg.norm(c))
+        axes.append(c / norm if norm > 0 and np.isfinite(norm) else None)
+    if axes[0] is None or axes[1] is None:
+        return float("nan"), counts[0], counts[1]
+    return float(min(abs(axes[0] @ axes[1]), 1.0)), counts[0], counts[1]
+
+
+def position_capture(m: PooledMoments, a: np.ndarray) -> tuple[float, float, float]:
+    """SPEC 3 diagnostic (ii): (R^2(t ~ x.a), R^2(t ~ x), their ratio) over the pooled Q+K cloud.
+
+    R^2(t ~ x.a) = (a^T c)^2 / (a^T S a · s_tt); R^2(t ~ x) = c^T S^-1 c / s_tt, the OLS of t on all d
+    coordinates with an intercept (S the centred pooled scatter, c its cross-scatter with t, s_tt the
+    scatter of t). A singular S (fewer rows than d, a constant coordinate) uses the pseudo-inverse,
+    i.e. the minimum-norm least-squares fit. The ratio is 1 when axis a carries all the linearly
+    decodable position.
+    """
+    c = m.s_xt
     if not m.stt > 0:
-        return float("nan")
-    c = m.s_xt - a * (a @ m.s_xt)  # M annihilates a, so only the part of c off a matters
+        return float("nan"), float("nan"), float("nan")
+    var_a = float(a @ m.S @ a)
+    r2_axis = float((a @ c) ** 2 / (var_a * m.stt)) if var_a > 0 else float("nan")
+    r2_full = float("nan")
     try:
         factor = scipy.linalg.cho_factor(m.S, check_finite=False)
-        y = scipy.linalg.cho_solve(factor, np.column_stack([c, a]), check_finite=False)
-        r2 = float(c @ y[:, 0] - (c @ y[:, 1]) ** 2 / (a @ y[:, 1]))
+        r2_full = float(c @ scipy.linalg.cho_solve(factor, c, check_finite=False)) / m.stt
     except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
-        U = orthogonal_complement_basis(a)
-        w, V = np.linalg.eigh(U.T @ m.S @ U)
-        keep = w > w.max() * 1e-12
-        r2 = float(np.sum((V[:, keep].T @ (U.T @ c)) ** 2 / w[keep]))
-    return float(np.sqrt(max(r2, 0.0) / m.stt))
+        pass
+    if not -1e-9 <= r2_full <= 1 + 1e-9:  # singular (or numerically singular) scatter: pseudo-inverse
+        r2_full = float(c @ np.linalg.pinv(m.S, hermitian=True) @ c) / m.stt
+    r2_full = min(max(r2_full, 0.0), 1.0)
+    ratio = min(r2_axis / r2_full, 1.0) if r2_full > 0 and np.isfinite(r2_axis) else float("nan")
+    return r2_axis, r2_full, ratio
 
 
 def _even_indices(n: int, m: int) -> np.ndarray:
@@ -248,12 +282,18 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
         if not energy > 0:
             notes.append("same-position pairs have q = k exactly: separation_strength undefined")
 
+    stability, n_even, n_odd = split_half_stability(q, q_pos, q_doc, k, k_pos, k_doc)
+    if not np.isfinite(stability):
+        notes.append(f"split-half stability undefined ({n_even} rows on even, {n_odd} on odd documents)")
+    r2_axis, r2_full, capture = position_capture(m, a)
     res = RotationResult(
         a=a, b=b, alpha_q=alpha_q, alpha_k=alpha_k,
         mu_q_a=float(a @ m.mu_q), mu_k_a=float(a @ m.mu_k),
         mu_q_b=float(b @ m.mu_q) if b_ok else float("nan"), mu_k_b=float(b @ m.mu_k) if b_ok else float("nan"),
         r_q_a=r_q_a, r_k_a=r_k_a, var_frac_a=var_a, var_frac_b=var_b, separation_strength=sep,
-        n_pairs=n_pairs, orth_check=max_orthogonal_position_r(m, a), window=int(window),
+        n_pairs=n_pairs, split_half_cos=stability, r2_axis=r2_axis, r2_full=r2_full, position_capture=capture,
+        stable_axis=bool(stability >= options.stability_min), captures_position=bool(capture >= options.capture_min),
+        window=int(window),
         n_q=m.n_q, n_k=m.n_k, notes=notes)
 
     if options.complement:
@@ -322,8 +362,14 @@ ROTATION_UNITS = {
     "var_frac_b": "fraction of variance",
     "plane_var_fraction": "fraction of variance",
     "separation_strength": "fraction of pair-difference energy",
-    "orth_check": "correlation",
+    "split_half_cos": "|cosine|",
+    "r2_axis": "R^2",
+    "r2_full": "R^2",
+    "position_capture": "fraction of R^2",
 }
+
+#: Per-head pass/fail flags of the SPEC 3 diagnostics (thresholds in the options).
+ROTATION_FLAGS = ("stable_axis", "captures_position", "diagnostics_pass")
 
 
 def rotation_record(result: RotationResult | None, *, error: HeadInputError | None = None) -> dict[str, Any]:
@@ -331,6 +377,7 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
     if result is None:
         err = error or HeadInputError("failed", "no result")
         rec: dict[str, Any] = dict.fromkeys(ROTATION_UNITS, float("nan"))
+        rec.update(dict.fromkeys(ROTATION_FLAGS, False))
         rec.update(status=err.status, reason=err.reason, notes="", n_pairs=0, a=None, b=None,
                    complement_share=None, complement_circ_r=None)
         return rec
@@ -344,7 +391,9 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
         "bias_strength": r.bias_strength, "bias_strength_window": r.bias_strength_window,
         "r_q_a": r.r_q_a, "r_k_a": r.r_k_a, "abs_r_q_a": abs(r.r_q_a), "abs_r_k_a": abs(r.r_k_a),
         "var_frac_a": r.var_frac_a, "var_frac_b": r.var_frac_b, "plane_var_fraction": r.plane_var_fraction,
-        "separation_strength": r.separation_strength, "orth_check": r.orth_check,
+        "separation_strength": r.separation_strength, "split_half_cos": r.split_half_cos, "r2_axis": r.r2_axis,
+        "r2_full": r.r2_full, "position_capture": r.position_capture, "stable_axis": r.stable_axis,
+        "captures_position": r.captures_position, "diagnostics_pass": r.diagnostics_pass,
         "a": r.a, "b": r.b,
         "complement_share": r.complement_share, "complement_circ_r": r.complement_circ_r,
     }
@@ -436,7 +485,8 @@ def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions 
 ROTATION_METRICS = (
     "bias_strength", "bias_strength_window", "abs_alpha_k", "abs_alpha_k_window", "alpha_k", "alpha_q",
     "abs_alpha_q", "mu_q_a", "mu_k_a", "mu_q_b", "mu_k_b", "abs_r_k_a", "abs_r_q_a", "r_k_a", "r_q_a",
-    "separation_strength", "var_frac_a", "var_frac_b", "plane_var_fraction", "orth_check",
+    "separation_strength", "var_frac_a", "var_frac_b", "plane_var_fraction", "split_half_cos", "r2_axis",
+    "r2_full", "position_capture",
 )
 
 
@@ -445,6 +495,9 @@ def rotation_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -
     good = table.loc[ok_mask(table)]
     rows = [metric_row(model, name, good[name], unit=ROTATION_UNITS[name], options=options)
             for name in ROTATION_METRICS]
+    # share of analysed heads passing each diagnostic (threshold in options: stability_min, capture_min)
+    rows += [metric_row(model, f"share_{flag}", good[flag].astype(float) if flag in good else [],
+                        unit="fraction of heads", options=options) for flag in ROTATION_FLAGS]
     for col, name, unit in (("complement_share", "complement_pair_share", "fraction of complement variance"),
                             ("complement_circ_r", "complement_pair_circ_r", "correlation")):
         if col not in good:

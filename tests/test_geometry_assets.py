@@ -88,7 +88,9 @@ def test_per_head_tables_report_bad_heads_and_recover_planted_values(materialise
     assert np.allclose(ok["bias_strength_window"], exp["bias_strength"] * WINDOW, rtol=0.06)
     assert np.allclose(ok["alpha_k"], exp["alpha_k"], rtol=0.06)
     assert np.allclose(ok["separation_strength"], exp["separation_strength"], atol=0.03)
-    assert np.all(ok["orth_check"] < 1e-8)
+    assert np.all(ok["split_half_cos"] > 0.9) and ok["stable_axis"].all()  # the planted drift axis is stable
+    assert "orth_check" not in rot
+    assert '"stability_min": 0.8' in ok["options"].iloc[0] and '"capture_min": 0.5' in ok["options"].iloc[0]
     assert all(len(a) == D and abs(np.linalg.norm(a) - 1) < 1e-9 for a in ok["a"])
     assert np.isnan(rot.loc[rot["status"] != "ok", "bias_strength"]).all()
     okp = pca[pca["status"] == "ok"]

@@ -536,3 +536,55 @@ def test_model_level_interval_equals_naive_resampling_of_every_head() -> None:
     assert row["lo"] == pytest.approx(lo, abs=2e-6) and row["hi"] == pytest.approx(hi, abs=2e-6)  # float32 PP
     assert row["value"] == pytest.approx(res.heads["ap_overall"].mean(), rel=1e-12)
     assert row["n_heads"] == 3
+
+
+def test_empirical_estimator_intervals_equal_naive_resampling_with_the_same_weights() -> None:
+    """SPEC 4.6: the empirical AP gets its intervals from the same document resamples. Reference: each
+    head's empirical AP_overall / AP_drop recomputed per resample from its per-pair PP_empirical records,
+    weighting each pair by its document's multiplicity (no matrix path), then percentiles."""
+    from qk_core.plasticity import analyse_model
+
+    heads = {}
+    for h in range(2):
+        x = _drift_head(1.5 + h, seed=40 + h)
+        heads[(0, h)] = HeadData(0, h, 0, x.q, x.q_pos, x.q_doc, x.k, x.k_pos, x.k_doc, x.window, x.bucket)
+    L, B = 4096, 256
+    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=30, seed=7)
+    docs = np.arange(80)
+    res = analyse_model("m", list(heads), lambda layer, h: heads[(layer, h)], docs, L, B, opts)
+    W = doc_weights(len(docs), 30, 7)
+    pairs = res.pairs[res.pairs["valid"]]
+    tau = agg.bucket_tau(L, B)
+    weights = agg.bucket_weights(L, B)
+    model_boot = {"ap_overall": [], "ap_drop": []}
+    per_head_boot: dict[int, dict[str, list[float]]] = {h: {"ap_overall": [], "ap_drop": []} for h in range(2)}
+    for r in range(30):
+        vals = {"ap_overall": [], "ap_drop": []}
+        for (_, h), grp in pairs.groupby(["layer", "q_head"]):
+            w = W[r][grp["example_id"].to_numpy()]
+            ap = np.full(L // B, np.nan)
+            for j, g in grp.assign(w=w).groupby("bucket"):
+                if g["w"].sum() > 0:
+                    ap[j] = (g["pp_empirical"].astype(float) * g["w"]).sum() / g["w"].sum()
+            have = np.isfinite(ap)
+            overall = (ap[have] * weights[have]).sum() / weights[have].sum()
+            first = np.nanmean(ap[tau < 0.2 * L])
+            last = np.nanmean(ap[tau >= 0.8 * L])
+            for name, v in (("ap_overall", overall), ("ap_drop", first - last)):
+                vals[name].append(v)
+                per_head_boot[h][name].append(v)
+        for name in vals:
+            model_boot[name].append(np.mean(vals[name]))
+    m = res.metrics.set_index(["metric", "key"])
+    for name in ("ap_overall", "ap_drop"):
+        lo, hi = np.percentile(model_boot[name], [2.5, 97.5])
+        row = m.loc[(f"{name}_empirical", "")]
+        assert row["lo"] == pytest.approx(lo, abs=2e-6) and row["hi"] == pytest.approx(hi, abs=2e-6)
+        assert row["lo"] <= row["value"] <= row["hi"]
+        for h in range(2):
+            head = res.heads[res.heads["q_head"] == h].iloc[0]
+            hlo, hhi = np.percentile(per_head_boot[h][name], [2.5, 97.5])
+            assert head[f"{name}_empirical_lo"] == pytest.approx(hlo, abs=2e-6)
+            assert head[f"{name}_empirical_hi"] == pytest.approx(hhi, abs=2e-6)
+    # the closed-form and empirical intervals differ (different PP values, same resamples)
+    assert m.loc[("ap_overall", ""), "lo"] != m.loc[("ap_overall_empirical", ""), "lo"]

@@ -1,8 +1,8 @@
 """Planar rotation (SPEC 3) against planted ground truth and brute-force checks.
 
 Ground truth: the planted parameters of synthetic clouds (tests/synthetic.py, expected_rotation),
-explicit projections and pairs computed here with plain numpy, and random directions for the
-orthogonal-complement check.
+explicit projections and pairs computed here with plain numpy, and, for the SPEC 3 diagnostics, a
+planted stable drift axis against a pure-noise head and explicit least-squares fits (numpy lstsq).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from qk_core.rotation import (
     RotationOptions,
     analyse_rotation,
     circular_linear_r,
-    max_orthogonal_position_r,
+    position_capture,
     rotation_record,
     same_position_pairs,
 )
@@ -62,7 +62,7 @@ def test_planted_quantities_are_recovered(name: str) -> None:
     for key in ("r_q_a", "r_k_a", "var_frac_a", "var_frac_b", "plane_var_fraction", "separation_strength"):
         assert getattr(res, key) == pytest.approx(exp[key], abs=0.015), key
     assert res.n_pairs == len(head.q)
-    assert res.orth_check < 1e-8
+    assert res.split_half_cos > 0.99 and res.stable_axis
 
 
 def test_axes_and_projections_match_brute_force() -> None:
@@ -89,32 +89,89 @@ def test_axes_and_projections_match_brute_force() -> None:
                                                     rel=1e-9)
 
 
-def test_orthogonal_complement_check_is_zero_and_can_fail() -> None:
-    head, _ = plant_head(SPECS["primacy"], d=D, per_bucket=8)
-    res = run(head)
+def _pooled(head):
     X = np.vstack([head.q, head.k]).astype(np.float64)
     t = np.concatenate([head.q_pos, head.k_pos]).astype(float)
-    rng = np.random.default_rng(0)
-    U = rng.standard_normal((D, 200))
-    U -= np.outer(res.a, res.a @ U)
-    r = [abs(np.corrcoef(X @ U[:, j], t)[0, 1]) for j in range(U.shape[1])]
-    assert max(r) < 1e-10
-    assert res.orth_check < 1e-8
-    # Around a wrong axis the check finds the positional direction left out. Brute force: the multiple
-    # correlation of t regressed on the coordinates of an explicit basis of the complement.
-    m = pooled_moments(head.q, head.q_pos, head.k, head.k_pos)
-    wrong = res.a + 0.5 * res.b
-    wrong /= np.linalg.norm(wrong)
-    basis = np.linalg.svd(np.eye(D) - np.outer(wrong, wrong))[0][:, : D - 1]
-    A = np.column_stack([np.ones(len(t)), X @ basis])
+    doc = np.concatenate([head.q_doc, head.k_doc])
+    return X, t, doc
+
+
+def _r2_lstsq(A: np.ndarray, t: np.ndarray) -> float:
+    A = np.column_stack([np.ones(len(t)), A])
     resid = t - A @ np.linalg.lstsq(A, t, rcond=None)[0]
-    r_brute = np.sqrt(1 - resid @ resid / np.sum((t - t.mean()) ** 2))
-    assert max_orthogonal_position_r(m, wrong) == pytest.approx(r_brute, rel=1e-6)
-    assert r_brute > 0.3
-    # a rank-deficient cloud (d > rows) takes the pseudo-inverse path and still gives ~0 around a
-    few = run(type(head)(**{**head.__dict__, "q": head.q[:12], "q_pos": head.q_pos[:12], "q_doc": head.q_doc[:12],
-                           "k": head.k[:12], "k_pos": head.k_pos[:12], "k_doc": head.k_doc[:12]}))
-    assert few.orth_check < 1e-6
+    return float(1 - resid @ resid / np.sum((t - t.mean()) ** 2))
+
+
+def test_diagnostics_match_brute_force_fits() -> None:
+    head, _ = plant_head(SPECS["primacy"], d=D, per_bucket=8)
+    res = run(head)
+    X, t, doc = _pooled(head)
+    halves = []
+    for parity in (0, 1):
+        sel = doc % 2 == parity
+        c = np.cov(X[sel].T, t[sel])[-1, :-1]  # Cov(x, t) of the half
+        halves.append(c / np.linalg.norm(c))
+    assert res.split_half_cos == pytest.approx(abs(halves[0] @ halves[1]), abs=1e-9)
+    assert res.r2_axis == pytest.approx(_r2_lstsq(X @ res.a, t), abs=1e-9)
+    assert res.r2_full == pytest.approx(_r2_lstsq(X, t), abs=1e-9)
+    assert res.position_capture == pytest.approx(res.r2_axis / res.r2_full, rel=1e-12)
+    # fewer rows than d: the minimum-norm least-squares fit (pseudo-inverse) explains t exactly
+    few = type(head)(**{**head.__dict__, "q": head.q[:12], "q_pos": head.q_pos[:12], "q_doc": head.q_doc[:12],
+                        "k": head.k[:12], "k_pos": head.k_pos[:12], "k_doc": head.k_doc[:12]})
+    r2_axis, r2_full, ratio = position_capture(pooled_moments(few.q, few.q_pos, few.k, few.k_pos), res.a)
+    assert r2_full == pytest.approx(_r2_lstsq(np.vstack([few.q, few.k]).astype(float),
+                                              np.concatenate([few.q_pos, few.k_pos]).astype(float)), abs=1e-6)
+    assert r2_full == pytest.approx(1.0, abs=1e-6) and ratio == pytest.approx(r2_axis, rel=1e-6)
+
+
+def test_stable_axis_and_pure_noise_fall_on_opposite_sides_of_the_threshold() -> None:
+    """Planted: a clear drift axis passes split-half stability; isotropic noise with no drift fails it.
+
+    Threshold: RotationOptions.stability_min (0.8). For noise the two halves' axes are independent
+    random directions, |cos| ~ sqrt(2 / (pi d)) ~ 0.14 at d = 32.
+    """
+    opts = RotationOptions()
+    assert opts.stability_min == 0.8
+    stable, _ = plant_head(SPECS["recency"], d=D, per_bucket=4, seed=3)
+    noise, _ = plant_head(HeadSpec(q=CloudSpec(sigma=1.0), k=CloudSpec(sigma=1.0)), d=D, per_bucket=4, seed=3)
+    good, bad = run(stable), run(noise)
+    assert good.split_half_cos > 0.99 > opts.stability_min and good.stable_axis
+    assert bad.split_half_cos < 0.5 < opts.stability_min and not bad.stable_axis
+    assert not bad.diagnostics_pass
+    rec = rotation_record(bad)
+    assert rec["stable_axis"] is False and rec["diagnostics_pass"] is False
+    assert rotation_record(good)["stable_axis"] is True
+
+
+def test_position_capture_fails_when_position_hides_off_the_drift_axis() -> None:
+    """Planted: x = beta t + noise with beta = (e1 + e2) / sqrt(2) * s, noise sd 10 on e1 and 0.01 on e2.
+
+    Cov(x, t) points along beta, so a = beta / |beta| and x.a mixes the large e1 noise in:
+    R^2(t ~ x.a) = v / (v + 50) with v = s^2 var(t); the OLS on all coordinates reads t off e2 almost
+    exactly (R^2 ~ 1). With s = 1e-3 the ratio is ~0.05, below capture_min = 0.5, while the axis is
+    stable (both halves see the same beta).
+    """
+    rng = np.random.default_rng(5)
+    d, n_docs, per_doc, L = 8, 40, 64, 4096
+    doc = np.repeat(np.arange(n_docs), per_doc)
+    t = rng.integers(0, L, size=len(doc))
+    s = 1e-3
+    beta = np.zeros(d)
+    beta[:2] = s
+    sd = np.full(d, 1.0)
+    sd[0], sd[1] = 10.0, 0.01
+    q = np.outer(t, beta) + rng.standard_normal((len(t), d)) * sd
+    k = np.outer(t, beta) + rng.standard_normal((len(t), d)) * sd
+    res = analyse_rotation(q, t, doc, k, t, doc, window=L)
+    v = 2 * s**2 * t.var()
+    assert res.r2_axis == pytest.approx(v / (v + 50.5), rel=0.1)
+    assert res.r2_full > 0.99
+    assert res.position_capture < 0.1 < RotationOptions().capture_min and not res.captures_position
+    assert res.stable_axis and not res.diagnostics_pass
+    # a drift head whose Q and K share their offsets carries all of its linearly decodable position on a
+    shared = CloudSpec(slope=2e-3, m_a=1.0, sigma=0.5)
+    clean = run(plant_head(HeadSpec(q=shared, k=shared), d=D, per_bucket=8)[0])
+    assert clean.position_capture > 0.95 and clean.captures_position and clean.diagnostics_pass
 
 
 def test_rotating_q_and_k_together_leaves_invariants_unchanged() -> None:
@@ -128,7 +185,8 @@ def test_rotating_q_and_k_together_leaves_invariants_unchanged() -> None:
                     "bias_strength_window", "r_q_a", "r_k_a", "var_frac_a", "var_frac_b", "plane_var_fraction",
                     "separation_strength"):
             assert getattr(b, key) == pytest.approx(getattr(a, key), rel=1e-5, abs=1e-9), (sep, key)
-        assert b.orth_check < 1e-8
+        assert b.split_half_cos == pytest.approx(a.split_half_cos, abs=1e-6)
+        assert b.position_capture == pytest.approx(a.position_capture, abs=1e-6)
         assert np.allclose(a.a @ R, b.a, atol=1e-6) and np.allclose(a.b @ R, b.b, atol=1e-5)
         assert np.allclose(a.complement_share, b.complement_share, atol=1e-6)
         assert np.allclose(a.complement_circ_r, b.complement_circ_r, atol=1e-4)

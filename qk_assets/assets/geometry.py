@@ -90,6 +90,21 @@ def _common(heads: pd.DataFrame) -> dict:
     return out
 
 
+def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
+    """SPEC 3 diagnostics on the materialisation: medians and the share of ok heads passing each."""
+    ok = heads[heads["status"] == "ok"] if len(heads) else heads
+    out = {}
+    for col, flag, thr in (("split_half_cos", "stable_axis", options.stability_min),
+                           ("position_capture", "captures_position", options.capture_min)):
+        med = float(ok[col].median()) if len(ok) else float("nan")
+        out[f"median_{col}"] = MetadataValue.float(med)
+        out[f"share_{flag}"] = MetadataValue.float(float(ok[flag].mean()) if len(ok) else float("nan"))
+        out[f"{flag}_threshold"] = MetadataValue.float(thr)
+    out["share_diagnostics_pass"] = MetadataValue.float(float(ok["diagnostics_pass"].mean()) if len(ok)
+                                                        else float("nan"))
+    return out
+
+
 @multi_asset(
     outs={
         "pca_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
@@ -105,8 +120,8 @@ def _common(heads: pd.DataFrame) -> dict:
         "rotation_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
             "One row per sampled head: drift axis a, separation axis b, alpha_Q/alpha_K (per token and x L), "
             "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "
-            "separation_strength, orthogonal-complement check, optional complement pairs, status/reason/notes, "
-            "options (SPEC 3).")),
+            "separation_strength, split-half axis stability and position capture with pass/fail flags "
+            "(thresholds in options), optional complement pairs, status/reason/notes, options (SPEC 3).")),
         "rotation_layers": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
             "Per-layer and whole-model summaries of the per-head rotation values: mean, median, quartiles, "
             "IQR, heads used and skipped.")),
@@ -171,11 +186,12 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         })
         common = _common(heads)
         main = ["bias_strength", "bias_strength_window", "abs_alpha_k", "mu_q_a", "abs_r_k_a", "abs_r_q_a",
-                "separation_strength", "plane_var_fraction", "orth_check"]
+                "separation_strength", "plane_var_fraction", "split_half_cos", "position_capture",
+                "share_stable_axis", "share_captures_position", "share_diagnostics_pass"]
         model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
         outputs = {
             "rotation_heads": (heads, {**common, "units": MetadataValue.md(units_markdown(ROTATION_UNITS)),
-                                       "max_orth_check": float(heads["orth_check"].max()) if len(heads) else 0.0,
+                                       **_diagnostics_meta(heads, rot_opts),
                                        **figures}),
             "rotation_layers": (layers, {**common, "model_summary": MetadataValue.md(
                 model_rows.to_markdown(index=False, floatfmt=".4g"))}),

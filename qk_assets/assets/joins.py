@@ -148,7 +148,7 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
             st.delete(rel)
     headline = df[(df["analysis"] == "across_models") & (df["value_basis"] == "preferred") & (df["n"] >= MIN_N)]
     cols = ["benchmark", "suite", "mode", "scope", "metric", "n", "pearson_r", "pearson_p", "spearman_rho",
-            "kendall_tau"]
+            "spearman_p", "spearman_permutations", "kendall_tau", "kendall_p"]
     context.add_output_metadata({
         **meta, "rows": len(df),
         "headline": MetadataValue.md(headline[cols].round(3).to_markdown(index=False)),

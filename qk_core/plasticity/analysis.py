@@ -58,6 +58,7 @@ class HeadResult:
     ap: np.ndarray  # (J,) closed-form AP_j, NaN where status != ok
     ap_empirical: np.ndarray  # (J,)
     boot: np.ndarray  # (R, J) resampled AP_j
+    boot_empirical: np.ndarray | None = None  # (R, J) resampled empirical AP_j (same resamples, 4.6)
     pair_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # t_i, t_j, tau, pp, pp_empirical
 
 
@@ -162,6 +163,10 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     didx = np.searchsorted(doc_ids, pa_["example_id"][valid].astype(np.int64)) if valid.any() else np.zeros(0, int)
     S, N = doc_bucket_sums(didx, pa_["bucket"][valid].astype(np.int64), pa_["pp"][valid], len(doc_ids), J)
     boot = resampled_profiles(W, S, N) if W.shape[0] else np.zeros((0, J))
+    # the empirical estimator's intervals come from the same resamples (4.6): same pairs, PP empirical
+    S_e, N_e = doc_bucket_sums(didx, pa_["bucket"][valid].astype(np.int64), pa_["pp_empirical"][valid],
+                               len(doc_ids), J)
+    boot_emp = np.where(ok, resampled_profiles(W, S_e, N_e), np.nan) if W.shape[0] else np.zeros((0, J))
 
     head_vals = agg.headline(ap, L, B)
     emp_vals = agg.headline(ap_emp_ok, L, B)
@@ -175,8 +180,11 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         row[name] = float(head_vals[name])
         lo, hi = (percentile_interval(boot_vals[name], opts.ci) if boot_vals else (np.nan, np.nan))
         row[f"{name}_lo"], row[f"{name}_hi"] = float(lo), float(hi)
+    boot_emp_vals = agg.headline(boot_emp, L, B) if boot_emp.shape[0] else {}
     for name in agg.HEADLINE:
         row[f"{name}_empirical"] = float(emp_vals[name])
+        lo, hi = (percentile_interval(boot_emp_vals[name], opts.ci) if boot_emp_vals else (np.nan, np.nan))
+        row[f"{name}_empirical_lo"], row[f"{name}_empirical_hi"] = float(lo), float(hi)
     gap = (ap - ap_emp)[ok]
     row["gap_mean"] = float(gap.mean()) if gap.size else np.nan
     row["gap_max_abs"] = float(np.abs(gap).max()) if gap.size else np.nan
@@ -212,7 +220,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
             "pp_empirical": pa_["pp_empirical"].astype(np.float32), "valid": valid,
             "L": np.full(len(valid), L, dtype=np.int32), "B": np.full(len(valid), B, dtype=np.int32),
         })
-    return HeadResult(row, profile, bins, components, pairs, ap, ap_emp_ok, boot,
+    return HeadResult(row, profile, bins, components, pairs, ap, ap_emp_ok, boot, boot_emp,
                       {"t_i": pa_["t_i"], "t_j": pa_["t_j"], "tau": pa_["tau"],
                        "pp": np.where(valid, pa_["pp"], np.nan) if valid.size else pa_["pp"],
                        "pp_empirical": pa_["pp_empirical"]})
@@ -288,6 +296,7 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
     opt_json = opts.record_json(L, B)
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
     rows, profiles, bins, pairs, comps, boots, aps = [], [], [], [], [], [], []
+    boots_emp: list[np.ndarray] = []
     J = n_buckets(L, B)
     for n, (layer, q_head) in enumerate(heads):
         try:
@@ -307,6 +316,7 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
             pa_ = res.pair_arrays
             hm.add(pa_["t_i"], pa_["t_j"], pa_["tau"], pa_["pp"], pa_["pp_empirical"])
         boots.append(res.boot)
+        boots_emp.append(res.boot_empirical if res.boot_empirical is not None else np.full_like(res.boot, np.nan))
         aps.append(res.ap)
         if progress:
             progress(n, res)
@@ -332,7 +342,7 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
         bins_df["options"] = opt_json
     aps = np.stack(aps) if aps else np.zeros((0, n_buckets(L, B)))
     metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
-                            opts, record)
+                            opts, record, np.stack(boots_emp) if boots_emp else None)
     return ModelResult(heads_df, _cat(profiles), bins_df, _cat(pairs), _cat(comps), heat, metrics, record)
 
 
@@ -347,14 +357,16 @@ METRIC_NAMES = {"gap_mean": "ap_gap_closed_minus_empirical", "beta_norm_window":
 
 
 def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarray, boots: np.ndarray, L: int,
-                  B: int, opts: PlasticityOptions, record: dict[str, Any]) -> pd.DataFrame:
+                  B: int, opts: PlasticityOptions, record: dict[str, Any],
+                  boots_empirical: np.ndarray | None = None) -> pd.DataFrame:
     """Long-format model metrics (qk_core.metrics, SPEC 4.5-4.6).
 
     value / median over heads; lo / hi from the model-level bootstrap: boots (H, R, J) are the heads'
     resampled profiles under one shared document weight matrix, a resample's model value is the mean
     over the heads with a value in it. ap_profiles (H, J) are the point profiles. Bins missing for
     every head (narrower than a bucket, no bucket, no usable bucket) get no row; their status is in
-    the per-head bins table.
+    the per-head bins table. boots_empirical (H, R, J), the empirical estimator's resampled profiles
+    under the same weights, gives the ``*_empirical`` headline metrics their intervals.
     """
     rows: list[dict[str, Any]] = []
     if heads_df.empty or ap_profiles.size == 0:
@@ -383,8 +395,11 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
         if np.isfinite(vals[:, k]).any():
             rows.append(metric_row(model_key, b.metric, vals[:, k], key=b.key, unit="AP", options=record,
                                    lo=lo_b[k], hi=hi_b[k]))
+    boot_emp = agg.headline(boots_empirical, L, B) if R and boots_empirical is not None else {}
     for col, unit in EXTRA_METRICS:
         if col in heads_df:
+            name = col.removesuffix("_empirical")
+            lo, hi = interval(boot_emp[name]) if name in boot_emp and col != name else (np.nan, np.nan)
             rows.append(metric_row(model_key, METRIC_NAMES.get(col, col), heads_df[col], unit=unit,
-                                   options=record))
+                                   options=record, lo=lo, hi=hi))
     return metrics_frame(rows)

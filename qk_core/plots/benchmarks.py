@@ -20,7 +20,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from qk_core.benchmarks import parse_length
-from qk_core.stats import trend_line
+from qk_core.stats import format_p, trend_line
 
 METRIC_LABELS = {"ap_overall": "AP_overall", "ap_first20": "AP_first20", "ap_last20": "AP_last20",
                  "ap_drop": "AP_drop = AP_first20 - AP_last20", "bias_strength": "bias_strength (per token)",
@@ -32,17 +32,21 @@ def slug(text: str, limit: int = 48) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit].strip("-") or "x"
 
 
-def _fmt(v: float, p: bool = False) -> str:
-    if not np.isfinite(v):
-        return "n/a"
-    return f"{v:.3f}" if p else f"{v:+.3f}"
+def _fmt(v: float) -> str:
+    return f"{v:+.3f}" if np.isfinite(v) else "n/a"
+
+
+def _p(row: pd.Series | dict, name: str) -> str:
+    """p-value text (SPEC 5: exact for small n, never 0); "=" unless it is a bound."""
+    text = format_p(row[f"{name}_p"], row.get(f"{name}_method", ""), int(row.get(f"{name}_permutations", 0) or 0))
+    return text if text.startswith("<") else f"= {text}"
 
 
 def stats_text(row: pd.Series | dict) -> str:
     """One line: scope, n, Pearson r (p), Spearman rho (p), Kendall tau (p)."""
-    return (f"{row['scope']} (n={int(row['n'])}): r={_fmt(row['pearson_r'])} (p={_fmt(row['pearson_p'], True)}), "
-            f"ρ={_fmt(row['spearman_rho'])} (p={_fmt(row['spearman_p'], True)}), "
-            f"τ={_fmt(row['kendall_tau'])} (p={_fmt(row['kendall_p'], True)})")
+    return (f"{row['scope']} (n={int(row['n'])}): r={_fmt(row['pearson_r'])} (p {_p(row, 'pearson')}), "
+            f"ρ={_fmt(row['spearman_rho'])} (p {_p(row, 'spearman')}), "
+            f"τ={_fmt(row['kendall_tau'])} (p {_p(row, 'kendall')})")
 
 
 def fig_scores_vs_metrics(jm: pd.DataFrame, stats: pd.DataFrame, *, metrics: list[str],
