@@ -160,7 +160,7 @@ def write_capture(args: argparse.Namespace) -> dict:
     import pandas as pd
     import pyarrow as pa
 
-    from qk_core.capture_store import _vec_array, head_file, row_schema
+    from qk_core.capture_store import _vec_array, file_record, head_file, row_schema
     from qk_core.storage import Storage
 
     storage = Storage(args.workdir)
@@ -186,7 +186,15 @@ def write_capture(args: argparse.Namespace) -> dict:
                                              schema.field("vec")]))
             storage.write_parquet(rel, tbl)
             written[(layer, head) if kind == "k" else rel] = len(x)
-    storage.write_json(f"{prefix}/complete.json", {"n_docs": 16, "rows": {}})
+    # the commit record a finalize would write (complete.json with every file's checksum, SPEC 1.9)
+    files = {rel[len(prefix) + 1:]: file_record(storage.read_bytes(rel))
+             for rel in storage.ls(prefix, recursive=True)}
+    storage.write_parquet(f"{prefix}/doc_tokens.parquet",
+                          pa.table({"example_id": pa.array(range(16), pa.int64()),
+                                    "n_tokens": pa.array([args.window] * 16, pa.int32())}))
+    files["doc_tokens.parquet"] = file_record(storage.read_bytes(f"{prefix}/doc_tokens.parquet"))
+    storage.write_json(f"{prefix}/complete.json", {"complete_version": 2, "fingerprint": "bench0000",
+                                                   "n_docs": 16, "rows": {}, "files": files})
     cap = pd.DataFrame([{"layer": la, "q_head": h, "kv_head": h // group, "d": args.d, "attention_type": "full",
                          "sliding_window": 0, "rope_applied": True, "n_q_rows": args.rows, "n_k_rows": args.rows,
                          "capture_prefix": prefix} for la, h in heads])

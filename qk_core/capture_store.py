@@ -4,37 +4,52 @@ Layout under ``captures/<model_key>/<fingerprint>/`` (fingerprint = hash of ever
 determines the captured values, so a changed option never mixes with an older capture)::
 
     manifest.json                     model identity, options, layer metadata, head manifest
-    docs/doc-<example_id>.parquet     one file per finished document (the resumable unit)
+    docs/doc-<example_id>.parquet     one file per finished document (the resumable unit); removed
+                                      after a verified finalize unless the capture keeps them
     heads/q/L<layer>_H<q_head>.parquet    per-head query rows  } written by finalize() from the
     heads/k/L<layer>_K<kv_head>.parquet   per-KV-head key rows } doc files; read one head at a time
-    complete.json                     written last by finalize(): row counts per head file
+    doc_tokens.parquet                token count of every document
+    complete.json                     written last by finalize(): the commit record (below)
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
 example_id int64, position int32 (raw token position t), vec fixed_size_list<float32>[d].
 Per-document files carry ``n_tokens`` (the document's token count inside the window, SPEC 1.7), the
 example id and an index of their row groups (one per (kind, layer, head), rows sorted that way) in their
-Parquet key-value metadata, so ``finalize()`` reads a batch of heads from every document without
-reading the rest and writes each head file in one piece (memory bounded by ``FINALIZE_BATCH_BYTES``).
-Every file is committed atomically through :class:`Storage`.
+Parquet key-value metadata. ``finalize()`` reads every document file once, in order, and streams each
+head's rows into its head file as row groups (memory bounded by ``FINALIZE_BATCH_BYTES``), so its cost is
+linear in heads x documents. Every file is committed atomically through :class:`Storage`.
+
+Verification (SPEC 1.9). ``complete.json`` records the capture fingerprint, the row count of every head
+file and the SHA-256 and size of every committed file (manifest, head files, ``doc_tokens.parquet``, kept
+document files), by path inside the capture folder. :class:`CaptureReader` checks that the manifest is
+the one committed, that its fingerprint is the folder's name (and the hash of its identity), and that
+every file it reads has its committed checksum; anything else is a :class:`CaptureError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
+import resource
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from qk_core.storage import Storage, StorageError
 
 SCHEMA_VERSION = 1
-FINALIZE_BATCH_BYTES = 32 << 20  # vectors held in memory at once while finalize() fans out heads
+COMPLETE_VERSION = 2  # complete.json with checksums (1: row counts only, not verifiable)
+FINALIZE_BATCH_BYTES = 32 << 20  # rows buffered in memory at once while finalize() fans out heads
+HEAD_COLUMNS = ["example_id", "position", "vec"]
 
 
 class CaptureError(RuntimeError):
@@ -109,6 +124,57 @@ class HeadData:
         return int(self.q.shape[1])
 
 
+class _HashingSink(io.RawIOBase):
+    """A binary file that hashes (SHA-256) and counts what is written through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return self.f.write(b)
+
+    def tell(self) -> int:
+        return self.size
+
+    def record(self) -> dict[str, Any]:
+        return {"sha256": self.sha.hexdigest(), "bytes": self.size}
+
+
+def file_record(data: bytes) -> dict[str, Any]:
+    """The committed identity of a file's content: SHA-256 and size in bytes."""
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _check_content(uri: str, data: bytes, want: dict[str, Any] | None) -> None:
+    if want is None:
+        raise CaptureError(f"{uri}: not a committed file of this capture (no checksum in complete.json)")
+    if len(data) != int(want["bytes"]):
+        raise CaptureError(f"{uri}: {len(data)} bytes, committed {want['bytes']} (truncated or replaced)")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want["sha256"]:
+        raise CaptureError(f"{uri}: SHA-256 {got[:16]}... differs from the committed {want['sha256'][:16]}... "
+                           f"(altered or swapped)")
+
+
+def _raise_open_files(needed: int) -> int:
+    """Raise the soft open-file limit towards ``needed`` (+ margin); return how many files may be open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(16, (1 << 20 if soft == resource.RLIM_INFINITY else soft) - 256)
+
+
 class CaptureWriter:
     """Streams documents of one capture to storage; resumable, atomic per document."""
 
@@ -134,8 +200,8 @@ class CaptureWriter:
         """Commit one document's rows atomically (all heads, Q and K).
 
         Rows are stored sorted by (kind, layer, head), one Parquet row group per head, with an index of
-        the groups in the file's key-value metadata, so :meth:`finalize` reads any subset of heads
-        without reading the rest. Vectors are stored without dictionary encoding.
+        the groups and the capture fingerprint in the file's key-value metadata, so :meth:`finalize`
+        splits the file by head without scanning it. Vectors are stored without dictionary encoding.
         """
         rows = list(rows)
         if not rows:
@@ -158,7 +224,8 @@ class CaptureWriter:
             n = len(r.positions)
             groups.append([r.kind, int(r.layer), int(r.head), n, rg if n else -1])
             rg += 1 if n else 0
-        meta = {"n_tokens": str(int(n_tokens)), "example_id": str(int(example_id)), "groups": json.dumps(groups)}
+        meta = {"n_tokens": str(int(n_tokens)), "example_id": str(int(example_id)), "groups": json.dumps(groups),
+                "fingerprint": str(self.fp)}
         schema = row_schema(d).with_metadata(meta)
         rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
         with self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
@@ -178,12 +245,16 @@ class CaptureWriter:
     def _doc_index(self, rel: str) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
         """(example_id, n_tokens, d, {head file: (row group or -1, rows)}) of a document file from its footer.
 
-        The group map is None for a document file without a group index (then it is read whole).
+        The group map is None for a document file without a group index (then it is read whole). A
+        document file of another capture (a different fingerprint in its metadata) is an error.
         """
         pf = self.storage.parquet_file(rel)
         meta = pf.schema_arrow.metadata or {}
         d = pf.schema_arrow.field("vec").type.list_size
         n_tokens = int(meta.get(b"n_tokens", b"-1"))
+        owner = meta.get(b"fingerprint")
+        if owner is not None and owner.decode() != str(self.fp):
+            raise CaptureError(f"{self.storage.uri(rel)}: a document of capture {owner.decode()}, not of {self.fp}")
         if b"groups" not in meta:
             eid = int(pf.read(columns=["example_id"]).column("example_id")[0].as_py())
             return eid, n_tokens, d, None
@@ -191,10 +262,9 @@ class CaptureWriter:
                   for k, la, h, n, g in json.loads(meta[b"groups"])}
         return int(meta[b"example_id"]), n_tokens, d, groups
 
-    def _read_heads(self, rel: str, groups: dict[str, tuple[int, int]] | None,
-                    names: set[str]) -> dict[str, pa.Table]:
-        """Rows of the head files ``names`` held by one document file (only their row groups are read)."""
-        cols = ["example_id", "position", "vec"]
+    def _split_doc(self, rel: str, groups: dict[str, tuple[int, int]] | None,
+                   names: set[str]) -> dict[str, pa.Table]:
+        """Rows of the head files ``names`` held by one document file, read in one call (only their groups)."""
         pf = self.storage.parquet_file(rel)
         if groups is None:  # no group index: read whole, split by key
             tbl = pf.read()
@@ -204,66 +274,119 @@ class CaptureWriter:
             for (kind, layer, head), idx in keys.groupby(["kind", "layer", "head"]).indices.items():
                 name = self._head_file(kind, int(layer), int(head))
                 if name in names:
-                    out[name] = tbl.take(pa.array(idx)).select(cols)
+                    out[name] = tbl.take(pa.array(idx)).select(HEAD_COLUMNS)
             return out
         wanted = sorted((g, n, name) for name, (g, n) in groups.items() if name in names and g >= 0)
         if not wanted:
             return {}
-        tbl = pf.read_row_groups([g for g, _, _ in wanted], columns=cols)
+        if len(wanted) == pf.num_row_groups:
+            tbl = pf.read(columns=HEAD_COLUMNS)
+        else:
+            tbl = pf.read_row_groups([g for g, _, _ in wanted], columns=HEAD_COLUMNS)
         out, offset = {}, 0
         for _, n, name in wanted:
             out[name] = tbl.slice(offset, n)
             offset += n
         return out
 
-    def finalize(self, batch_bytes: int = FINALIZE_BATCH_BYTES) -> dict[str, int]:
-        """Fan the document files out into per-head files, one whole-file write per head.
+    def finalize(self, batch_bytes: int = FINALIZE_BATCH_BYTES, keep_doc_files: bool = False) -> dict[str, Any]:
+        """Fan the document files out into per-head files, verify the result, then drop the document files.
 
-        Heads are processed in batches of at most ``batch_bytes`` of vectors (bounded memory); each batch
-        reads only its heads' row groups from every document file. A head with no rows in any document
-        gets an empty file.
+        One pass over the documents (sorted by file name): each document file is read once and its rows
+        are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they are written
+        out, one row group per head, into head files that stay open until the pass ends (committed
+        atomically together). Cost: linear in heads x documents; memory: ``batch_bytes`` plus one document.
+        A head with no rows in any document gets an empty file. When more head files exist than may be
+        open at once, the pass runs once per group of heads, reading only their row groups.
+
+        Then ``complete.json`` is written with the row counts and checksums, every committed file is read
+        back and checked (:meth:`CaptureReader.verify`), and only then are the document files removed
+        (kept, and checksummed, when ``keep_doc_files``). A failed verification removes ``complete.json``
+        again and raises, so a rerun finalizes anew from the document files.
         """
         docs = sorted(self.storage.ls(f"{self.prefix}/docs"))
         if not docs:
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no documents were captured")
+        t0 = time.perf_counter()
         index = [(rel, *self._doc_index(rel)) for rel in docs]
         d = index[0][3]
+        for rel, _, _, dd, _ in index:
+            if dd != d:
+                raise CaptureError(f"{self.storage.uri(rel)}: vectors of dimension {dd}, the capture has {d}")
         sizes: dict[str, int] = defaultdict(int)
         for rel, _, _, _, groups in index:
-            if groups is None:
-                for name, n in self._count_legacy(rel).items():
-                    sizes[name] += n
-            else:
-                for name, (_, n) in groups.items():
-                    sizes[name] += n
-        row_bytes = 4 * d + 12
-        batches: list[list[str]] = [[]]
-        acc = 0
-        for name in sorted(sizes):
-            if batches[-1] and acc + sizes[name] * row_bytes > batch_bytes:
-                batches.append([])
-                acc = 0
-            batches[-1].append(name)
-            acc += sizes[name] * row_bytes
-        empty = row_schema(d).empty_table().select(["example_id", "position", "vec"])
-        counts: dict[str, int] = {}
-        for batch in batches:
-            names = set(batch)
-            parts: dict[str, list[pa.Table]] = defaultdict(list)
-            for rel, _, _, _, groups in index:
-                for name, part in self._read_heads(rel, groups, names).items():
-                    parts[name].append(part)
-            for name in batch:
-                tbl = pa.concat_tables(parts.pop(name, []) or [empty]).combine_chunks()
-                self.storage.write_parquet(name, tbl, use_dictionary=False)
-                counts[name] = tbl.num_rows
-        self.storage.write_parquet(
-            f"{self.prefix}/doc_tokens.parquet",
-            pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
-                      "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())}))
-        summary = {"n_docs": len(docs), "rows": counts}
+            counts_of = self._count_legacy(rel) if groups is None else {n: c for n, (_, c) in groups.items()}
+            for name, n in counts_of.items():
+                sizes[name] += n
+        names = sorted(sizes)
+        files: dict[str, dict[str, Any]] = {}
+        max_open = _raise_open_files(len(names))
+        for start in range(0, len(names), max_open):
+            files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes))
+        counts = {name: sizes[name] for name in names}
+        tokens = pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
+                           "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())})
+        sink = pa.BufferOutputStream()
+        pq.write_table(tokens, sink)
+        data = sink.getvalue().to_pybytes()
+        self.storage.write_bytes(f"{self.prefix}/doc_tokens.parquet", data)
+        files[f"{self.prefix}/doc_tokens.parquet"] = file_record(data)
+        files[f"{self.prefix}/manifest.json"] = file_record(self.storage.read_bytes(f"{self.prefix}/manifest.json"))
+        if keep_doc_files:
+            for rel in docs:
+                files[rel] = file_record(self.storage.read_bytes(rel))
+        fanout_s = time.perf_counter() - t0
+        cut = len(self.prefix) + 1
+        summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
+                   "rows": counts, "doc_files": "kept" if keep_doc_files else "removed",
+                   "files": {rel[cut:]: rec for rel, rec in sorted(files.items())}}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
+        try:
+            check = CaptureReader(self.storage, self.prefix).verify()
+        except CaptureError:
+            self.storage.delete(f"{self.prefix}/complete.json")
+            raise
+        if not keep_doc_files:
+            self.storage.delete(f"{self.prefix}/docs", recursive=True)
+        summary["timing"] = {"fan_out_s": round(fanout_s, 3), "verify_s": check["seconds"]}
+        summary["verification"] = {"passed": True, "error": None, **check}
         return summary
+
+    def _fan_out(self, index: list[tuple[str, int, int, int, Any]], names: list[str], d: int,
+                 batch_bytes: int) -> dict[str, dict[str, Any]]:
+        """One pass over the documents writing the head files ``names``; returns their checksums."""
+        wanted = set(names)
+        schema = row_schema(d)
+        schema = pa.schema([schema.field(c) for c in HEAD_COLUMNS])
+        row_bytes = 4 * d + 12
+        with contextlib.ExitStack() as stack:
+            writers: dict[str, pq.ParquetWriter] = {}
+            sinks: dict[str, _HashingSink] = {}
+            for name in names:
+                tmp = stack.enter_context(self.storage.atomic_local_file(name))
+                f = stack.enter_context(open(tmp, "wb"))
+                sinks[name] = _HashingSink(f)
+                writers[name] = pq.ParquetWriter(sinks[name], schema, use_dictionary=False)
+            buffered: dict[str, list[pa.Table]] = defaultdict(list)
+            held = 0
+
+            def flush() -> None:
+                for name in names:
+                    parts = buffered.pop(name, None)
+                    if parts:
+                        writers[name].write_table(pa.concat_tables(parts).combine_chunks())
+
+            for rel, _, _, _, groups in index:
+                for name, part in self._split_doc(rel, groups, wanted).items():
+                    buffered[name].append(part)
+                    held += part.num_rows * row_bytes
+                if held >= batch_bytes:
+                    flush()
+                    held = 0
+            flush()
+            for name in names:
+                writers[name].close()
+            return {name: sinks[name].record() for name in names}
 
     def _count_legacy(self, rel: str) -> dict[str, int]:
         tbl = self.storage.parquet_file(rel).read(columns=["kind", "layer", "head"]).to_pandas()
@@ -274,20 +397,93 @@ class CaptureWriter:
         return head_file(self.prefix, kind, layer, head)
 
 
+def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
+    """Verify every committed file of a capture; ``{"passed", "error", "files", "bytes", "seconds"}``.
+
+    ``error`` is the :class:`CaptureError` message (it names the file) when verification fails.
+    """
+    t0 = time.perf_counter()
+    try:
+        return {"passed": True, "error": None, **CaptureReader(storage, prefix).verify()}
+    except CaptureError as exc:
+        return {"passed": False, "error": str(exc), "files": 0, "bytes": 0,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
 def head_file(prefix: str, kind: str, layer: int, head: int) -> str:
     tag = "H" if kind == "q" else "K"
     return f"{prefix}/heads/{kind}/L{layer:03d}_{tag}{head:03d}.parquet"
 
 
 class CaptureReader:
-    """Reads one finished capture: manifest, head list and one head at a time."""
+    """Reads one finished capture: manifest, head list and one head at a time, each file verified.
+
+    Opening checks ``complete.json`` (it must carry checksums), that ``manifest.json`` is the committed
+    one, and that the manifest's fingerprint is the folder's name and the hash of its recorded identity
+    (a manifest copied from another capture fails). Every later read checks the file's size and SHA-256
+    against ``complete.json`` before parsing it. Failures are :class:`CaptureError` naming the file.
+    """
 
     def __init__(self, storage: Storage, prefix: str) -> None:
         self.storage = storage
         self.prefix = prefix.rstrip("/")
-        if not storage.exists(f"{self.prefix}/complete.json"):
+        complete_rel = f"{self.prefix}/complete.json"
+        if not storage.exists(complete_rel):
             raise CaptureError(f"{storage.uri(self.prefix)}: capture is not complete (no complete.json)")
-        self.manifest: dict[str, Any] = storage.read_json(f"{self.prefix}/manifest.json")
+        try:
+            self.complete: dict[str, Any] = storage.read_json(complete_rel)
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from exc
+        files = self.complete.get("files") if isinstance(self.complete, dict) else None
+        if not isinstance(files, dict):
+            raise CaptureError(
+                f"{storage.uri(complete_rel)}: no file checksums (finalized before captures were verifiable); "
+                f"run the capture again to re-finalize it from its document files")
+        self.files: dict[str, dict[str, Any]] = files
+        self.manifest: dict[str, Any] = json.loads(self._verified_bytes("manifest.json"))
+        self._check_owner()
+
+    def _check_owner(self) -> None:
+        uri = self.storage.uri(f"{self.prefix}/manifest.json")
+        folder = self.prefix.rsplit("/", 1)[-1]
+        fp = str(self.manifest.get("fingerprint"))
+        if fp != folder:
+            raise CaptureError(f"{uri}: fingerprint {fp} does not belong to the capture folder {folder}")
+        if str(self.complete.get("fingerprint")) != fp:
+            raise CaptureError(f"{self.storage.uri(f'{self.prefix}/complete.json')}: fingerprint "
+                               f"{self.complete.get('fingerprint')} differs from the manifest's {fp}")
+        ident = self.manifest.get("identity")
+        if ident is not None and fingerprint(ident) != fp:
+            raise CaptureError(f"{uri}: its identity hashes to {fingerprint(ident)}, not to its fingerprint {fp}")
+
+    def _verified_bytes(self, name: str) -> bytes:
+        """The content of ``<prefix>/<name>``, checked against its committed size and SHA-256."""
+        rel = f"{self.prefix}/{name}"
+        try:
+            data = self.storage.read_bytes(rel)
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from exc
+        _check_content(self.storage.uri(rel), data, self.files.get(name))
+        return data
+
+    def _verified_parquet(self, name: str) -> pa.Table:
+        data = self._verified_bytes(name)
+        try:
+            return pq.read_table(pa.BufferReader(data))
+        except (pa.ArrowInvalid, OSError) as exc:  # pragma: no cover - a committed checksum of a bad file
+            raise CaptureError(f"{self.storage.uri(f'{self.prefix}/{name}')}: not readable ({exc})") from exc
+
+    def verify(self) -> dict[str, Any]:
+        """Check every committed file (size and SHA-256) and the manifest's ownership; return counts and time.
+
+        Raises :class:`CaptureError` naming the first file that is missing, truncated, altered or swapped.
+        """
+        t0 = time.perf_counter()
+        n_bytes = 0
+        for name in sorted(self.files):
+            n_bytes += len(self._verified_bytes(name))
+        self._check_owner()
+        return {"files": len(self.files), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)}
 
     @property
     def window(self) -> int:
@@ -302,19 +498,20 @@ class CaptureReader:
         return pd.DataFrame(self.manifest["heads"])
 
     def doc_tokens(self) -> pd.DataFrame:
-        return self.storage.read_parquet(f"{self.prefix}/doc_tokens.parquet").to_pandas()
+        return self._verified_parquet("doc_tokens.parquet").to_pandas()
 
     def _read(self, kind: str, layer: int, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rel = head_file(self.prefix, kind, layer, head)
+        name = rel[len(self.prefix) + 1:]
         try:
-            tbl = self.storage.read_parquet(rel)
-        except StorageError as exc:
+            tbl = self._verified_parquet(name)
+        except CaptureError as exc:
             raise CaptureError(f"layer {layer} {kind}-head {head}: {exc}") from exc
         return (vec_to_numpy(tbl.column("vec")), tbl.column("position").to_numpy(),
                 tbl.column("example_id").to_numpy())
 
     def read_head(self, layer: int, q_head: int) -> HeadData:
-        """Q rows of (layer, q_head) and K rows of its KV head; nothing else is read."""
+        """Q rows of (layer, q_head) and K rows of its KV head, verified; nothing else is read."""
         match = [h for h in self.manifest["heads"] if h["layer"] == layer and h["q_head"] == q_head]
         if not match:
             raise CaptureError(f"{self.storage.uri(self.prefix)}: head L{layer} H{q_head} was not sampled")

@@ -80,6 +80,7 @@ class CaptureOptions:
     include_sliding: Bool = False
     max_docs: PosInt | None = None
     layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
+    keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
 
 
 @dataclass(frozen=True)

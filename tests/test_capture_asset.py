@@ -94,9 +94,54 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert any("document 3/3" in m and "tok/s" in m for m in logs)
 
+    check = result.get_asset_check_evaluations()[0]
+    assert check.passed and check.metadata["verified_at_finalize"].value
+    assert check.metadata["files_verified"].value == len(reader.complete["files"])
+
     again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-llama", resources=resources)
     meta2 = again.asset_materializations_for_node("qk_capture")[0].metadata
     assert meta2["documents_resumed_or_reused"].value == 3 and meta2["documents_captured_this_run"].value == 0
+    check2 = again.get_asset_check_evaluations()[0]
+    assert check2.passed and not check2.metadata["verified_at_finalize"].value
+
+
+def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[ModuleType, ModuleType, Path]) -> None:
+    """A head file altered after the capture completed: the rerun's check fails naming it, downstream never runs."""
+    from dagster import AssetIn, AssetKey, asset, materialize
+
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import StorageResource, TorchDeviceResource
+
+    corpus_mod, capture_mod, tmp = modules
+    res = StorageResource(root=str(tmp / "storage"))
+    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
+                 "device": TorchDeviceResource(device="cpu")}
+    ran: list[str] = []
+
+    @asset(ins={"qk_capture": AssetIn()}, partitions_def=capture_mod.qk_capture.partitions_def)
+    def downstream(qk_capture):  # noqa: ANN001, ANN202
+        ran.append("downstream")
+        return qk_capture
+
+    assets = [corpus_mod.corpus, capture_mod.qk_capture, downstream]
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
+    first = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
+                        partition_key="tiny-llama", resources=resources)
+    assert first.success and ran == ["downstream"]
+    value = first.output_for_node("qk_capture")
+    row = value.iloc[0]
+    rel = f"{row.capture_prefix}/heads/q/L{row.layer:03d}_H{row.q_head:03d}.parquet"
+    path = tmp / "storage" / rel
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    ran.clear()
+    second = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
+                         partition_key="tiny-llama", resources=resources, raise_on_error=False)
+    check = second.get_asset_check_evaluations()[0]
+    assert not check.passed and rel.rsplit("/", 1)[1] in check.description and "SHA-256" in check.description
+    assert ran == [] and not second.success
+    assert not second.asset_materializations_for_node("downstream")
 
 
 def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:

@@ -5,12 +5,25 @@ torch device resource (GPU when present, CPU otherwise) in the concurrency pool 
 at a time across runs), streams the documents into ``captures/<model>/<fingerprint>/`` and returns one
 row per sampled head. Progress (documents done/total, tokens per second) goes to the run log. A rerun
 after a crash resumes with the documents not yet committed; a rerun of a complete capture is a no-op.
+
+The blocking asset check ``capture_verified`` checks every committed file of the capture (size and
+SHA-256 against ``complete.json``, manifest ownership; SPEC 1.9): a damaged capture fails the check,
+naming the file, and nothing downstream of it runs in that run.
 """
 
 import json
 
 import pandas as pd
-from dagster import AssetExecutionContext, AssetIn, MetadataValue, asset
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetIn,
+    MetadataValue,
+    Output,
+    asset,
+)
 
 from qk_assets.partitions import corpus_of_model, model_partitions, registry
 from qk_assets.resources import StorageResource, TorchDeviceResource
@@ -25,6 +38,10 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
     pool="gpu",
     group_name="capture",
     kinds={"pytorch", "parquet"},
+    check_specs=[AssetCheckSpec(
+        "capture_verified", asset="qk_capture", blocking=True,
+        description="Every committed file of the capture has its recorded size and SHA-256, and the manifest "
+                    "belongs to its folder (SPEC 1.9); downstream assets do not run on a failed check.")],
     description=(
         "Post-RoPE query/key vectors of sampled heads at sampled positions (SPEC 1), stored under "
         "captures/<model>/<fingerprint>/. Value: one row per sampled head (layer, q_head, kv_head, d, "
@@ -32,10 +49,11 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
         "capture_prefix); per-layer metadata is in the capture manifest."),
 )
 def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: StorageResource,
-               device: TorchDeviceResource) -> pd.DataFrame:
+               device: TorchDeviceResource):
     """Capture one registry model over its corpus; the head manifest and layer metadata are shown here."""
     from qk_core.capture import capture_model
     from qk_core.capture.run import layers_frame
+    from qk_core.capture_store import verify_capture
 
     entry = registry().model(context.partition_key)
     store = storage.get()
@@ -45,7 +63,8 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     tokens = result.doc_tokens
     short = int((tokens["n_tokens"] < entry.window).sum())
     dataset = {k: v for k, v in man["dataset"].items() if k != "example_ids"}
-    context.add_output_metadata({
+    check = result.verification or verify_capture(store, result.prefix)
+    metadata = {
         "capture_path": MetadataValue.path(store.uri(result.prefix)),
         "capture_prefix": result.prefix,
         "fingerprint": result.fingerprint,
@@ -68,5 +87,11 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
         "head_manifest": MetadataValue.md(result.heads[HEAD_TABLE_COLUMNS].to_markdown(index=False)),
         "layer_metadata": MetadataValue.md(layers_frame(man).to_markdown(index=False, floatfmt=".6g")),
         "document_tokens": MetadataValue.md(tokens.to_markdown(index=False)),
-    })
-    return result.heads
+    }
+    yield Output(result.heads, metadata=metadata)
+    yield AssetCheckResult(
+        check_name="capture_verified", asset_key="qk_capture", passed=bool(check["passed"]),
+        severity=AssetCheckSeverity.ERROR, description=check["error"] or "every committed file verified",
+        metadata={"files_verified": int(check["files"]), "bytes_verified": int(check["bytes"]),
+                  "verify_seconds": float(check["seconds"]),
+                  "verified_at_finalize": result.verification is not None})

@@ -27,6 +27,7 @@ from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_hea
 from qk_core.capture_store import (
     SCHEMA_VERSION,
     CaptureError,
+    CaptureReader,
     CaptureWriter,
     capture_prefix,
     fingerprint,
@@ -69,6 +70,7 @@ class CaptureResult:
     tokens: int = 0  # tokens forwarded in this run
     seconds: float = 0.0  # wall time of the forwards of this run
     already_complete: bool = False
+    verification: dict[str, Any] | None = None  # CaptureReader.verify() of this run's finalize, if any
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,7 +88,9 @@ def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str,
 
 
 def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
+    """The capture options that determine captured values (``keep_doc_files`` only decides what is kept)."""
     opts = asdict(entry.capture)
+    opts.pop("keep_doc_files", None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
 
@@ -194,10 +198,18 @@ def heads_frame(manifest: dict[str, Any], prefix: str, rows: dict[str, int]) -> 
     return df
 
 
-def _result_from_storage(storage: Storage, prefix: str, **kw: Any) -> CaptureResult:
-    manifest = storage.read_json(f"{prefix}/manifest.json")
+def _verifiable(storage: Storage, prefix: str) -> bool:
+    """Whether the capture's complete.json carries file checksums (else it predates verification)."""
     summary = storage.read_json(f"{prefix}/complete.json")
-    doc_tokens = storage.read_parquet(f"{prefix}/doc_tokens.parquet").to_pandas()
+    return isinstance(summary, dict) and isinstance(summary.get("files"), dict)
+
+
+def _result_from_storage(storage: Storage, prefix: str, **kw: Any) -> CaptureResult:
+    """The capture's value from storage (manifest ownership and doc_tokens verified; see verify_capture)."""
+    reader = CaptureReader(storage, prefix)
+    manifest = reader.manifest
+    summary = reader.complete
+    doc_tokens = reader.doc_tokens()
     return CaptureResult(prefix=prefix, fingerprint=manifest["fingerprint"], manifest=manifest,
                          heads=heads_frame(manifest, prefix, summary["rows"]), layers=layers_frame(manifest),
                          doc_tokens=doc_tokens, **kw)
@@ -235,8 +247,15 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     fp = fingerprint(ident)
     prefix = capture_prefix(entry.key, fp)
     if storage.exists(f"{prefix}/complete.json"):
-        log.info(f"{entry.key}: capture {fp} is already complete at {storage.uri(prefix)}")
-        return _result_from_storage(storage, prefix, already_complete=True,
+        if _verifiable(storage, prefix) or not storage.ls(f"{prefix}/docs"):
+            log.info(f"{entry.key}: capture {fp} is already complete at {storage.uri(prefix)}")
+            return _result_from_storage(storage, prefix, already_complete=True,
+                                        skipped_docs=[int(e) for e in docs["example_id"]])
+        log.info(f"{entry.key}: capture {fp} was finalized without checksums; finalizing it again")
+        old = storage.read_json(f"{prefix}/manifest.json")
+        storage.delete(f"{prefix}/complete.json")
+        summary = CaptureWriter(storage, entry.key, old).finalize(keep_doc_files=entry.capture.keep_doc_files)
+        return _result_from_storage(storage, prefix, already_complete=True, verification=summary["verification"],
                                     skipped_docs=[int(e) for e in docs["example_id"]])
 
     if loaded is None:
@@ -305,11 +324,14 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 on_document(eid, n)
     if writer is None:
         writer = CaptureWriter(storage, entry.key, manifest)
-    summary = writer.finalize()
+    summary = writer.finalize(keep_doc_files=entry.capture.keep_doc_files)
+    timing = summary["timing"]
     log.info(f"{entry.key}: capture complete at {storage.uri(prefix)}: {summary['n_docs']} documents, "
-             f"{sum(summary['rows'].values())} rows in {len(summary['rows'])} head files")
+             f"{sum(summary['rows'].values())} rows in {len(summary['rows'])} head files; fan-out "
+             f"{timing['fan_out_s']:.1f}s, verified in {timing['verify_s']:.1f}s; "
+             f"document files {summary['doc_files']}")
     return _result_from_storage(storage, prefix, captured_docs=captured, skipped_docs=skipped, tokens=tokens,
-                                seconds=seconds)
+                                seconds=seconds, verification=summary["verification"])
 
 
 def writer_manifest_heads(storage: Storage, prefix: str) -> list[dict[str, int]]:
