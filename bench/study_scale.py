@@ -139,7 +139,7 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         heads = [(h["layer"], h["q_head"]) for h in sorted(man["heads"], key=lambda h: (h["layer"], h["q_head"]))]
         res = analyse_model("bench", heads, reader.read_head, doc_ids, L, B, PlasticityOptions())
         out["heads_ok"] = int((res.heads["status"] == "ok").sum())
-        out["pairs_rows"] = int(len(res.pairs))
+        out["pairs_rows"] = len(res.pairs)
         out["pairs_mb_in_memory"] = round(res.pairs.memory_usage(deep=True).sum() / 2**20, 1)
         pq_path = Path(args.workdir) / "pairs.parquet"
         res.pairs.to_parquet(pq_path, index=False)

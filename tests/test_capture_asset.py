@@ -119,7 +119,7 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     ran: list[str] = []
 
     @asset(ins={"qk_capture": AssetIn()}, partitions_def=capture_mod.qk_capture.partitions_def)
-    def downstream(qk_capture):  # noqa: ANN001, ANN202
+    def downstream(qk_capture):
         ran.append("downstream")
         return qk_capture
 
