@@ -16,16 +16,17 @@ import io
 import json
 import os
 import tempfile
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-TMP_PREFIX = ".tmp-"
+from qk_core.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
+
+T = TypeVar("T")
 
 
 class StorageError(RuntimeError):
@@ -116,15 +117,15 @@ class Storage:
     def atomic_local_file(self, rel: str) -> Iterator[Path]:
         """Yield a local temporary path; on success it becomes ``rel`` in one atomic step.
 
-        On error the temporary is deleted and ``rel`` (if it existed) stays as it was.
+        On error the temporary is deleted and ``rel`` (if it existed) stays as it was. Temporaries of
+        killed writers (in the target folder, or in the system temp folder for an S3 root) are deleted
+        the first time this process writes there (:mod:`qk_core.temporaries`).
         """
-        if self.is_s3:
-            fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX)
-            os.close(fd)
-        else:
-            target = Path(self.full(rel))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = str(target.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{target.name}")
+        folder = Path(tempfile.gettempdir()) if self.is_s3 else Path(self.full(rel)).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        clean_folder_once(folder)
+        tmp = str(folder / temp_name(rel.rsplit("/", 1)[-1]))
+        Path(tmp).touch()
         try:
             yield Path(tmp)
             if self.is_s3:
@@ -163,45 +164,97 @@ class Storage:
                 writer.close()
 
     # ---- reads -------------------------------------------------------------------------------
+    # A reader never mixes two versions of a file that a writer replaces meanwhile (issue 14.5):
+    # locally every read goes through one open file descriptor (a rename does not change the file it
+    # points to); on S3 a whole-object read is one GET (one object version), and a ranged reader is
+    # pinned to the ETag it opened (s3fs sends If-Match), so a replacement makes it fail with
+    # FileExpired instead of mixing versions; such reads are retried on the new version.
+    REPLACED_RETRIES = 8
+
     def read_bytes(self, rel: str) -> bytes:
         try:
-            with self.fs.open(self.full(rel), "rb") as f:
+            if self.is_s3:
+                return self.fs.cat_file(self.full(rel), max_concurrency=1)  # one GET, never ranges
+            with open(self.full(rel), "rb") as f:
                 return f.read()
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
 
     def read_text(self, rel: str) -> str:
-        return self.read_bytes(rel).decode("utf-8")
+        data = self.read_bytes(rel)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise StorageError(f"{self.uri(rel)}: not UTF-8 text (byte {exc.start})") from exc
 
     def read_json(self, rel: str) -> Any:
         try:
             return json.loads(self.read_bytes(rel))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise StorageError(f"{self.uri(rel)}: not valid JSON ({exc})") from exc
 
+    def _replaced(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the S3 object changed under a pinned reader (s3fs FileExpired)."""
+        if not self.is_s3:
+            return False
+        from s3fs.utils import FileExpired  # s3fs is loaded anyway once an S3 root is used
+
+        return isinstance(exc, FileExpired) or isinstance(exc.__cause__, FileExpired)
+
     def parquet_file(self, rel: str) -> pq.ParquetFile:
-        """Open ``rel`` for row-group/column access without reading it whole."""
-        try:
-            if self.is_s3:
-                return pq.ParquetFile(self.fs.open(self.full(rel), "rb"))
-            return pq.ParquetFile(self.full(rel))
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.uri(rel)}: no such file") from exc
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
+        """Open ``rel`` for row-group/column access without reading it whole.
+
+        Locally the open file keeps its version; on S3 reads after a replacement raise ``FileExpired``:
+        use :meth:`with_parquet_file` to have them retried on the new version.
+        """
+        for attempt in range(self.REPLACED_RETRIES):
+            try:
+                if self.is_s3:
+                    return pq.ParquetFile(self.fs.open(self.full(rel), "rb"))
+                return pq.ParquetFile(self.full(rel))
+            except FileNotFoundError as exc:
+                raise StorageError(f"{self.uri(rel)}: no such file") from exc
+            except (pa.ArrowInvalid, OSError) as exc:
+                if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
+                    continue
+                raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
+        raise AssertionError("unreachable")
+
+    def with_parquet_file(self, rel: str, fn: Callable[[pq.ParquetFile], T]) -> T:
+        """``fn(parquet_file(rel))``, repeated from the start when the file is replaced meanwhile (S3)."""
+        for attempt in range(self.REPLACED_RETRIES):
+            try:
+                return fn(self.parquet_file(rel))
+            except (pa.ArrowInvalid, OSError) as exc:
+                if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
+                    continue
+                if isinstance(exc, StorageError):
+                    raise
+                raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
+        raise AssertionError("unreachable")
 
     def read_parquet(self, rel: str, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
         try:
             if self.is_s3:
-                data = self.read_bytes(rel)
-                return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
-            return pq.read_table(self.full(rel), columns=columns, filters=filters)
+                return pq.read_table(io.BytesIO(self.read_bytes(rel)), columns=columns, filters=filters)
+            with open(self.full(rel), "rb") as f:  # one descriptor: one version, whatever a writer renames
+                return pq.read_table(f, columns=columns, filters=filters)
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
         except (pa.ArrowInvalid, OSError) as exc:
             raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
 
     # ---- removal -----------------------------------------------------------------------------
+    def clean_stale_temporaries(self, rel: str = "") -> list[str]:
+        """Delete temporaries of dead writers under ``rel`` (local roots) or in the system temp folder
+        (S3 roots, whose writes stage there); live writers' temporaries are kept. Returns the paths."""
+        if self.is_s3:
+            folders = [Path(tempfile.gettempdir())]
+        else:
+            base = Path(self.full(rel))
+            folders = sorted({p.parent for p in base.rglob(f"{TMP_PREFIX}*")}) if base.is_dir() else []
+        return [str(p) for folder in folders for p in clean_folder(folder)]
+
     def delete(self, rel: str, recursive: bool = False) -> None:
         path = self.full(rel)
         if self.fs.exists(path):

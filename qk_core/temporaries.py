@@ -1,0 +1,77 @@
+"""Names of write temporaries and the safe removal of those a killed writer left (issue 14).
+
+A temporary is named ``.tmp-<pid>@<host>-<32 hex>-<target name>``: the writing process and machine are
+in its name. It is *stale*, and may be deleted, when its writer is known dead (same host, no such
+process) or, for a writer on another host or a name without an owner, when it has not changed for
+``max_age_s`` seconds. A temporary whose writer is alive is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import time
+import uuid
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+#: Temporaries whose writer cannot be checked (another host, old names) are kept this long (seconds).
+STALE_AFTER_S = 24 * 3600
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+_NAME_RE = re.compile(r"^\.tmp-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[0-9a-f]{32}-")
+_cleaned: set[str] = set()
+
+
+def temp_name(target_name: str) -> str:
+    """A fresh temporary name for ``target_name`` owned by this process."""
+    return f"{TMP_PREFIX}{os.getpid()}@{_HOST}-{uuid.uuid4().hex}-{target_name}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def is_stale(path: Path, now: float | None = None, max_age_s: float = STALE_AFTER_S) -> bool:
+    """Whether the temporary ``path`` belongs to no live writer (see the module docstring)."""
+    m = _NAME_RE.match(path.name)
+    if m and m["host"] == _HOST:
+        return not _alive(int(m["pid"]))
+    try:
+        age = (now or time.time()) - path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return age > max_age_s
+
+
+def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Delete the stale temporaries directly in ``folder``; return what was deleted."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    now = time.time()
+    for entry in entries:
+        if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+            path = Path(entry.path)
+            if is_stale(path, now, max_age_s):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path)
+    return removed
+
+
+def clean_folder_once(folder: Path) -> None:
+    """:func:`clean_folder` the first time this process writes into ``folder``."""
+    key = str(folder)
+    if key not in _cleaned:
+        _cleaned.add(key)
+        clean_folder(folder)
