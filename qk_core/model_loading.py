@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -111,17 +112,74 @@ def _gguf_cached(src: Source, kind: str, convert: Any, load: Any) -> Any:
     return obj
 
 
-def _check_local_weights(key: str, src: Source) -> None:
-    """Refuse a local folder whose weights exist only as pickle files (SPEC 1.10)."""
-    path = Path(str(src.path))
-    names = [p.name for p in path.iterdir() if p.is_file()]
-    if any(n.endswith(".safetensors") for n in names):
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _hub_index(key: str, src: Source) -> Path | None:
+    """The hub repo's safetensors index (downloaded or from the offline cache); None when it has none.
+
+    Offline, an index missing from the cache cannot be loaded by transformers either; online, any
+    failure other than "no such file" is an error (the index could not be checked).
+    """
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(str(src.repo), SAFETENSORS_INDEX, revision=src.revision))
+    except LocalEntryNotFoundError as exc:
+        if constants.HF_HUB_OFFLINE:
+            return None
+        raise ModelSourceError(f"{key}: {src.describe()}: cannot check {SAFETENSORS_INDEX} ({exc})") from exc
+    except EntryNotFoundError:
+        return None
+    except OSError as exc:
+        raise ModelSourceError(f"{key}: {src.describe()}: cannot check {SAFETENSORS_INDEX} ({exc})") from exc
+
+
+def _check_index(key: str, src: Source, index: Path, folder: Path | None) -> None:
+    """Every shard the index names must be a ``.safetensors`` file in the same folder (SPEC 1.10)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelSourceError(f"{key}: {src.describe()}: {index}: not a valid safetensors index ({exc!r})") from exc
+    for shard in shards:
+        if not isinstance(shard, str) or not shard.endswith(".safetensors") or "/" in shard or "\\" in shard:
+            raise ModelSourceError(
+                f"{key}: {src.describe()}: {index}: names the weight shard {shard!r}, which is not a safetensors "
+                "file in the model folder; refusing to load it (weights must be safetensors or GGUF)")
+        if folder is not None and not (folder / shard).is_file():
+            raise ModelSourceError(f"{key}: {src.describe()}: {index}: shard {shard!r} does not exist")
+
+
+def check_weight_files(key: str, src: Source) -> None:
+    """Refuse a source whose weights would not come from safetensors (SPEC 1.10), naming the file.
+
+    ``from_pretrained(use_safetensors=True)`` reads ``model.safetensors`` or the shards named by
+    ``model.safetensors.index.json``; an index naming a pickle shard (``.bin``) would be obeyed, so every
+    index is checked here, locally and on the hub path (offline cache included). Pickle files beside
+    safetensors are ignored (never opened); a folder with pickle weights only is refused.
+    """
+    if src.kind == "gguf_package":
         return
+    if src.kind == "hub":
+        index = _hub_index(key, src)
+        if index is not None:
+            _check_index(key, src, index, index.parent)
+        return
+    folder = Path(str(src.path))
+    if (folder / SAFETENSORS_INDEX).is_file():
+        _check_index(key, src, folder / SAFETENSORS_INDEX, folder)
+        return
+    if (folder / SAFETENSORS_FILE).is_file():
+        return
+    names = [p.name for p in folder.iterdir() if p.is_file()]
     pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
     if pickles:
         raise ModelSourceError(f"{key}: {src.describe()}: only pickle weight files {pickles}; refusing to load "
                                "them (weights must be safetensors or GGUF)")
-    raise ModelSourceError(f"{key}: {src.describe()}: no *.safetensors weight files")
+    raise ModelSourceError(f"{key}: {src.describe()}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} weight files")
 
 
 def _local_content_token(path: Path) -> str:
@@ -212,7 +270,7 @@ def load_config(entry: ModelEntry) -> Any:
 
     name, kwargs = _pretrained_args(entry.key, entry.source)
     if entry.source.kind == "local":
-        _check_local_weights(entry.key, entry.source)
+        check_weight_files(entry.key, entry.source)
     try:
         if entry.source.kind == "gguf_package":
             config = _gguf_cached(entry.source, "config", lambda: AutoConfig.from_pretrained(name, **kwargs),
@@ -286,6 +344,7 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     dtype = resolve_dtype(entry.dtype, device)
     config = config if config is not None else load_config(entry)
     name, kwargs = _pretrained_args(entry.key, entry.source)
+    check_weight_files(entry.key, entry.source)  # hub sources: after the config, so a bad revision says so
     if entry.source.kind != "gguf_package":
         kwargs["use_safetensors"] = True
     if attn_implementation:
