@@ -22,9 +22,9 @@ import pandas as pd
 
 from qk_core.capture_store import CaptureError, CaptureReader, HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
-from qk_core.options_schema import STRICT_TABLE, PosInt, UnitFloat, validate_options
+from qk_core.options_schema import STRICT_TABLE, Bool, PosInt, UnitFloat, validate_options
 from qk_core.storage import Storage, StorageError
-from qk_core.summaries import layer_and_model_summary, ok_mask, skipped_summary
+from qk_core.summaries import layer_and_model_summary, ok_mask, require_complete, skipped_summary
 
 TAXONOMY = ("position_dominated", "q_positional", "k_positional", "content", "mixed")
 
@@ -54,6 +54,7 @@ class PCAOptions:
     taxonomy_low: UnitFloat = 0.3
     taxonomy_high: UnitFloat = 0.7
     min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
 
     def __post_init__(self) -> None:
         if self.n_components < 1:
@@ -373,10 +374,17 @@ def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputErr
 
 
 def run_options(options: dict[str, Any], window: int | None, bucket: int | None,
-                heads: pd.DataFrame) -> dict[str, Any]:
-    """The options recorded with every model-level output: analysis options, L, B and skipped heads."""
+                heads: pd.DataFrame, model: str = "") -> dict[str, Any]:
+    """The options recorded with every model-level output: analysis options, L, B, skipped and missing heads.
+
+    Raises :class:`qk_core.summaries.IncompleteResultError` when heads could not be read or analysed and
+    the options do not allow partial results (before anything is written).
+    """
+    name = options.get("analysis", "")
+    missing = require_complete(heads, f"{model}: {name}", bool(options.get("allow_partial")),
+                               f"analysis.{name}.allow_partial (or the run config)")
     return {**options, "window": window, "bucket": bucket, "n_heads_total": len(heads),
-            "n_heads_skipped": int((~ok_mask(heads)).sum()), "skipped": skipped_summary(heads)}
+            "n_heads_skipped": int((~ok_mask(heads)).sum()), "skipped": skipped_summary(heads), **missing}
 
 
 def pca_head(head: HeadData | HeadInputError, options: PCAOptions,
@@ -399,8 +407,8 @@ def pca_tables(model: str, rows: list[dict[str, Any]], options: PCAOptions
         table = pd.DataFrame(columns=["model", "layer", "q_head", "status", "taxonomy", "n_components",
                                       "evr", "r_q", "r_k", *PCA_UNITS])
     table["options"] = options_json(opts)
+    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table, model)
     layers = layer_and_model_summary(table, PCA_UNITS, model, category=("taxonomy", TAXONOMY))
-    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
     return table, layers, pca_metrics(table, model, rec_opts)
 
 

@@ -57,6 +57,7 @@ class RotationOptions:
     min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
     stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
     capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
+    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
 
     def __post_init__(self) -> None:
         if self.separation not in SEPARATION_AXES:
@@ -423,8 +424,8 @@ def rotation_tables(model: str, rows: list[dict[str, Any]], options: RotationOpt
     if table.empty:
         table = pd.DataFrame(columns=["model", "layer", "q_head", "status", "notes", *ROTATION_UNITS])
     table["options"] = options_json(opts)
+    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table, model)
     layers = layer_and_model_summary(table, ROTATION_UNITS, model)
-    rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table)
     return table, layers, rotation_metrics(table, model, rec_opts)
 
 

@@ -116,6 +116,42 @@ def layer_and_model_summary(df: pd.DataFrame, quantities: Mapping[str, str], mod
     return out
 
 
+#: Statuses of heads that could not be read or analysed because something is broken (unreadable or damaged
+#: files, NaN/inf vectors, wrong shapes), as opposed to what the data gives (too few rows, zero variance).
+FAILED_STATUSES = ("read_error", "bad_shape", "non_finite", "failed")
+
+
+class IncompleteResultError(RuntimeError):
+    """Heads could not be read or analysed and partial results were not allowed; nothing is written."""
+
+
+def missing_heads(df: pd.DataFrame, status_col: str = "status") -> dict[str, int]:
+    """Count of heads per :data:`FAILED_STATUSES` status (empty when none failed)."""
+    if status_col not in df.columns:
+        return {}
+    counts = df[status_col].astype(str).value_counts()
+    return {s: int(counts[s]) for s in FAILED_STATUSES if s in counts}
+
+
+def require_complete(df: pd.DataFrame, what: str, allow_partial: bool, option: str) -> dict[str, Any]:
+    """Fail unless every head was read and analysed, or ``allow_partial`` (issue 14: nothing silently shrinks).
+
+    Raising before any output is written keeps the previous outputs as they were. Returns what the
+    outputs record: ``n_heads_missing`` and ``missing_reasons`` (status -> count).
+    """
+    reasons = missing_heads(df)
+    n = sum(reasons.values())
+    if n and not allow_partial:
+        bad = df[df["status"].astype(str).isin(list(reasons))]
+        first = bad.iloc[0]
+        where = f"layer {first.get('layer')} head {first.get('q_head')}: {first.get('status')}: {first.get('reason')}"
+        raise IncompleteResultError(
+            f"{what}: {n} of {len(df)} heads could not be read or analysed {reasons} (first: {where}). Nothing "
+            f"was written; the previous outputs stay. Repair the capture, or set {option} = true to publish "
+            "results over the remaining heads (the outputs then record how many are missing and why).")
+    return {"n_heads_missing": n, "missing_reasons": reasons}
+
+
 def skipped_summary(df: pd.DataFrame, status_col: str = "status") -> dict[str, int]:
     """Count of heads per non-ok status (empty when every head is ok)."""
     if status_col not in df.columns:

@@ -46,7 +46,8 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     results = {}
     for model in MODELS:
         results[model] = materialize([capture_stand_in, plasticity], selection=[AssetKey(k) for k in outs],
-                                     partition_key=model, resources=resources)
+                                     partition_key=model, resources=resources,
+                                     run_config={"ops": {"plasticity": {"config": {"allow_partial": True}}}})
         assert results[model].success
     cross = materialize([capture_stand_in, plasticity, plasticity_deciles],
                         selection=[AssetKey("plasticity_deciles")], resources=resources)
@@ -55,7 +56,8 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     def read(name: str, part: str | None) -> pd.DataFrame:
         return storage.read_parquet(asset_rel([name], part)).to_pandas()
 
-    return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read}
+    return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read,
+            "resources": resources, "capture_stand_in": capture_stand_in, "outs": outs}
 
 
 def test_heads_table_values_statuses_and_units(materialised) -> None:
@@ -179,3 +181,24 @@ analysis = { plasticity = { pairs_per_bucket = 128, covariance = "diagonal" }, p
     assert opts.pairs_per_bucket == 128 and opts.covariance == "diagonal" and opts.bootstrap == 200
     assert mod.plasticity_options("m", {"bootstrap": 10}).bootstrap == 10
     assert mod.plasticity_options("not-in-registry").pairs_per_bucket == 1024
+
+
+def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> None:
+    """Issue 14.4: without allow_partial, a head that cannot be read (or holds NaN) fails the run before
+    anything is written; the fixture's opted-in run records how many heads are missing and why."""
+    from dagster import AssetKey, materialize
+
+    from qk_assets.assets.plasticity import plasticity
+    from qk_assets.io_manager import asset_rel
+
+    storage, outs = materialised["storage"], materialised["outs"]
+    before = {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in outs}
+    opts = json.loads(materialised["read"]("plasticity_metrics", "smollm2-135m")["options"].iloc[0])
+    assert opts["n_heads_missing"] == 2 and opts["missing_reasons"] == {"read_error": 1, "non_finite": 1}
+    result = materialize([materialised["capture_stand_in"], plasticity], selection=[AssetKey(k) for k in outs],
+                         partition_key="smollm2-135m", resources=materialised["resources"], raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.to_string()
+    assert "smollm2-135m: plasticity: 2 of 10 heads could not be read or analysed" in failure
+    assert "analysis.plasticity.allow_partial" in failure
+    assert {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in outs} == before

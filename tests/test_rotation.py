@@ -311,9 +311,10 @@ def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
     heads = [SyntheticHead(layer, h, h // 4, SPECS["recency"]) for layer in (1, 3) for h in range(8)]
     heads.append(SyntheticHead(4, 0, 0, SPECS["recency"], nan_rows=1))
     cap = write_synthetic_capture(storage, "m", heads, d=8, per_bucket=2)
-    both = run_geometry("m", iter_capture_heads(storage, cap), PCAOptions(), RotationOptions(complement=True))
-    pca_alone = run_pca("m", iter_capture_heads(storage, cap))
-    rot_alone = run_rotation("m", iter_capture_heads(storage, cap), RotationOptions(complement=True))
+    pca_o, rot_o = PCAOptions(allow_partial=True), RotationOptions(complement=True, allow_partial=True)
+    both = run_geometry("m", iter_capture_heads(storage, cap), pca_o, rot_o)
+    pca_alone = run_pca("m", iter_capture_heads(storage, cap), pca_o)
+    rot_alone = run_rotation("m", iter_capture_heads(storage, cap), rot_o)
     for a, b in list(zip(both["pca"], pca_alone, strict=True)) + list(zip(both["rotation"][:3], rot_alone[:3],
                                                                                  strict=True)):
         pd_testing.assert_frame_equal(a, b)

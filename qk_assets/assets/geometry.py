@@ -23,7 +23,7 @@ from qk_assets.resources import StorageResource
 from qk_core.blas import blas_threads
 from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions, iter_capture_heads
 from qk_core.rotation import ROTATION_UNITS, RotationOptions, run_geometry
-from qk_core.summaries import skipped_summary
+from qk_core.summaries import missing_heads, skipped_summary
 
 GROUP = "geometry"
 PCA_OUTS = ("pca_heads", "pca_layers", "pca_metrics")
@@ -41,6 +41,8 @@ class GeometryConfig(Config):
     rotation_complement_pairs: int | None = None
     rotation_min_rows: int | None = None
     rotation_min_pairs: int | None = None
+    pca_allow_partial: bool | None = None  # publish PCA outputs although heads could not be read/analysed
+    rotation_allow_partial: bool | None = None
     plane_points: int = 400  # Q and K rows per head kept for the {a, b}-plane figure
     blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
 
@@ -84,7 +86,8 @@ def _common(heads: pd.DataFrame) -> dict:
     skipped = skipped_summary(heads)
     out = {"options": MetadataValue.json(json.loads(heads["options"].iloc[0]) if len(heads) else {}),
            "heads_ok": int((heads["status"] == "ok").sum()), "heads_skipped": int(sum(skipped.values())),
-           "skipped_reasons": MetadataValue.json(skipped)}
+           "skipped_reasons": MetadataValue.json(skipped),
+           "heads_missing": int(sum(missing_heads(heads).values()))}
     if "notes" in heads:
         out["heads_with_notes"] = int((heads["notes"].fillna("") != "").sum())
     return out

@@ -63,6 +63,7 @@ class PlasticityConfig(Config):
     bootstrap: int | None = None
     seed: int | None = None
     keep_pairs: bool | None = None
+    allow_partial: bool | None = None  # publish outputs although heads could not be read or analysed
 
 
 def plasticity_options(model_key: str, overrides: dict | None = None) -> PlasticityOptions:
@@ -134,6 +135,7 @@ def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage
     folder = f"plasticity/{model}"
     common = {"options": MetadataValue.json(record), "L_tokens": L, "B_tokens": B,
               "heads_ok": int((h["status"] == "ok").sum()) if len(h) else 0,
+              "heads_missing": int(record.get("n_heads_missing", 0)),
               "heads_skipped": MetadataValue.json({str(k): int(v) for k, v in skipped.items()})}
     headline = result.metrics[result.metrics["key"] == ""][["metric", "value", "median", "lo", "hi", "n_heads",
                                                             "unit"]]

@@ -37,6 +37,7 @@ from qk_core.plasticity.options import PlasticityOptions, n_buckets
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_query_model
 from qk_core.storage import StorageError
+from qk_core.summaries import require_complete
 
 FIRST_BUCKET = "first_bucket"
 NO_ELIGIBLE_PAIRS = "no_eligible_pairs"
@@ -322,6 +323,8 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
             progress(n, res)
 
     heads_df = pd.DataFrame(rows)
+    record.update(require_complete(heads_df, f"{model_key}: plasticity", opts.allow_partial,
+                                   "analysis.plasticity.allow_partial (or the run config)"))
     if len(heads_df):
         heads_df.insert(0, "model", model_key)
         heads_df["options"] = opt_json

@@ -43,6 +43,8 @@ class PlasticityOptions:
     position_bin_edges: absolute token bins; ``None`` means 0, B, 2B, 4B, ... up to L.
     heatmap_bin: heatmap cell width in tokens; ``None`` means B (4.7).
     keep_pairs: keep the per-pair records (4.7).
+    allow_partial: publish results when heads could not be read or analysed; otherwise the run fails
+        and the previous outputs stay (the outputs record ``n_heads_missing`` and ``missing_reasons``).
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -58,6 +60,7 @@ class PlasticityOptions:
     position_bin_edges: tuple[NonNegInt, ...] | None = None
     heatmap_bin: PosInt | None = None
     keep_pairs: Bool = True
+    allow_partial: Bool = False
 
     def __post_init__(self) -> None:
         if self.covariance not in COVARIANCES:
