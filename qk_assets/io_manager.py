@@ -6,13 +6,26 @@ Loading several upstream partitions (a report over all models, a trajectory over
 DataFrame itself. An input declared with ``AssetIn(..., metadata={"allow_missing": True})`` whose
 upstream is unpartitioned and not written yet loads as
 an empty dict instead of failing.
+
+Encoding (values unchanged): zstd compression; floating-point columns byte-stream-split (their bytes
+grouped by significance, which zstd compresses far better than raw floats), every other column
+dictionary-encoded. On the per-pair plasticity records this is 24% smaller than the default and
+writes 15x faster (bench/results/study_scale.md).
 """
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext, ResourceDependency
 
 from qk_assets.resources import StorageResource
+
+
+def parquet_write_options(table: pa.Table) -> dict[str, Any]:
+    """Compact Parquet options for ``table``: zstd, byte-stream-split floats, dictionaries for the rest."""
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    rest = [f.name for f in table.schema if not pa.types.is_floating(f.type)]
+    return {"compression": "zstd", "use_dictionary": rest or False, "use_byte_stream_split": floats or False}
 
 
 def asset_rel(key_path: list[str], partition: str | None) -> str:
@@ -29,7 +42,8 @@ class ParquetIOManager(ConfigurableIOManager):
             raise TypeError(f"{context.asset_key.to_user_string()}: expected a DataFrame, got {type(obj)}")
         partition = context.partition_key if context.has_asset_partitions else None
         rel = asset_rel(context.asset_key.path, partition)
-        uri = self.storage.get().write_parquet(rel, pa.Table.from_pandas(obj, preserve_index=False))
+        table = pa.Table.from_pandas(obj, preserve_index=False)
+        uri = self.storage.get().write_parquet(rel, table, **parquet_write_options(table))
         context.add_output_metadata({"path": MetadataValue.path(uri), "rows": len(obj)})
 
     def load_input(self, context: InputContext) -> pd.DataFrame | dict[str, pd.DataFrame]:

@@ -3,8 +3,10 @@
 :func:`analyse_head` runs the query model (4.1), the key-pair sampling (4.2), both estimators (4.3),
 the profile (4.4), the aggregates and bins (4.5), the document bootstrap (4.6), the per-pair records
 (4.7), the component weights (4.8) and the diagnostics (4.9) for one head. :func:`analyse_model`
-runs it head by head (one head in memory at a time) and adds the model-level values: means and
-medians over heads with model-level bootstrap intervals, and the pooled heatmap.
+runs it head by head (a few heads in memory at a time, ``workers`` of them analysed concurrently in
+threads, results consumed in head order so every output is identical to a sequential run) and adds the
+model-level values: means and medians over heads with model-level bootstrap intervals, and the pooled
+heatmap.
 
 Units: positions and tau in raw tokens; ``*_frac`` columns are tau / L; ``*_window`` slopes are per
 token times L. PP and AP are probabilities-derived numbers in [0, 1].
@@ -13,7 +15,9 @@ token times L. PP and AP are probabilities-derived numbers in [0, 1].
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,37 +286,72 @@ class ModelResult:
     options: dict[str, Any]
 
 
+def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
+                  opts: PlasticityOptions, doc_ids: np.ndarray, W: np.ndarray, L: int, B: int,
+                  workers: int) -> Iterator[HeadResult]:
+    """Each head read and analysed, in the order of ``heads``; ``workers`` > 1 runs that many heads at once.
+
+    Threads suffice: the heavy steps (Parquet decoding, BLAS products, NumPy reductions) release the GIL.
+    At most ``workers + 1`` heads are in flight, so memory stays a few heads.
+    """
+    J = n_buckets(L, B)
+
+    def one(layer: int, q_head: int) -> HeadResult:
+        try:
+            head = read_head(int(layer), int(q_head))
+        except (CaptureError, StorageError) as exc:
+            return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
+                                "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
+        return _analyse_head(head, opts, doc_ids, W)
+
+    if workers <= 1:
+        for layer, q_head in heads:
+            yield one(layer, q_head)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plasticity") as pool:
+        pending: deque[Future[HeadResult]] = deque()
+        for layer, q_head in heads:
+            pending.append(pool.submit(one, layer, q_head))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
 def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
                   progress: Callable[[int, HeadResult], None] | None = None,
-                  blas_threads: int | None = 1) -> ModelResult:
-    """SPEC 4 over every (layer, q_head): one head read and analysed at a time.
+                  blas_threads: int | None = 1, workers: int = 2) -> ModelResult:
+    """SPEC 4 over every (layer, q_head), ``workers`` heads analysed at once (identical results for any count).
 
     The bootstrap resamples the capture's documents (doc_ids) with one weight matrix shared by all
     heads, so the model-level interval of a metric is the percentile interval of the mean over heads.
+    ``read_head`` must be safe to call from several threads (:class:`CaptureReader` is).
     """
+    with limit_blas(blas_threads):
+        return _analyse_model(model_key, heads, read_head, doc_ids, L, B, opts, progress, max(1, int(workers)))
+
+
+def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
+                   doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
+                   progress: Callable[[int, HeadResult], None] | None, workers: int) -> ModelResult:
     doc_ids = np.unique(np.asarray(doc_ids, dtype=np.int64))
     W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
     record = opts.record(L, B)
     opt_json = opts.record_json(L, B)
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
-    rows, profiles, bins, pairs, comps, boots, aps = [], [], [], [], [], [], []
+    rows, profiles, bins, comps, boots, aps = [], [], [], [], [], []
     boots_emp: list[np.ndarray] = []
-    J = n_buckets(L, B)
-    for n, (layer, q_head) in enumerate(heads):
-        try:
-            head = read_head(int(layer), int(q_head))
-        except (CaptureError, StorageError) as exc:
-            res = failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
-                               "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
-        else:
-            res = analyse_head(head, opts, doc_ids, W, blas_threads)
+    pair_cols: dict[str, list[np.ndarray]] = {}
+    for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers)):
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)
         comps.append(res.components)
-        if res.pairs is not None:
-            pairs.append(res.pairs)
+        if res.pairs is not None and len(res.pairs):
+            for col in res.pairs.columns:  # column arrays, not frames: the final table is built column by column
+                pair_cols.setdefault(col, []).append(res.pairs[col].to_numpy())
+            res.pairs = None
         if res.pair_arrays:
             pa_ = res.pair_arrays
             hm.add(pa_["t_i"], pa_["t_j"], pa_["tau"], pa_["pp"], pa_["pp_empirical"])
@@ -336,6 +375,7 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
             out.insert(0, "model", model_key)
         return out
 
+    pairs_df = _pairs_frame(model_key, pair_cols)
     heat = hm.frame()
     heat.insert(0, "model", model_key)
     heat["bin_width_tokens"] = hm.width
@@ -346,7 +386,19 @@ def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: C
     aps = np.stack(aps) if aps else np.zeros((0, n_buckets(L, B)))
     metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
                             opts, record, np.stack(boots_emp) if boots_emp else None)
-    return ModelResult(heads_df, _cat(profiles), bins_df, _cat(pairs), _cat(comps), heat, metrics, record)
+    return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record)
+
+
+def _pairs_frame(model_key: str, pair_cols: dict[str, list[np.ndarray]]) -> pd.DataFrame:
+    """The per-pair table from per-head column arrays; each column's parts are freed once joined."""
+    if not pair_cols:
+        return pd.DataFrame()
+    data: dict[str, Any] = {}
+    for col in list(pair_cols):
+        data[col] = np.concatenate(pair_cols.pop(col))
+    n = len(next(iter(data.values())))
+    model = pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[model_key])
+    return pd.DataFrame({"model": model, **data}, copy=False)
 
 
 EXTRA_METRICS = (
