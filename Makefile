@@ -8,7 +8,7 @@ export DAGSTER_HOME := $(if $(DAGSTER_POSTGRES_URL),$(CURDIR)/dagster_home/postg
 HOST ?= 127.0.0.1
 PORT ?= 3000
 
-.PHONY: setup demo test ui lint bench browser clean
+.PHONY: setup demo test ui lint bench bench-gpu browser clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ bench: setup
 	$(BIN)/python bench/capture_cpu.py --repeats 4
 	$(BIN)/python bench/pca_rotation.py
 	$(BIN)/python bench/plasticity.py
+
+# Capture on the real model shapes at 32K and 128K tokens on a CUDA GPU (bench/results/gpu_capture.*).
+bench-gpu: setup
+	$(BIN)/python bench/gpu_capture.py
 
 # Headless Chromium for the report/UI tests (Debian package; installed when we are root).
 browser:

@@ -1,0 +1,69 @@
+"""CPU smoke run of bench/gpu_capture.py at tiny widths: the GPU benchmark's code path cannot rot.
+
+The same ``run_case`` as on the GPU (capture_model into a storage root, output identity, the model's own
+eager logits, pair-norm factors of YaRN / query temperature / NoPE / q-k norm, layer metadata, masks)
+on every real architecture at tiny width, fp32 on CPU. A negative control shows the logit check fails
+for wrong rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import gpu_capture
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    rc = gpu_capture.main(["--device", "cpu", "--tiny", "--repeats", "1", "--lengths", "192", "--out", str(out)])
+    data = json.loads((out / "gpu_capture.json").read_text())
+    data["rc"] = rc
+    data["md"] = (out / "gpu_capture.md").read_text()
+    return data
+
+
+def test_every_shape_runs_and_passes_its_checks(smoke: dict) -> None:
+    results = {r["shape"]: r for r in smoke["results"]}
+    assert set(results) == set(gpu_capture.SHAPES)
+    for name, r in results.items():
+        assert r["status"] == "ok", (name, r.get("error"), r.get("failures"), r.get("traceback"))
+        assert r["outputs_identical"], name
+        assert all(c["logit_ok"] and c["pairs"] > 50 for c in r["head_checks"]), name
+        assert all(r["layer_checks"].values()), (name, r["layer_checks"])
+        assert r["full_layer_masks"] == ["None (is_causal)"], name  # no L x L mask for full attention
+        assert r["tokens_per_s_plain"] > 0 and r["capture_peak_mb"] and r["forward_tflop"] > 0
+    assert smoke["rc"] == 0
+    assert "| qwen3-8b | sdpa | 192 | ok |" in smoke["md"]
+
+
+def test_family_factors_are_the_expected_ones(smoke: dict) -> None:
+    """YaRN attention factor, Ministral's temperature above its original context, NoPE raw projections."""
+    r = {x["shape"]: x for x in smoke["results"]}
+    yarn = 0.1 * math.log(4.0) + 1.0
+    assert all(c["pair_ratio_expected_range"] == [yarn, yarn] and "qk_norm_ok" in c
+               for c in r["qwen3-8b"]["head_checks"])
+    lo, hi = r["ministral-3-8b"]["head_checks"][0]["pair_ratio_expected_range"]
+    assert lo == 1.0 and hi == pytest.approx(1 + 0.1 * math.log(1 + 191 // 64))  # original context 64 (tiny)
+    assert any("nope_ok" in c for c in r["smollm3-3b"]["head_checks"])
+    assert r["gemma3-4b"]["sliding_layer_masks"] == ["Tensor(1, 1, 192, 192)"]  # sdpa materialises sliding masks
+
+
+def test_logit_check_fails_for_wrong_rows() -> None:
+    """Negative control: q rows shifted by one position break the logit comparison."""
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(12, 16)), rng.normal(size=(12, 16))
+    pos = np.arange(0, 120, 10)
+    s = 0.25 * q @ k.T
+    w = np.where(pos[None, :] <= pos[:, None], np.exp(s), 0.0)
+    w /= w.sum(axis=1, keepdims=True)
+    ok, _, n = gpu_capture.logit_error(q, pos, k, pos, 0.25, w, None)
+    bad, _, _ = gpu_capture.logit_error(np.roll(q, 1, axis=0), pos, k, pos, 0.25, w, None)
+    assert ok < 1e-9 and n == 78 and bad > 0.1
