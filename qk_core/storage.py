@@ -38,6 +38,7 @@ class Storage:
 
     def __init__(self, root: str | os.PathLike[str], s3_endpoint_url: str | None = None) -> None:
         root = str(root)
+        self.s3_endpoint_url = s3_endpoint_url
         self.is_s3 = root.startswith("s3://")
         if self.is_s3:
             opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}

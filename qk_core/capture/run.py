@@ -15,7 +15,7 @@ import hashlib
 import logging
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ class CaptureResult:
     seconds: float = 0.0  # wall time of the forwards of this run
     already_complete: bool = False
     verification: dict[str, Any] | None = None  # CaptureReader.verify() of this run's finalize, if any
+    shards: list[dict[str, Any]] = field(default_factory=list)  # per Ray task of a sharded capture
 
     @property
     def tokens_per_s(self) -> float:
@@ -218,11 +219,15 @@ def _result_from_storage(storage: Storage, prefix: str, **kw: Any) -> CaptureRes
 # ---- the run ---------------------------------------------------------------------------------
 def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, corpus_name: str | None = None,
                   device: str = "auto", loaded: LoadedModel | None = None, log: Any = None,
-                  on_document: Callable[[int, int], None] | None = None) -> CaptureResult:
+                  on_document: Callable[[int, int], None] | None = None,
+                  only_docs: Collection[int] | None = None, finalize: bool = True) -> CaptureResult:
     """Capture ``entry`` over ``corpus`` (columns example_id, text) into ``storage`` (SPEC 1).
 
     ``loaded`` reuses an already loaded model; ``log`` is any logger with ``info``/``warning`` (the
     Dagster run log in the asset); ``on_document(example_id, n_tokens)`` is called after each commit.
+    One shard of a capture (:mod:`qk_core.capture.sharded`): ``only_docs`` restricts the documents this
+    call forwards (the capture's identity stays the whole corpus), ``finalize=False`` leaves the
+    fan-out to whoever commits the last shard; the result then holds no row counts (``heads`` with 0).
     """
     import torch
 
@@ -281,9 +286,10 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     committed = writer.committed_doc_ids() if writer is not None else set()
     if writer is not None and writer_manifest_heads(storage, prefix) != heads:
         raise CaptureError(f"{storage.uri(prefix)}: stored head manifest differs from this run's; not resuming")
-    todo = [(int(e), str(t)) for e, t in zip(docs["example_id"], docs["text"], strict=True)
+    mine = docs if only_docs is None else docs[docs["example_id"].astype(int).isin({int(e) for e in only_docs})]
+    todo = [(int(e), str(t)) for e, t in zip(mine["example_id"], mine["text"], strict=True)
             if int(e) not in committed]
-    skipped = [int(e) for e in docs["example_id"] if int(e) in committed]
+    skipped = [int(e) for e in mine["example_id"] if int(e) in committed]
     if skipped:
         log.info(f"{entry.key}: resuming, {len(skipped)}/{len(docs)} documents already committed")
 
@@ -293,7 +299,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     captured: list[int] = []
     tokens = 0
     seconds = 0.0
-    total = len(docs)
+    total = len(mine)
     with hook.CaptureSession(loaded.backbone, plan) as session:
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
@@ -322,6 +328,12 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                      f"{n / dt:.0f} tok/s; run average {tokens / seconds:.0f} tok/s")
             if on_document is not None:
                 on_document(eid, n)
+    if not finalize:
+        log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "
+                 f"({len(captured)} captured, {len(skipped)} already there); finalize left to the caller")
+        return CaptureResult(prefix=prefix, fingerprint=fp, manifest=manifest, heads=heads_frame(manifest, prefix, {}),
+                             layers=layers_frame(manifest), doc_tokens=pd.DataFrame(columns=["example_id", "n_tokens"]),
+                             captured_docs=captured, skipped_docs=skipped, tokens=tokens, seconds=seconds)
     if writer is None:
         writer = CaptureWriter(storage, entry.key, manifest)
     summary = writer.finalize(keep_doc_files=entry.capture.keep_doc_files)

@@ -1,0 +1,152 @@
+"""One capture sharded by document over a real local Ray cluster, storage on the moto S3 server (issue 12).
+
+The cluster is a head (no GPU) and two worker nodes (one logical GPU each) started as separate
+``ray start`` processes; every shard task requests one GPU, so the two shards run on the two workers.
+The reference is a single-worker capture of the same entry in this process on local disk: the sharded
+capture must equal it bit for bit (every document file, head file and the token table). The last test
+kills a worker node (SIGKILL on its process group) while its shard is half done; Ray retries the shard
+on the surviving node, which skips what was committed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tiny_models as tm
+from ray_cluster import RayCluster, cmdline, descendants, start_cluster, wait_nodes
+from s3 import moto_s3  # noqa: F401  (session fixture)
+
+from qk_core.capture import capture_model
+from qk_core.capture.sharded import capture_sharded, shard_documents
+from qk_core.corpus import local_corpus
+from qk_core.registry import load_registry
+from qk_core.storage import Storage
+
+REPO = Path(__file__).resolve().parent.parent
+N_DOCS, CHARS, WINDOW = 16, 900, 1024
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa: F811
+    import ray
+
+    root = tmp_path_factory.mktemp("ray")
+    tm.build_tiny_model("llama", root / "llama")
+    tm.write_corpus_jsonl(root / "corpus.jsonl", tm.sample_texts(N_DOCS, CHARS, seed=3))
+    model = {"family": "llama", "source": {"local": str(root / "llama")}, "window": WINDOW, "bucket": 64,
+             "capture": {"per_bucket": 2, "keep_doc_files": True}}  # kept: compared and counted below
+    entry = load_registry(tm.write_registry(root / "registry.toml", {"t-llama": model}, root / "corpus.jsonl")
+                          ).model("t-llama")
+    corpus = local_corpus({"path": str(root / "corpus.jsonl")})
+    ref_storage = Storage(root / "reference")
+    ref = capture_model(entry, corpus, ref_storage, device="cpu")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    try:
+        cluster = start_cluster(env, n_workers=2, gpus_per_worker=1)
+    except (RuntimeError, OSError) as exc:
+        pytest.fail(f"a local Ray cluster could not be started: {exc}")
+    try:
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+        wait_nodes(cluster, 3)
+    except Exception as exc:
+        cluster.stop()
+        pytest.fail(f"could not connect to the local Ray cluster at {cluster.address}: {exc}\n{cluster.log_tail()}")
+    try:
+        yield {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": cluster,
+               "s3": moto_s3}
+    finally:
+        ray.shutdown()
+        cluster.stop()
+
+
+def assert_bit_identical(a: Storage, b: Storage, prefix: str) -> int:
+    """Every document file, head file and the token table of two captures hold equal tables; returns files."""
+    names_a = sorted(n for n in a.ls(prefix, recursive=True) if n.endswith(".parquet"))
+    names_b = sorted(n for n in b.ls(prefix, recursive=True) if n.endswith(".parquet"))
+    assert names_a == names_b
+    for name in names_a:
+        ta, tb = a.read_parquet(name), b.read_parquet(name)
+        assert ta.equals(tb), name
+        assert (ta.schema.metadata or {}) == (tb.schema.metadata or {}), name
+    ma, mb = a.read_json(f"{prefix}/manifest.json"), b.read_json(f"{prefix}/manifest.json")
+    assert ma["heads"] == mb["heads"] and ma["layers"] == mb["layers"] and ma["identity"] == mb["identity"]
+    assert a.read_json(f"{prefix}/complete.json") == b.read_json(f"{prefix}/complete.json")
+    return len(names_a)
+
+
+def test_shards_are_round_robin_and_cover_every_document() -> None:
+    assert shard_documents([5, 6, 7, 8, 9], 2) == [[5, 7, 9], [6, 8]]
+    assert shard_documents([1, 2], 4) == [[1], [2]]
+    with pytest.raises(ValueError, match="n_shards"):
+        shard_documents([1], 0)
+
+
+def test_sharded_capture_equals_single_worker(lab: dict) -> None:
+    import ray
+
+    storage = Storage(lab["s3"].root("sharded"), lab["s3"].endpoint)
+    result = capture_sharded(lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu")
+    assert result.prefix == lab["ref"].prefix
+    assert sorted(result.captured_docs) == sorted(lab["corpus"]["example_id"].astype(int))
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    used = {r["node_id"] for r in result.shards}
+    assert len(result.shards) == 2 and len(used) == 2  # one shard per GPU worker, never the GPU-less head
+    assert all(nodes[n]["Resources"].get("GPU") == 1 for n in used)
+    assert assert_bit_identical(lab["ref_storage"], storage, result.prefix) > N_DOCS
+    again = capture_sharded(lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu")
+    assert again.already_complete
+
+
+def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int, int]:
+    """(node name, pid, shard index) of a worker process running a capture shard task."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for name, proc in cluster.procs.items():
+            for pid in descendants(proc.pid):
+                cmd = cmdline(pid)
+                if cmd.startswith("ray::qk_capture_shard"):
+                    return name, pid, int(cmd.split()[0].rsplit(":", 1)[1])
+        time.sleep(0.2)
+    raise AssertionError(f"no capture shard task seen running within {timeout}s\n{cluster.log_tail()}")
+
+
+def test_killed_worker_node_is_redone_elsewhere(lab: dict) -> None:
+    """SIGKILL a worker node while its shard is half committed: nothing lost, nothing duplicated."""
+    import ray
+
+    cluster: RayCluster = lab["cluster"]
+    storage = Storage(lab["s3"].root("killed"), lab["s3"].endpoint)
+    ids = [int(e) for e in lab["corpus"]["example_id"]]
+    shards = shard_documents(ids, 2)
+    prefix = lab["ref"].prefix
+    node_ids = {n["NodeManagerPort"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(capture_sharded, lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu")
+        node, pid, shard = _shard_process(cluster)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            done = {int(n.rsplit("doc-", 1)[1].split(".")[0]) for n in storage.ls(f"{prefix}/docs")}
+            if len(done & set(shards[shard])) >= 2:
+                break
+            time.sleep(0.05)
+        done_before = done & set(shards[shard])
+        assert 2 <= len(done_before) < len(shards[shard]), "the shard finished before the kill: make it longer"
+        os.killpg(cluster.procs[node].pid, signal.SIGKILL)  # the node: ray start, raylet, its workers
+        os.kill(pid, signal.SIGKILL) if Path(f"/proc/{pid}").exists() else None
+        result = future.result(timeout=300)
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(alive) == 2  # the head and the surviving worker
+    killed = [n for n in node_ids.values() if n not in alive]
+    assert len(killed) == 1
+    redo = next(r for r in result.shards if set(r["captured"]) | set(r["skipped"]) == set(shards[shard]))
+    assert redo["node_id"] in alive and redo["node_id"] != killed[0]
+    assert set(redo["skipped"]) >= done_before and redo["captured"]  # resumed, not restarted
+    assert len(storage.ls(f"{prefix}/docs")) == N_DOCS
+    assert assert_bit_identical(lab["ref_storage"], storage, prefix) > N_DOCS
