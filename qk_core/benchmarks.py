@@ -25,22 +25,25 @@ Bad input raises :class:`BenchmarkDataError` naming the file, the line (or JSON 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
 import json
 import math
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy as np
 import pandas as pd
 
 from qk_core.metrics import COLUMNS as METRIC_COLUMNS
-from qk_core.settings import DATA_DIR
+from qk_core.settings import DATA_DIR, Settings
 from qk_core.storage import Storage
 
 BENCHMARK_DIR = "benchmarks"
@@ -93,14 +96,32 @@ class BenchmarkDataError(ValueError):
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One input file under the storage root: its relative path, bytes and content hash."""
+    """One input file under the storage root: its relative path and content, read as a stream.
+
+    ``data`` holds small in-memory files (tests); otherwise the file is streamed from ``storage``
+    every time it is opened, so a large file is never held in memory whole (issue 14.6).
+    """
 
     rel: str
-    data: bytes
+    data: bytes | None = None
+    storage: Storage | None = field(default=None, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[BinaryIO]:
+        if self.data is not None:
+            yield io.BytesIO(self.data)
+        else:
+            assert self.storage is not None, f"{self.rel}: neither data nor storage"
+            with self.storage.open_read(self.rel) as fh:
+                yield fh
 
     @cached_property
     def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+        h = hashlib.sha256()
+        with self.open() as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()
 
 
 # ---- lengths ------------------------------------------------------------------------------------
@@ -198,7 +219,7 @@ def scan_files(storage: Storage, previous: dict[str, dict[str, str]] | None = No
             state[rel] = dict(old)
             continue
         try:
-            sha = hashlib.sha256(storage.read_bytes(rel)).hexdigest()
+            sha = SourceFile(rel, storage=storage).sha256  # streamed: a large file is never held whole
         except Exception:  # vanished mid-scan: the next scan sees it gone
             continue
         state[rel] = {"token": token, "sha256": sha}
@@ -207,45 +228,67 @@ def scan_files(storage: Storage, previous: dict[str, dict[str, str]] | None = No
     return state, sorted(changed)
 
 
-def read_files(storage: Storage, rels: Iterable[str]) -> list[SourceFile]:
-    return [SourceFile(rel, storage.read_bytes(rel)) for rel in rels]
+def read_files(storage: Storage, rels: Iterable[str], max_bytes: int | None = None) -> list[SourceFile]:
+    """The files as streams; any larger than ``max_bytes`` (default ``QK_BENCHMARK_MAX_BYTES``) is an error."""
+    limit = Settings.from_env().benchmark_max_bytes if max_bytes is None else max_bytes
+    problems, files = [], []
+    for rel in rels:
+        size = storage.size(rel)
+        if size > limit:
+            problems.append(f"{storage.uri(rel)}: {size:,} bytes is over the limit of {limit:,} bytes for one "
+                            "benchmark or reference file (raise QK_BENCHMARK_MAX_BYTES to read it)")
+        files.append(SourceFile(rel, storage=storage))
+    if problems:
+        raise BenchmarkDataError(problems)
+    return files
 
 
-def score_files(storage: Storage) -> list[SourceFile]:
+def score_files(storage: Storage, max_bytes: int | None = None) -> list[SourceFile]:
     """Every score file under ``benchmarks/`` (not the alias or model-type tables)."""
-    return read_files(storage, [r for r in list_data_files(storage, BENCHMARK_DIR) if classify(r) == "scores"])
+    return read_files(storage, [r for r in list_data_files(storage, BENCHMARK_DIR) if classify(r) == "scores"],
+                      max_bytes)
 
 
 # ---- CSV helpers --------------------------------------------------------------------------------
-def _csv_rows(f: SourceFile, uri: str, problems: list[str]) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """Header and (line number, row) pairs; the header is line 1."""
-    try:
-        text = f.data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        problems.append(f"{uri}: not UTF-8 text ({exc})")
-        return [], []
-    reader = csv.reader(io.StringIO(text, newline=""))
+def _csv_rows(f: SourceFile, uri: str, problems: list[str]
+              ) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
+    """Header and a lazy iterator of (line number, row) pairs; the header is line 1.
+
+    The file is streamed (decoded and split as it is read), so memory does not grow with its size.
+    """
+    stack = contextlib.ExitStack()
+    fh = stack.enter_context(f.open())
+    reader = csv.reader(io.TextIOWrapper(fh, encoding="utf-8-sig", newline=""))
     try:
         header = [h.strip() for h in next(reader)]
     except StopIteration:
         problems.append(f"{uri}: line 1: empty file (no header)")
-        return [], []
+    except UnicodeDecodeError as exc:
+        problems.append(f"{uri}: line 1: not UTF-8 text ({exc})")
     except csv.Error as exc:
         problems.append(f"{uri}: line 1: unreadable CSV ({exc})")
-        return [], []
-    rows: list[tuple[int, dict[str, str]]] = []
-    try:
-        for values in reader:
-            line = reader.line_num
-            if not values or all(not v.strip() for v in values):
-                continue
-            if len(values) != len(header):
-                problems.append(f"{uri}: line {line}: {len(values)} fields, the header has {len(header)}")
-                continue
-            rows.append((line, {h: v.strip() for h, v in zip(header, values, strict=True)}))
-    except csv.Error as exc:
-        problems.append(f"{uri}: line {reader.line_num}: unreadable CSV ({exc})")
-    return header, rows
+    else:
+        return header, _csv_body(stack, reader, header, uri, problems)
+    stack.close()
+    return [], iter(())
+
+
+def _csv_body(stack: contextlib.ExitStack, reader: Any, header: list[str], uri: str, problems: list[str]
+              ) -> Iterator[tuple[int, dict[str, str]]]:
+    with stack:
+        try:
+            for values in reader:
+                line = reader.line_num
+                if not values or all(not v.strip() for v in values):
+                    continue
+                if len(values) != len(header):
+                    problems.append(f"{uri}: line {line}: {len(values)} fields, the header has {len(header)}")
+                    continue
+                yield line, {h: v.strip() for h, v in zip(header, values, strict=True)}
+        except csv.Error as exc:
+            problems.append(f"{uri}: line {reader.line_num}: unreadable CSV ({exc})")
+        except UnicodeDecodeError as exc:
+            problems.append(f"{uri}: after line {reader.line_num}: not UTF-8 text ({exc})")
 
 
 def _missing(header: list[str], required: Iterable[str], uri: str, problems: list[str]) -> bool:
@@ -288,26 +331,129 @@ def _nonempty(row: dict[str, str], fields: Iterable[str], where: str, problems: 
     return ok
 
 
-def _record(*, benchmark: str, suite: str, source: str, model_name: str, mode: str, breakdown: str, key: str,
-            score: float, input_truncation: int | None, date: str, f: SourceFile, location: str,
-            extra: dict[str, str]) -> dict[str, Any]:
-    return {
-        "benchmark": benchmark, "suite": suite, "source": source, "model_name": model_name, "mode": mode,
-        "breakdown": breakdown, "key": key, "score": score,
-        "length_tokens": parse_length(key) if breakdown == "length" else None,
-        "input_truncation": input_truncation, "date": date, "file": f.rel, "location": location,
-        "file_sha256": f.sha256, "extra": json.dumps(extra, sort_keys=True) if extra else "",
-    }
+STRING_COLUMNS = ["benchmark", "suite", "source", "model_name", "mode", "breakdown", "key", "date", "file",
+                  "file_sha256", "extra"]
+SORT_COLUMNS = ["benchmark", "suite", "model_name", "mode", "breakdown", "key"]
+IDENTITY = SORT_COLUMNS  # one score per cell
+_NONE = -(2**62)  # integer sentinel for a missing value in the compact columns
+
+
+class _Records:
+    """Score records in compact columns (issue 14.6: a large file must not need memory per row as dicts).
+
+    Each string column is an ``array`` of codes into its distinct values; numbers are ``array``s; a
+    location is a CSV line number (or an entry name for JSON). The frame returns the repeated strings as
+    categoricals with sorted categories.
+    """
+
+    def __init__(self) -> None:
+        self.codes: dict[str, array] = {c: array("i") for c in STRING_COLUMNS}
+        self.values: dict[str, dict[str, int]] = {c: {} for c in STRING_COLUMNS}
+        self.score, self.length, self.trunc, self.line = array("d"), array("q"), array("q"), array("q")
+        self.entries: dict[int, str] = {}  # row -> non-line location (JSON entries)
+        self.shas: dict[str, SourceFile] = {}
+
+    def _add(self, col: str, v: str) -> None:
+        vals = self.values[col]
+        code = vals.get(v)
+        if code is None:
+            code = vals[v] = len(vals)
+        self.codes[col].append(code)
+
+    def add(self, *, benchmark: str, suite: str, source: str, model_name: str, mode: str, breakdown: str,
+            key: str, score: float, input_truncation: int | None, date: str, f: SourceFile, location: str,
+            extra: dict[str, str]) -> None:
+        row = len(self.score)
+        for col, v in (("benchmark", benchmark), ("suite", suite), ("source", source), ("model_name", model_name),
+                       ("mode", mode), ("breakdown", breakdown), ("key", key), ("date", date), ("file", f.rel),
+                       ("file_sha256", f.rel), ("extra", json.dumps(extra, sort_keys=True) if extra else "")):
+            self._add(col, v)
+        self.shas.setdefault(f.rel, f)
+        self.score.append(score)
+        length = parse_length(key) if breakdown == "length" else None
+        self.length.append(_NONE if length is None else length)
+        self.trunc.append(_NONE if input_truncation is None else input_truncation)
+        if location.startswith("line ") and location[5:].isdigit():
+            self.line.append(int(location[5:]))
+        else:
+            self.line.append(_NONE)
+            self.entries[row] = location
+
+    def duplicates(self, uri_of: Any) -> list[str]:
+        """A problem per row repeating an earlier cell (benchmark, suite, model, mode, breakdown, key; a
+        length key compares as tokens), in file order, naming both places."""
+        n = len(self.score)
+        if not n:
+            return []
+        cols = {c: np.frombuffer(self.codes[c], dtype=np.int32) for c in IDENTITY}
+        length = np.frombuffer(self.length, dtype=np.int64)
+        cols["key"] = np.where(length != _NONE, length, -1 - cols["key"].astype(np.int64))
+        dup = pd.DataFrame(cols).duplicated(keep="first").to_numpy()
+        if not dup.any():
+            return []
+        ident = pd.util.hash_pandas_object(pd.DataFrame(cols), index=False).to_numpy()
+        first_of = dict(zip(ident[~dup].tolist(), np.flatnonzero(~dup).tolist(), strict=True))
+        names = {c: list(self.values[c]) for c in ("benchmark", "model_name", "mode", "breakdown", "key", "file")}
+
+        def val(col: str, row: int) -> str:
+            return names[col][self.codes[col][row]]
+
+        def where(row: int) -> str:
+            loc = self.entries.get(row) or f"line {self.line[row]}"
+            return f"{uri_of(val('file', row))}: {loc}"
+
+        out = []
+        rows = np.flatnonzero(dup)
+        for row in rows[:MAX_REPORTED].tolist():
+            first = first_of[int(ident[row])]
+            out.append(f"{where(row)}, field 'key': duplicate row — {val('benchmark', row)} / "
+                       f"{val('model_name', row)} / {val('mode', row)} / {val('breakdown', row)} = {val('key', row)} "
+                       f"is already given by {where(first)}")
+        if len(rows) > MAX_REPORTED:
+            out.append(f"... {len(rows)} duplicate rows in all")
+        return out
+
+    def frame(self) -> pd.DataFrame:
+        """The table sorted by :data:`SORT_COLUMNS` (the codes are released)."""
+        n = len(self.score)
+        cats: dict[str, pd.Categorical] = {}
+        for col in STRING_COLUMNS:
+            names = list(self.values[col])
+            if col == "file_sha256":
+                names = [self.shas[rel].sha256 for rel in names]
+            order = np.argsort(np.array(names, dtype=object), kind="stable") if names else np.zeros(0, np.int64)
+            rank = np.empty(len(names), np.int32)
+            rank[order] = np.arange(len(names), dtype=np.int32)
+            codes = rank[np.frombuffer(self.codes[col], dtype=np.int32)] if n else np.zeros(0, np.int32)
+            cats[col] = pd.Categorical.from_codes(codes, categories=pd.Index([names[i] for i in order], dtype=object),
+                                                  validate=False)
+            self.codes[col] = array("i")
+        perm = np.lexsort([cats[c].codes for c in reversed(SORT_COLUMNS)]) if n else np.zeros(0, np.int64)
+        line = np.frombuffer(self.line, dtype=np.int64)[perm]
+        location = np.char.add("line ", line.astype(str)).astype(object)
+        inverse = np.empty_like(perm)
+        inverse[perm] = np.arange(n)
+        for row, text in self.entries.items():
+            location[inverse[row]] = text
+
+        def ints(a: array) -> pd.arrays.IntegerArray:
+            v = np.frombuffer(a, dtype=np.int64)[perm]
+            missing = v == _NONE
+            return pd.arrays.IntegerArray(np.where(missing, 0, v), missing)
+
+        data = {c: cats[c][perm] for c in STRING_COLUMNS}
+        data.update(score=np.frombuffer(self.score, dtype=np.float64)[perm], length_tokens=ints(self.length),
+                    input_truncation=ints(self.trunc), location=pd.array(location, dtype="str"))
+        return pd.DataFrame(data, columns=SCORE_COLUMNS)
 
 
 # ---- score parsers ------------------------------------------------------------------------------
-def parse_long_csv(f: SourceFile, uri: str, header: list[str], rows: list[tuple[int, dict[str, str]]],
-                   problems: list[str]) -> list[dict[str, Any]]:
+def parse_long_csv(f: SourceFile, uri: str, header: list[str], rows: Iterable[tuple[int, dict[str, str]]],
+                   problems: list[str], out: _Records) -> None:
     """The long format: one row per (model, mode, breakdown, key)."""
     if _missing(header, LONG_REQUIRED, uri, problems):
-        return []
+        return
     known = {*LONG_REQUIRED, "source", "input_truncation", "date", "suite"}
-    out = []
     for line, row in rows:
         where = f"{uri}: line {line}"
         ok = _nonempty(row, ("benchmark", "model_name", "mode", "breakdown", "key"), where, problems)
@@ -318,23 +464,21 @@ def parse_long_csv(f: SourceFile, uri: str, header: list[str], rows: list[tuple[
             ok = False
         if not ok or score is None:
             continue
-        out.append(_record(
+        out.add(
             benchmark=row["benchmark"], suite=row.get("suite") or row["benchmark"],
             source=row.get("source") or f.rel, model_name=row["model_name"], mode=row["mode"],
             breakdown=row["breakdown"], key=row["key"], score=score, input_truncation=trunc,
             date=row.get("date", ""), f=f, location=f"line {line}",
             extra={k: v for k, v in row.items() if k not in known and v},
-        ))
-    return out
+        )
 
 
-def parse_length_csv(f: SourceFile, uri: str, header: list[str], rows: list[tuple[int, dict[str, str]]],
-                     problems: list[str]) -> list[dict[str, Any]]:
+def parse_length_csv(f: SourceFile, uri: str, header: list[str], rows: Iterable[tuple[int, dict[str, str]]],
+                     problems: list[str], out: _Records) -> None:
     """The per-length format (RULER tables): one row per (model, mode, length)."""
     if _missing(header, LENGTH_REQUIRED, uri, problems):
-        return []
+        return
     known = {*LENGTH_REQUIRED, "source", "suite"}
-    out = []
     for line, row in rows:
         where = f"{uri}: line {line}"
         ok = _nonempty(row, ("benchmark", "model_name", "mode", "length"), where, problems)
@@ -345,31 +489,30 @@ def parse_length_csv(f: SourceFile, uri: str, header: list[str], rows: list[tupl
         if not ok or score is None:
             continue
         source = row.get("source") or f.rel
-        out.append(_record(
+        out.add(
             benchmark=row["benchmark"], suite=row.get("suite") or source, source=source,
             model_name=row["model_name"], mode=row["mode"], breakdown="length", key=row["length"],
             score=score, input_truncation=None, date="", f=f, location=f"line {line}",
             extra={k: v for k, v in row.items() if k not in known and v},
-        ))
-    return out
+        )
 
 
-def parse_csv(f: SourceFile, uri: str, problems: list[str]) -> list[dict[str, Any]]:
+def parse_csv(f: SourceFile, uri: str, problems: list[str], out: _Records) -> None:
     """Dispatch on the header: ``breakdown`` -> long format, ``length`` -> per-length format."""
     header, rows = _csv_rows(f, uri, problems)
     if not header:
-        return []
+        return
     if "breakdown" in header:
-        return parse_long_csv(f, uri, header, rows, problems)
+        return parse_long_csv(f, uri, header, rows, problems, out)
     if "length" in header:
-        return parse_length_csv(f, uri, header, rows, problems)
+        return parse_length_csv(f, uri, header, rows, problems, out)
     problems.append(f"{uri}: line 1, field 'breakdown': missing column — a score file needs either "
                     f"{', '.join(LONG_REQUIRED)} (long format) or {', '.join(LENGTH_REQUIRED)} "
                     f"(per-length format); header: {', '.join(header)}")
-    return []
+    return None
 
 
-def parse_lbp_summary(f: SourceFile, uri: str, problems: list[str]) -> list[dict[str, Any]]:
+def parse_lbp_summary(f: SourceFile, uri: str, problems: list[str], out: _Records) -> None:
     """A LongBench-Pro per-model summary JSON as published (``average_*`` entries, fraction x 100)."""
     parts = f.rel.split("/")
     name = parts[-1]
@@ -377,33 +520,32 @@ def parse_lbp_summary(f: SourceFile, uri: str, problems: list[str]) -> list[dict
     if not m:
         problems.append(f"{uri}: file name: not a LongBench-Pro summary name "
                         "(<mode>_context-<N>_bon-<k>_summary.json, mode thinking|nonthinking)")
-        return []
+        return
     model = m.group("model") or (parts[-2] if len(parts) >= 3 else "")
     if not model:
         problems.append(f"{uri}: file name: no model name — put the file in a folder named after the model "
                         f"({BENCHMARK_DIR}/<model>/{name}) as LongBench-Pro publishes it")
-        return []
+        return
     try:
-        doc = json.loads(f.data.decode("utf-8"))
+        with f.open() as fh:
+            doc = json.load(fh)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         problems.append(f"{uri}: not valid JSON ({exc})")
-        return []
+        return
     if not isinstance(doc, dict):
         problems.append(f"{uri}: top level: expected a JSON object")
-        return []
+        return
     for fld in LBP_REQUIRED:
         if fld not in doc:
             problems.append(f"{uri}: entry '{fld}': missing")
     if any(fld not in doc for fld in LBP_REQUIRED):
-        return []
+        return
     common = dict(benchmark="LongBench-Pro", suite="LongBench-Pro", source=f"LongBench-Pro summary file {f.rel}",
                   model_name=model, mode=m.group("mode"), input_truncation=int(m.group("ctx")),
                   date=str(doc.get("date", "")), f=f, extra={"bon": m.group("bon")})
-    out = []
     score = _score(doc["average_overall_metric"], f"{uri}: entry 'average_overall_metric'", "score", problems, 100.0)
     if score is not None:
-        out.append(_record(breakdown="overall", key="overall", score=score, location="average_overall_metric",
-                           **common))
+        out.add(breakdown="overall", key="overall", score=score, location="average_overall_metric", **common)
     for entry, breakdown in LBP_BREAKDOWNS.items():
         cells = doc.get(entry)
         if cells is None:
@@ -418,49 +560,30 @@ def parse_lbp_summary(f: SourceFile, uri: str, problems: list[str]) -> list[dict
                 continue
             score = _score(raw, f"{uri}: entry '{loc}'", "score", problems, 100.0)
             if score is not None:
-                out.append(_record(breakdown=breakdown, key=str(key), score=score, location=loc, **common))
-    return out
-
-
-def _identity(rec: dict[str, Any]) -> tuple[Any, ...]:
-    key = rec["length_tokens"] if rec["breakdown"] == "length" else rec["key"]
-    return (rec["benchmark"], rec["suite"], rec["model_name"], rec["mode"], rec["breakdown"], key)
+                out.add(breakdown=breakdown, key=str(key), score=score, location=loc, **common)
 
 
 def load_scores(files: list[SourceFile], uri_of: Any = None) -> pd.DataFrame:
     """Parse and validate every score file into one long table (:data:`SCORE_COLUMNS`, SPEC 5).
 
-    Raises :class:`BenchmarkDataError` listing every problem (file, line or entry, field), including
-    a cell (benchmark, suite, model, mode, breakdown, key) that appears twice, within or across files.
+    Files are streamed row by row into compact columns, so memory is bounded by the table, not the
+    files. Raises :class:`BenchmarkDataError` listing every problem (file, line or entry, field),
+    including a cell (benchmark, suite, model, mode, breakdown, key) that appears twice, within or
+    across files (a length key compares as tokens: 8k = 8192).
     """
     uri_of = uri_of or (lambda rel: rel)
     problems: list[str] = []
-    records: list[dict[str, Any]] = []
+    out = _Records()
     for f in sorted(files, key=lambda x: x.rel):
         uri = uri_of(f.rel)
         if f.rel.lower().endswith(".json"):
-            records += parse_lbp_summary(f, uri, problems)
+            parse_lbp_summary(f, uri, problems, out)
         else:
-            records += parse_csv(f, uri, problems)
-    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for rec in records:
-        ident = _identity(rec)
-        if ident in seen:
-            first = seen[ident]
-            problems.append(
-                f"{uri_of(rec['file'])}: {rec['location']}, field 'key': duplicate row — "
-                f"{rec['benchmark']} / {rec['model_name']} / {rec['mode']} / {rec['breakdown']} = {rec['key']} "
-                f"is already given by {uri_of(first['file'])}: {first['location']}")
-        else:
-            seen[ident] = rec
+            parse_csv(f, uri, problems, out)
+    problems += out.duplicates(uri_of)
     if problems:
         raise BenchmarkDataError(problems)
-    df = pd.DataFrame(records, columns=SCORE_COLUMNS)
-    for col in ("length_tokens", "input_truncation"):
-        df[col] = df[col].astype("Int64")
-    df["score"] = df["score"].astype("float64")
-    return df.sort_values(["benchmark", "suite", "model_name", "mode", "breakdown", "key"],
-                          kind="stable").reset_index(drop=True)
+    return out.frame()
 
 
 # ---- aliases, model types, reference ------------------------------------------------------------
@@ -468,7 +591,8 @@ def load_aliases(f: SourceFile, uri: str | None = None, registry_keys: Iterable[
     """The alias table: registry model -> benchmark entry, mode and checkpoint relation (SPEC 5)."""
     uri = uri or f.rel
     problems: list[str] = []
-    header, rows = _csv_rows(f, uri, problems)
+    header, row_iter = _csv_rows(f, uri, problems)
+    rows = list(row_iter)  # a small table, read twice below
     if header and not _missing(header, ALIAS_REQUIRED, uri, problems):
         known = set(registry_keys) if registry_keys is not None else None
         seen: dict[tuple[str, ...], int] = {}

@@ -7,6 +7,8 @@
 | QK_S3_ENDPOINT_URL  | S3-compatible endpoint (MinIO, moto, ...); credentials come  | unset (AWS)              |
 |                     | from the standard AWS_* variables through botocore           |                          |
 | QK_DEVICE           | torch device for capture (``cuda``, ``cpu``, ``auto``)       | ``auto``                 |
+| QK_BENCHMARK_MAX_BYTES | largest benchmark / reference file read (bytes); larger    | 536870912 (512 MiB)      |
+|                     | ones are an error naming the file                            |                          |
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Settings:
     registry_path: Path
     s3_endpoint_url: str | None
     device: str
+    benchmark_max_bytes: int = 512 * 2**20
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -33,4 +36,18 @@ class Settings:
             registry_path=Path(os.environ.get("QK_REGISTRY", str(DATA_DIR / "registry.toml"))),
             s3_endpoint_url=os.environ.get("QK_S3_ENDPOINT_URL") or None,
             device=os.environ.get("QK_DEVICE", "auto"),
+            benchmark_max_bytes=_int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
         )
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: {raw!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"environment variable {name}: must be >= 1, got {value}")
+    return value

@@ -106,6 +106,23 @@ class Storage:
                 if e["type"] == "directory"]
         return sorted(d for d in dirs if not d.startswith(TMP_PREFIX))
 
+    def size(self, rel: str) -> int:
+        """Size of ``rel`` in bytes."""
+        try:
+            return int(self.fs.size(self.full(rel)))
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+
+    @contextlib.contextmanager
+    def open_read(self, rel: str) -> Iterator[Any]:
+        """A binary file object streaming ``rel`` (one version: a local descriptor / an ETag-pinned S3 read)."""
+        try:
+            fh = open(self.full(rel), "rb") if not self.is_s3 else self.fs.open(self.full(rel), "rb")  # noqa: SIM115
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+        with fh:
+            yield fh
+
     def info_token(self, rel: str) -> str:
         """A cheap change token for ``rel`` (S3 ETag or local size+mtime)."""
         info = self.fs.info(self.full(rel))

@@ -177,6 +177,31 @@ def test_bad_score_file_names_file_line_and_field(local: Storage, name: str, tex
     assert f"{where}, field '{field}'" in msg
 
 
+def test_non_utf8_bytes_name_the_file_and_line(local: Storage) -> None:
+    """Read as a stream, a file that stops being UTF-8 part-way is an error naming where (issue 14)."""
+    body = HEADER + "".join(f"X,M{i},m,overall,overall,50\n" for i in range(3000))
+    bad = "X,Caf\xe9,m,overall,overall,50\n".encode("latin-1")
+    local.write_bytes(f"{BENCHMARK_DIR}/latin1.csv", body.encode() + bad)
+    with pytest.raises(BenchmarkDataError) as err:
+        load_scores(score_files(local), local.uri)
+    (msg,) = err.value.problems
+    assert msg.startswith(f"{local.uri(BENCHMARK_DIR + '/latin1.csv')}: after line ") and "not UTF-8 text" in msg
+
+
+def test_files_over_the_size_limit_are_refused_naming_them(local: Storage, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed_scores(local)
+    size = local.size(f"{BENCHMARK_DIR}/ruler.csv")
+    monkeypatch.setenv("QK_BENCHMARK_MAX_BYTES", str(size - 1))
+    with pytest.raises(BenchmarkDataError) as err:
+        score_files(local)
+    assert any(p.startswith(f"{local.uri(BENCHMARK_DIR + '/ruler.csv')}: {size:,} bytes is over the limit of "
+                            f"{size - 1:,} bytes") and "QK_BENCHMARK_MAX_BYTES" in p for p in err.value.problems)
+    monkeypatch.setenv("QK_BENCHMARK_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="QK_BENCHMARK_MAX_BYTES: 'lots' is not an integer"):
+        score_files(local)
+    assert len(load_scores(score_files(local, max_bytes=10**7))) > 0
+
+
 def test_duplicate_across_files_names_both(local: Storage) -> None:
     seed_scores(local)
     local.write_text(f"{BENCHMARK_DIR}/extra.csv",
@@ -198,6 +223,9 @@ def test_duplicate_across_files_names_both(local: Storage) -> None:
      "entry 'average_token_length_metric.8k', field 'score'"),
     ("nonthinking_context-1000_bon-3_summary.json",
      {"average_overall_metric": 0.3, "average_token_length_metric": {"8k": 0.3}}, "no model name"),
+    ("Qwen9/nonthinking_context-1000_bon-3_summary.json",  # a table where a number belongs
+     {"average_overall_metric": {"mean": 0.3}, "average_token_length_metric": {"8k": 0.3}},
+     "entry 'average_overall_metric', field 'score': {'mean': 0.3} is not a number"),
 ])
 def test_bad_summary_json(local: Storage, rel: str, doc: dict, needle: str) -> None:
     local.write_text(f"{BENCHMARK_DIR}/{rel}", json.dumps(doc))

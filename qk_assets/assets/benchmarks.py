@@ -56,7 +56,10 @@ def _preview(df: pd.DataFrame, n: int = 15) -> MetadataValue:
 def _read_one(storage: Storage, rel: str) -> SourceFile:
     if not storage.exists(rel):
         raise Failure(description=f"{storage.uri(rel)}: no such file")
-    return SourceFile(rel, storage.read_bytes(rel))
+    try:
+        return read_files(storage, [rel])[0]
+    except BenchmarkDataError as exc:
+        raise _failure(exc) from exc
 
 
 @asset(group_name=GROUP, kinds={"parquet"})
@@ -64,8 +67,8 @@ def benchmark_scores(context: AssetExecutionContext, storage: StorageResource) -
     """Every benchmark score in ``benchmarks/``, one long table with score 0-100 and provenance."""
     st = storage.get()
     seeded = ensure_seed_files(st)
-    files = score_files(st)
     try:
+        files = score_files(st)
         df = load_scores(files, st.uri)
     except BenchmarkDataError as exc:
         raise _failure(exc) from exc
@@ -95,9 +98,8 @@ def benchmark_models(context: AssetExecutionContext, storage: StorageResource) -
     """Benchmark model types (Instruct / Mixed / Thinking) and claimed context."""
     st = storage.get()
     ensure_seed_files(st)
-    files = [SourceFile(rel, st.read_bytes(rel)) for name in MODEL_TYPES_FILES
-             if st.exists(rel := f"{BENCHMARK_DIR}/{name}")]
     try:
+        files = read_files(st, [rel for name in MODEL_TYPES_FILES if st.exists(rel := f"{BENCHMARK_DIR}/{name}")])
         df = load_model_types(files, st.uri)
     except BenchmarkDataError as exc:
         raise _failure(exc) from exc
@@ -110,8 +112,8 @@ def reference_metrics(context: AssetExecutionContext, storage: StorageResource) 
     """The thesis's published mechanistic values (every CSV of ``reference/``), source "reference"."""
     st = storage.get()
     ensure_seed_files(st)
-    files = read_files(st, [r for r in list_data_files(st, REFERENCE_DIR) if r.lower().endswith(".csv")])
     try:
+        files = read_files(st, [r for r in list_data_files(st, REFERENCE_DIR) if r.lower().endswith(".csv")])
         df = load_reference(files, st.uri)
     except BenchmarkDataError as exc:
         raise _failure(exc) from exc
