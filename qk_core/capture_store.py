@@ -15,9 +15,10 @@ Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, 
 example_id int64, position int32 (raw token position t), vec fixed_size_list<float32>[d].
 Per-document files carry ``n_tokens`` (the document's token count inside the window, SPEC 1.7), the
 example id and an index of their row groups (one per (kind, layer, head), rows sorted that way) in their
-Parquet key-value metadata. ``finalize()`` reads every document file once, in order, and streams each
-head's rows into its head file as row groups (memory bounded by ``FINALIZE_BATCH_BYTES``), so its cost is
-linear in heads x documents. Every file is committed atomically through :class:`Storage`.
+Parquet key-value metadata. ``finalize()`` reads every document file once, in order, appends each
+head's rows to a local Arrow IPC spill file (memory bounded by ``FINALIZE_BATCH_BYTES``), then writes each
+head file in one piece from its spill, so its cost is linear in heads x documents.
+Every file is committed atomically through :class:`Storage`.
 
 Verification (SPEC 1.9). ``complete.json`` records the capture fingerprint, the row count of every head
 file and the SHA-256 and size of every committed file (manifest, head files, ``doc_tokens.parquet``, kept
@@ -32,7 +33,9 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import resource
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -293,9 +296,10 @@ class CaptureWriter:
         """Fan the document files out into per-head files, verify the result, then drop the document files.
 
         One pass over the documents (sorted by file name): each document file is read once and its rows
-        are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they are written
-        out, one row group per head, into head files that stay open until the pass ends (committed
-        atomically together). Cost: linear in heads x documents; memory: ``batch_bytes`` plus one document.
+        are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they are appended
+        to per-head local spill files, which finally become the head files, one at a time, each committed
+        atomically. Cost: linear in heads x documents; memory: ``batch_bytes`` plus one document and one
+        head.
         A head with no rows in any document gets an empty file. When more head files exist than may be
         open at once, the pass runs once per group of heads, reading only their row groups.
 
@@ -354,39 +358,48 @@ class CaptureWriter:
 
     def _fan_out(self, index: list[tuple[str, int, int, int, Any]], names: list[str], d: int,
                  batch_bytes: int) -> dict[str, dict[str, Any]]:
-        """One pass over the documents writing the head files ``names``; returns their checksums."""
+        """One pass over the documents writing the head files ``names``; returns their checksums.
+
+        Rows are appended, in document order, to one local Arrow IPC spill file per head (streams keep
+        no buffers, unlike open Parquet writers, whose retained page buffers grow with every row group);
+        then each head's spill is read back (memory-mapped) and written as its Parquet file in one piece.
+        """
         wanted = set(names)
-        schema = row_schema(d)
-        schema = pa.schema([schema.field(c) for c in HEAD_COLUMNS])
+        base = row_schema(d)
+        schema = pa.schema([base.field(c) for c in HEAD_COLUMNS])
         row_bytes = 4 * d + 12
-        with contextlib.ExitStack() as stack:
-            writers: dict[str, pq.ParquetWriter] = {}
-            sinks: dict[str, _HashingSink] = {}
-            for name in names:
-                tmp = stack.enter_context(self.storage.atomic_local_file(name))
-                f = stack.enter_context(open(tmp, "wb"))
-                sinks[name] = _HashingSink(f)
-                writers[name] = pq.ParquetWriter(sinks[name], schema, use_dictionary=False)
-            buffered: dict[str, list[pa.Table]] = defaultdict(list)
-            held = 0
+        with tempfile.TemporaryDirectory(prefix=".tmp-finalize-") as spill_dir:
+            spills = {name: os.path.join(spill_dir, f"{i}.arrows") for i, name in enumerate(names)}
+            with contextlib.ExitStack() as stack:
+                streams = {name: stack.enter_context(pa.ipc.new_stream(spills[name], schema)) for name in names}
+                buffered: dict[str, list[pa.Table]] = defaultdict(list)
+                held = 0
 
-            def flush() -> None:
-                for name in names:
-                    parts = buffered.pop(name, None)
-                    if parts:
-                        writers[name].write_table(pa.concat_tables(parts).combine_chunks())
+                def flush() -> None:
+                    for name in names:
+                        parts = buffered.pop(name, None)
+                        if parts:
+                            streams[name].write_table(pa.concat_tables(parts).combine_chunks())
 
-            for rel, _, _, _, groups in index:
-                for name, part in self._split_doc(rel, groups, wanted).items():
-                    buffered[name].append(part)
-                    held += part.num_rows * row_bytes
-                if held >= batch_bytes:
-                    flush()
-                    held = 0
-            flush()
+                for rel, _, _, _, groups in index:
+                    for name, part in self._split_doc(rel, groups, wanted).items():
+                        buffered[name].append(part)
+                        held += part.num_rows * row_bytes
+                    if held >= batch_bytes:
+                        flush()
+                        held = 0
+                flush()
+            records = {}
             for name in names:
-                writers[name].close()
-            return {name: sinks[name].record() for name in names}
+                with pa.memory_map(spills[name]) as src:
+                    tbl = pa.ipc.open_stream(src).read_all().combine_chunks()
+                with self.storage.atomic_local_file(name) as tmp, open(tmp, "wb") as f:
+                    sink = _HashingSink(f)
+                    pq.write_table(tbl, sink, use_dictionary=False)
+                records[name] = sink.record()
+                del tbl
+                os.remove(spills[name])
+            return records
 
     def _count_legacy(self, rel: str) -> dict[str, int]:
         tbl = self.storage.parquet_file(rel).read(columns=["kind", "layer", "head"]).to_pandas()
