@@ -106,6 +106,8 @@ def _select(records: list[dict[str, Any]], params: dict[str, Any], origin: str) 
     n_docs = int(params.get("n_docs", 500))
     rows = []
     for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise CorpusError(f"{origin}: record {i}: expected a table of fields, got {type(rec).__name__}")
         if "text" not in rec and "context" not in rec:
             raise CorpusError(f"{origin}: record {i} has no 'text' (or 'context') field")
         if lengths and "token_length" in rec and str(rec["token_length"]) not in lengths:
@@ -115,23 +117,55 @@ def _select(records: list[dict[str, Any]], params: dict[str, Any], origin: str) 
             eid = int(raw_id)
         except (TypeError, ValueError):
             eid = int(hashlib.sha256(str(raw_id).encode()).hexdigest()[:15], 16)
-        text = rec.get("text") or rec.get("context")
-        rows.append({"example_id": eid, "title": str(raw_id), "text": str(text)})
+        fld = "text" if "text" in rec and (rec["text"] or "context" not in rec) else "context"
+        text = rec[fld]
+        if not isinstance(text, str) or not text.strip():
+            # never str(None) -> "None": an empty or missing document is an error naming it
+            what = "empty" if isinstance(text, str) or text is None or _is_nan(text) else f"a {type(text).__name__}"
+            raise CorpusError(f"{origin}: record {i} (id {raw_id!r}), field '{fld}': is {what}, not document text")
+        rows.append({"example_id": eid, "title": str(raw_id), "text": text})
         if len(rows) >= n_docs:
             break
     return _finish(rows, origin)
+
+
+def _is_nan(v: Any) -> bool:
+    return isinstance(v, float) and v != v
+
+
+def _jsonl(path: Path) -> list[Any]:
+    """Records of a JSONL file; a bad line or bytes that are not UTF-8 are errors naming file and line."""
+    records = []
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(f"{path}: line {n}: not UTF-8 text ({exc})") from None
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{path}: line {n}: not a JSON record ({exc.msg} at column {exc.colno})") from None
+    return records
 
 
 def local_corpus(params: dict[str, Any]) -> pd.DataFrame:
     path = Path(params["path"])
     if not path.exists():
         raise CorpusError(f"{path}: corpus file not found")
-    if path.suffix == ".parquet":
-        records = pd.read_parquet(path).to_dict("records")
-    elif path.suffix == ".csv":
-        records = pd.read_csv(path).to_dict("records")
-    else:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        if path.suffix == ".parquet":
+            records = pd.read_parquet(path).to_dict("records")
+        elif path.suffix == ".csv":
+            records = pd.read_csv(path, encoding="utf-8", keep_default_na=False).to_dict("records")
+        else:
+            records = _jsonl(path)
+    except CorpusError:
+        raise
+    except (UnicodeDecodeError, ValueError, OSError) as exc:  # pandas / pyarrow parse errors
+        raise CorpusError(f"{path}: cannot be read as a {path.suffix.lstrip('.') or 'JSONL'} corpus ({exc})") from exc
     return _select(records, params, str(path))
 
 

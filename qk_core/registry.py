@@ -337,11 +337,13 @@ def load_registry(path: str | Path | None = None) -> Registry:
         path = Settings.from_env().registry_path
     path = Path(path)
     try:
-        doc = tomllib.loads(path.read_text())
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise RegistryError(f"{path}: registry file not found") from exc
     except tomllib.TOMLDecodeError as exc:
         raise RegistryError(f"{path}: not valid TOML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise RegistryError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     unknown = set(doc) - {"defaults", "corpora", "models", "series"}
     if unknown:
         raise RegistryError(f"{path}: unknown top-level tables {sorted(unknown)}")

@@ -65,3 +65,24 @@ def test_sotu_demo_corpus_is_real_and_deterministic() -> None:
     # real natural language: the addresses open with a salutation to Congress
     assert a["text"].str.contains("Congress").all()
     assert a["title"].str.match(r"^\d{4} ").all()
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("none.jsonl", b'{"id": 1, "text": "fine"}\n{"id": 2, "text": null}\n',
+     r"none\.jsonl: record 1 \(id 2\), field 'text': is empty, not document text"),
+    ("blank.jsonl", b'{"id": 1, "text": "   "}\n', r"blank\.jsonl: record 0 \(id 1\), field 'text': is empty"),
+    ("number.jsonl", b'{"id": 1, "text": 42}\n', r"number\.jsonl: record 0 \(id 1\), field 'text': is a int"),
+    ("badline.jsonl", b'{"id": 1, "text": "a"}\n{"id": 2, "text": "b"\n',
+     r"badline\.jsonl: line 2: not a JSON record"),
+    ("latin1.jsonl", b'{"id": 1, "text": "a"}\n{"id": 2, "text": "caf\xe9"}\n', r"latin1\.jsonl: line 2: not UTF-8"),
+    ("list.jsonl", b'[1, 2]\n', r"list\.jsonl: record 0: expected a table of fields, got list"),
+    ("empty.csv", b"id,text\n1,hello\n2,\n", r"empty\.csv: record 1 \(id 2\), field 'text': is empty"),
+    ("latin1.csv", b"id,text\n1,caf\xe9\n", r"latin1\.csv: cannot be read as a csv corpus"),
+])
+def test_malformed_local_corpora_name_file_and_record(tmp_path: Path, name: str, content: bytes,
+                                                       message: str) -> None:
+    """Issue 14: an empty document never becomes the text "None"; bad bytes / lines name file and line."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(CorpusError, match=message):
+        build_corpus(CorpusEntry("c", "local_file", {"path": str(path)}))

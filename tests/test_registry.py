@@ -178,3 +178,10 @@ def test_run_config_overrides_use_the_same_schema() -> None:
         PCAOptions.from_dict({"n_components": "3"})
     with pytest.raises(ValueError, match="'separation'"):
         RotationOptions.from_dict({"separation": "centriod"})
+
+
+def test_registry_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "registry.toml"
+    path.write_bytes((BASE + MODEL).encode() + b'description = "caf\xe9"\n')
+    with pytest.raises(RegistryError, match=r"registry\.toml: not UTF-8 text"):
+        load_registry(path)
