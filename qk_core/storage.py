@@ -141,7 +141,7 @@ class Storage:
         """
         folder = Path(tempfile.gettempdir()) if self.is_s3 else Path(self.full(rel)).parent
         folder.mkdir(parents=True, exist_ok=True)
-        clean_folder_once(folder)
+        clean_folder_once(folder, own_names_only=self.is_s3)  # the system temp folder is shared
         tmp = str(folder / temp_name(rel.rsplit("/", 1)[-1]))
         Path(tmp).touch()
         try:
@@ -271,7 +271,7 @@ class Storage:
         else:
             base = Path(self.full(rel))
             folders = sorted({p.parent for p in base.rglob(f"{TMP_PREFIX}*")}) if base.is_dir() else []
-        return [str(p) for folder in folders for p in clean_folder(folder)]
+        return [str(p) for folder in folders for p in clean_folder(folder, own_names_only=self.is_s3)]
 
     def delete(self, rel: str, recursive: bool = False) -> None:
         path = self.full(rel)

@@ -39,11 +39,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def is_stale(path: Path, now: float | None = None, max_age_s: float = STALE_AFTER_S) -> bool:
-    """Whether the temporary ``path`` belongs to no live writer (see the module docstring)."""
+def is_stale(path: Path, now: float | None = None, max_age_s: float = STALE_AFTER_S,
+             own_names_only: bool = False) -> bool:
+    """Whether the temporary ``path`` belongs to no live writer (see the module docstring).
+
+    ``own_names_only``: a name without a writer (not written by this module) is never stale; used for
+    shared folders such as the system temp folder, where other programs' files may start with ``.tmp-``.
+    """
     m = _NAME_RE.match(path.name)
     if m and m["host"] == _HOST:
         return not _alive(int(m["pid"]))
+    if own_names_only and not m:
+        return False
     try:
         age = (now or time.time()) - path.stat().st_mtime
     except FileNotFoundError:
@@ -51,7 +58,7 @@ def is_stale(path: Path, now: float | None = None, max_age_s: float = STALE_AFTE
     return age > max_age_s
 
 
-def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S) -> list[Path]:
+def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S, own_names_only: bool = False) -> list[Path]:
     """Delete the stale temporaries directly in ``folder``; return what was deleted."""
     removed: list[Path] = []
     try:
@@ -62,16 +69,16 @@ def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S) -> list[Path]:
     for entry in entries:
         if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
             path = Path(entry.path)
-            if is_stale(path, now, max_age_s):
+            if is_stale(path, now, max_age_s, own_names_only):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                     removed.append(path)
     return removed
 
 
-def clean_folder_once(folder: Path) -> None:
+def clean_folder_once(folder: Path, own_names_only: bool = False) -> None:
     """:func:`clean_folder` the first time this process writes into ``folder``."""
     key = str(folder)
     if key not in _cleaned:
         _cleaned.add(key)
-        clean_folder(folder)
+        clean_folder(folder, own_names_only=own_names_only)

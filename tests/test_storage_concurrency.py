@@ -158,8 +158,15 @@ def test_killed_writers_temporaries_are_cleaned_live_ones_kept(storage: Storage,
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": str(REPO)}
     root = storage.url if storage.is_s3 else storage.root
+    # a file without a writer in its name, two days old: stale beside a local target (the root is ours),
+    # never touched in the shared system temp folder
+    unowned = (tmpdir if storage.is_s3 else Path(storage.root) / "f") / ".tmp-0123abcd-data.bin"
+    unowned.parent.mkdir(parents=True, exist_ok=True)
+    unowned.write_bytes(b"x")
+    os.utime(unowned, (time.time() - 2 * 86400,) * 2)
     dead, dead_tmp = start_writer(root, "die", env)
     assert dead.wait(timeout=60) == -signal.SIGKILL and dead_tmp.exists()
+    assert unowned.exists() == storage.is_s3
     assert dead_tmp.parent == (tmpdir if storage.is_s3 else Path(storage.root) / "f")
     live, live_tmp = start_writer(root, "live", env)  # its first write there cleans the folder
     try:
