@@ -219,7 +219,7 @@ class Storage:
 
         return isinstance(exc, FileExpired) or isinstance(exc.__cause__, FileExpired)
 
-    def parquet_file(self, rel: str) -> pq.ParquetFile:
+    def parquet_file(self, rel: str, ranged: bool = False) -> pq.ParquetFile:
         """Open ``rel`` for row-group/column access without reading it whole.
 
         Locally the open file keeps its version; on S3 reads after a replacement raise ``FileExpired``:
@@ -227,6 +227,8 @@ class Storage:
         """
         for attempt in range(self.REPLACED_RETRIES):
             try:
+                if self.is_s3 and ranged:  # exact ranges, no read-ahead blocks; Arrow coalesces them
+                    return pq.ParquetFile(self.fs.open(self.full(rel), "rb", cache_type="none"), pre_buffer=True)
                 if self.is_s3:
                     return pq.ParquetFile(self.fs.open(self.full(rel), "rb"))
                 return pq.ParquetFile(self.full(rel))
@@ -238,11 +240,11 @@ class Storage:
                 raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
         raise AssertionError("unreachable")
 
-    def with_parquet_file(self, rel: str, fn: Callable[[pq.ParquetFile], T]) -> T:
+    def with_parquet_file(self, rel: str, fn: Callable[[pq.ParquetFile], T], ranged: bool = False) -> T:
         """``fn(parquet_file(rel))``, repeated from the start when the file is replaced meanwhile (S3)."""
         for attempt in range(self.REPLACED_RETRIES):
             try:
-                return fn(self.parquet_file(rel))
+                return fn(self.parquet_file(rel, ranged=ranged))
             except (pa.ArrowInvalid, OSError) as exc:
                 if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
                     continue
@@ -251,12 +253,25 @@ class Storage:
                 raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
         raise AssertionError("unreachable")
 
-    def read_parquet(self, rel: str, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
+    def read_parquet(self, rel: str, columns: list[str] | None = None, filters: Any = None,
+                     row_groups: list[int] | None = None) -> pa.Table:
+        """Read ``rel`` (optionally only ``columns`` / ``row_groups``, then ``filters``).
+
+        On S3 a whole-file read is one GET; a read of some columns or row groups fetches the footer and
+        only those column chunks (ranged GETs, coalesced by Arrow's pre-buffering), never the whole object.
+        """
+        partial = columns is not None or row_groups is not None
         try:
+            if self.is_s3 and partial:
+                tbl = self.with_parquet_file(rel, lambda pf: _read_part(pf, columns, row_groups), ranged=True)
+                return tbl.filter(pq.filters_to_expression(filters)) if filters is not None else tbl
             if self.is_s3:
                 return pq.read_table(io.BytesIO(self.read_bytes(rel)), columns=columns, filters=filters)
             with open(self.full(rel), "rb") as f:  # one descriptor: one version, whatever a writer renames
-                return pq.read_table(f, columns=columns, filters=filters)
+                if row_groups is None:
+                    return pq.read_table(f, columns=columns, filters=filters)
+                tbl = _read_part(pq.ParquetFile(f), columns, row_groups)
+                return tbl.filter(pq.filters_to_expression(filters)) if filters is not None else tbl
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
         except (pa.ArrowInvalid, OSError) as exc:
@@ -277,3 +292,9 @@ class Storage:
         path = self.full(rel)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=recursive)
+
+
+def _read_part(pf: pq.ParquetFile, columns: list[str] | None, row_groups: list[int] | None) -> pa.Table:
+    if row_groups is not None:
+        return pf.read_row_groups(row_groups, columns=columns)
+    return pf.read(columns=columns)

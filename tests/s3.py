@@ -14,6 +14,7 @@ a fresh ``s3://bucket/<prefix>`` root per call so tests never see each other's o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -89,3 +90,58 @@ def moto_s3() -> Iterator[MotoS3]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class CountingProxy:
+    """A TCP relay on 127.0.0.1 in front of the moto server that counts the bytes it returns to clients.
+
+    ``Storage(root, proxy.endpoint)`` talks S3 through it; ``proxy.received`` is the number of bytes the
+    server sent (HTTP headers and bodies), i.e. what a read really transferred.
+    """
+
+    def __init__(self, target: str) -> None:
+        import threading
+
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.received = 0
+        self._lock = threading.Lock()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(32)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if count:
+                    with self._lock:
+                        self.received += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def reset(self) -> int:
+        with self._lock:
+            n, self.received = self.received, 0
+        return n
+
+    def close(self) -> None:
+        self._sock.close()
