@@ -8,10 +8,12 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-from dagster import Definitions, load_asset_checks_from_modules, load_assets_from_modules
+from dagster import AssetKey, AssetsDefinition, Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
 from qk_assets import assets as assets_pkg
+from qk_assets.assets.registry import model_automation_sensor
 from qk_assets.io_manager import ParquetIOManager
+from qk_assets.partitions import model_corpus_partitions
 from qk_assets.resources import StorageResource, TorchDeviceResource
 from qk_assets.versioning import with_code_versions
 from qk_core.settings import Settings
@@ -22,6 +24,13 @@ def asset_modules() -> list[ModuleType]:
     return [importlib.import_module(f"{assets_pkg.__name__}.{n}") for n in names]
 
 
+def per_model_keys(assets: list[object]) -> list[AssetKey]:
+    """Every executable asset partitioned by (model, corpus)."""
+    return sorted((k for a in assets if isinstance(a, AssetsDefinition) and a.is_executable
+                   and a.partitions_def == model_corpus_partitions() for k in a.keys),
+                  key=lambda k: k.to_user_string())
+
+
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or Settings.from_env()
     storage = StorageResource.from_settings(settings)
@@ -30,7 +39,8 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     return Definitions(
         assets=assets,
         asset_checks=load_asset_checks_from_modules(modules),
-        sensors=[s for m in modules for s in getattr(m, "SENSORS", [])],
+        sensors=[*(s for m in modules for s in getattr(m, "SENSORS", [])),
+                 model_automation_sensor(per_model_keys(assets))],
         jobs=[j for m in modules for j in getattr(m, "JOBS", [])],
         resources={
             "storage": storage,

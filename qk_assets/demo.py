@@ -42,10 +42,19 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, Definitions, RunsFilter
-from dagster._core.definitions.assets.graph.base_asset_graph import BaseAssetGraph
+from dagster import (
+    AssetKey,
+    AssetRecordsFilter,
+    DagsterInstance,
+    DagsterRunStatus,
+    Definitions,
+    RunsFilter,
+    partition_loading_context,
+)
 
+from qk_assets.partitions import pair_key, split_key, sync_instance
 from qk_core.registry import Registry
 from qk_core.settings import DATA_DIR
 from qk_core.storage import Storage
@@ -54,9 +63,11 @@ DEMO_TAG = "qk/demo"
 CONFIG_TAG = "qk/config"
 CODE_VERSION_TAG = "dagster/code_version"
 REPORT_KEY = AssetKey("report_html")
+REGISTRY_ENTRY = AssetKey("registry_entry")
 REPORT_REL = "report/index.html"
 
 Node = tuple[AssetKey, str | None]
+AssetGraph = Any  # what Definitions.resolve_asset_graph() returns
 
 
 def node_name(node: Node) -> str:
@@ -74,13 +85,14 @@ def group_models(registry: Registry, group: str, patterns: Iterable[str] = ()) -
 def demo_partition_keys(registry: Registry, group: str, patterns: Iterable[str] = ()) -> set[str]:
     """Partition keys that belong to the demo: its models, their corpora, and every series (a series
     whose checkpoints are not captured shows the thesis's reference values and says what is missing)."""
-    models = set(group_models(registry, group, patterns))
-    corpora = {registry.model(m).corpus for m in models}
-    return models | corpora | set(registry.series)
+    models = group_models(registry, group, patterns)
+    corpora = {c for m in models for c in registry.model(m).corpora}
+    pairs = {str(pair_key(m, c)) for m in models for c in registry.model(m).corpora}
+    return pairs | corpora | set(registry.series)
 
 
-def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str,
-                 patterns: Iterable[str] = ()) -> tuple[list[Node], list[str]]:
+def select_nodes(graph: AssetGraph, registry: Registry, group: str, patterns: Iterable[str] = (),
+                 instance: DagsterInstance | None = None) -> tuple[list[Node], list[str]]:
     """The (asset, partition) pairs the demo materialises, and notes on the assets it leaves out."""
     patterns = list(patterns)
     wanted = demo_partition_keys(registry, group, patterns)
@@ -93,7 +105,7 @@ def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str,
         if node.partitions_def is None:
             nodes.append((key, None))
             continue
-        keys = [k for k in node.partitions_def.get_partition_keys() if k in wanted]
+        keys = [k for k in node.partitions_def.get_partition_keys(dynamic_partitions_store=instance) if k in wanted]
         if not keys:
             notes.append(f"{key.to_user_string()}: no partition for the '{group}' models (skipped)")
         demo_models = set(group_models(registry, group, patterns))
@@ -105,7 +117,7 @@ def select_nodes(graph: BaseAssetGraph, registry: Registry, group: str,
     return nodes, notes
 
 
-def upstream_nodes(graph: BaseAssetGraph, node: Node) -> list[Node]:
+def upstream_nodes(graph: AssetGraph, node: Node) -> list[Node]:
     """Every upstream (asset, partition) of ``node`` under the graph's partition mappings."""
     key, pk = node
     out: list[Node] = []
@@ -129,6 +141,10 @@ def _digest(obj: object) -> str:
 
 def config_fingerprint(registry: Registry, partition: str | None, data_dir: Path = DATA_DIR) -> str:
     """Hash of what configures one partition beyond the code: its registry entry or the seed files."""
+    if partition and "|" in partition:
+        model, corpus = split_key(partition)
+        if model in registry.models and corpus in registry.corpora:
+            return _digest([dataclasses.asdict(registry.model(model)), dataclasses.asdict(registry.corpus(corpus))])
     if partition in registry.models:
         return _digest(dataclasses.asdict(registry.model(partition)))
     if partition in registry.corpora:
@@ -150,7 +166,7 @@ class Decision:
 class Planner:
     """Applies the module's up-to-date rule to the selected nodes against one instance."""
 
-    def __init__(self, instance: DagsterInstance, graph: BaseAssetGraph, registry: Registry) -> None:
+    def __init__(self, instance: DagsterInstance, graph: AssetGraph, registry: Registry) -> None:
         self.instance, self.graph, self.registry = instance, graph, registry
         self._latest: dict[Node, object] = {}
         self._run_tags: dict[str, dict[str, str]] = {}
@@ -226,7 +242,7 @@ class Step:
     keys: list[AssetKey] = field(default_factory=list)
 
 
-def group_steps(graph: BaseAssetGraph, todo_nodes: list[Node], order: list[str | None]) -> Iterator[Step]:
+def group_steps(graph: AssetGraph, todo_nodes: list[Node], order: list[str | None]) -> Iterator[Step]:
     """Runs in dependency order; each holds every pending asset of one partition that can run now.
 
     ``order`` ranks partitions when several could run (corpora, then models in registry order, then
@@ -297,6 +313,18 @@ def run_step(defs: Definitions, instance: DagsterInstance, step: Step, tags: dic
     return done
 
 
+def observe_registry_entries(defs: Definitions, instance: DagsterInstance) -> None:
+    """Record the registry's entries as ``registry_entry`` data versions (what the registry sensor does)."""
+    if REGISTRY_ENTRY not in defs.resolve_asset_graph().get_all_asset_keys():
+        return
+    job = defs.resolve_implicit_job_def_def_for_assets([REGISTRY_ENTRY])
+    result = job.execute_in_process(instance=instance, asset_selection=[REGISTRY_ENTRY], tags={DEMO_TAG: "1"},
+                                    raise_on_error=False,
+                                    run_config={"loggers": {"console": {"config": {"log_level": "ERROR"}}}})
+    if not result.success:
+        raise RuntimeError("observing the registry entries failed; see the run in `make ui`")
+
+
 def _report_apart(steps: Iterable[Step]) -> Iterator[Step]:
     """Run the report in a run of its own, so a failure next to it cannot skip it."""
     for step in steps:
@@ -314,14 +342,20 @@ def report_location(storage: Storage) -> str:
 
 def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()) -> list[str | None]:
     models = group_models(registry, group, patterns)
-    corpora = sorted({registry.model(m).corpus for m in models})
-    return [*corpora, *models, *sorted(registry.series), None]
+    corpora = sorted({c for m in models for c in registry.model(m).corpora})
+    pairs = [str(pair_key(m, c)) for m in models for c in registry.model(m).corpora]
+    return [*corpora, *pairs, *sorted(registry.series), None]
 
 
-def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
-             group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-             log_level: str = "INFO", verbose: bool = False, out=sys.stdout) -> int:
+def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, **kw: Any) -> int:
     """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
+    with partition_loading_context(dynamic_partitions_store=instance):  # the registry's dynamic partitions
+        return _run_demo(defs, instance, registry, storage, **kw)
+
+
+def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
+              group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
+              log_level: str = "INFO", verbose: bool = False, out=sys.stdout) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -332,7 +366,13 @@ def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, s
     if not chosen:
         say(f"demo: no model of group '{group}' matches {models}")
         return 1
-    nodes, notes = select_nodes(graph, registry, group, models)
+    added = sync_instance(instance, registry)
+    if added:
+        say("demo: partitions added from the registry: "
+            + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
+    if not dry_run:
+        observe_registry_entries(defs, instance)
+    nodes, notes = select_nodes(graph, registry, group, models, instance)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
         f"({', '.join(chosen)}); Dagster instance {instance.root_directory}; "
         f"storage {storage.url}")

@@ -1,6 +1,7 @@
 """Parquet IO manager: every asset value is a pandas DataFrame stored under the storage root.
 
-Path: ``assets/<asset key path>/<partition key>.parquet`` (``_all.parquet`` when unpartitioned).
+Path: ``assets/<asset key path>/<partition key>.parquet`` (``_all.parquet`` when unpartitioned), for a
+(model, corpus) partition ``assets/<asset>/<model>/<corpus>.parquet``.
 Loading several upstream partitions (a report over all models, a trajectory over a series) yields a
 ``dict[partition_key, DataFrame]`` holding only the partitions that exist; one partition yields the
 DataFrame itself. An input declared with ``AssetIn(..., metadata={"allow_missing": True})`` whose
@@ -29,6 +30,10 @@ def parquet_write_options(table: pa.Table) -> dict[str, Any]:
 
 
 def asset_rel(key_path: list[str], partition: str | None) -> str:
+    """Where an asset partition's value lives under the storage root."""
+    if partition and "|" in str(partition):  # a (model, corpus) key, written "<corpus>|<model>" by Dagster
+        corpus, _, model = str(partition).partition("|")
+        partition = f"{model}/{corpus}"
     return "assets/" + "/".join(key_path) + f"/{partition or '_all'}.parquet"
 
 

@@ -1,41 +1,130 @@
-"""Partitions derived from the registry file: adding an entry adds a partition, no code change."""
+"""Partitions derived from the registry file, growing without a code-location reload (SPEC 6, 8, 10).
+
+Every per-model asset (capture, the ``geometry`` and ``plasticity`` multi-assets, and any later per-model
+analysis) is keyed by (model, corpus): :func:`model_corpus_partitions`, a two-dimensional
+``MultiPartitionsDefinition`` over two *dynamic* dimensions, ``model`` and ``corpus``. ``corpus`` is
+partitioned by the same dynamic ``corpus`` dimension, ``trajectory`` by the dynamic ``series``.
+
+Why dynamic dimensions rather than static keys or one dynamic "model|corpus" dimension: the partition
+keys live in the Dagster instance, so ``registry_partitions_sensor`` (qk_assets.assets.registry) adds a
+model, a checkpoint or a corpus the moment the registry file lists it, with no reload; and a two-
+dimensional key lets ``qk_capture`` read its corpus partition through the mapping Dagster infers between
+the ``corpus`` asset and the ``corpus`` dimension (``MultiToSingleDimensionPartitionMapping``, built in, so
+the daemon and the UI understand it), where a single
+"model|corpus" key would need a custom mapping Dagster cannot serialise. Dagster writes the key as
+``<corpus>|<model>`` (dimensions in name order). Pairs the registry does not list (a model on a corpus
+it is not captured on) exist in the grid but have no ``registry_entry`` observation, so automation never
+requests them and materialising one by hand fails naming the registry field to edit.
+"""
+
+from __future__ import annotations
 
 from functools import cache
 
-from dagster import StaticPartitionMapping, StaticPartitionsDefinition
+from dagster import (
+    AddDynamicPartitionsRequest,
+    DynamicPartitionsDefinition,
+    MultiPartitionKey,
+    MultiPartitionsDefinition,
+)
 
 from qk_core.registry import Registry, load_registry
+
+MODEL_DIM = "model"
+CORPUS_DIM = "corpus"
+SERIES_DIM = "series"
+MODELS = DynamicPartitionsDefinition(name=MODEL_DIM)
+CORPORA = DynamicPartitionsDefinition(name=CORPUS_DIM)
+SERIES = DynamicPartitionsDefinition(name=SERIES_DIM)
+MODEL_CORPUS = MultiPartitionsDefinition({MODEL_DIM: MODELS, CORPUS_DIM: CORPORA})
 
 
 @cache
 def registry() -> Registry:
-    """The registry as loaded when the code location loads (reload the location to pick up edits)."""
+    """The registry as loaded when this process loaded the code (a run process reads it fresh)."""
     return load_registry()
 
 
-def model_partitions() -> StaticPartitionsDefinition:
-    """One partition per model key: registry models and every checkpoint of every series."""
-    return StaticPartitionsDefinition(registry().model_keys)
+def model_corpus_partitions() -> MultiPartitionsDefinition:
+    """The partitions of every per-model asset: (model, corpus), both dimensions from the registry."""
+    return MODEL_CORPUS
 
 
-def corpus_partitions() -> StaticPartitionsDefinition:
-    return StaticPartitionsDefinition(sorted(registry().corpora))
+def corpus_partitions() -> DynamicPartitionsDefinition:
+    return CORPORA
 
 
-def series_partitions() -> StaticPartitionsDefinition:
-    return StaticPartitionsDefinition(sorted(registry().series) or ["(none)"])
+def series_partitions() -> DynamicPartitionsDefinition:
+    return SERIES
 
 
-def corpus_of_model() -> StaticPartitionMapping:
-    """corpus partition -> the model partitions that read it."""
-    mapping: dict[str, set[str]] = {}
-    for key, entry in registry().models.items():
-        mapping.setdefault(entry.corpus, set()).add(key)
-    return StaticPartitionMapping(mapping)
+def pair_key(model: str, corpus: str) -> MultiPartitionKey:
+    return MultiPartitionKey({MODEL_DIM: model, CORPUS_DIM: corpus})
 
 
-def checkpoints_of_series() -> StaticPartitionMapping:
-    """model partition (a checkpoint) -> its series partition."""
-    return StaticPartitionMapping(
-        {key: s.name for s in registry().series.values() for key in s.checkpoint_keys}
-    )
+def split_key(partition_key: str) -> tuple[str, str]:
+    """(model, corpus) of a per-model partition key (``<corpus>|<model>`` or a MultiPartitionKey)."""
+    if isinstance(partition_key, MultiPartitionKey):
+        dims = partition_key.keys_by_dimension
+        return dims[MODEL_DIM], dims[CORPUS_DIM]
+    corpus, sep, model = str(partition_key).partition("|")
+    if not sep:
+        raise ValueError(f"'{partition_key}' is not a (model, corpus) partition key '<corpus>|<model>'")
+    return model, corpus
+
+
+def registry_pairs(reg: Registry) -> list[tuple[str, str]]:
+    """Every (model, corpus) the registry captures, in file order (a model's corpora in its order)."""
+    return [(key, c) for key, entry in reg.models.items() for c in entry.corpora]
+
+
+def primary_pairs(reg: Registry) -> list[tuple[str, str]]:
+    """(model, its first corpus) for every model: what the study-wide tables (report, joins) read."""
+    return [(key, entry.corpus) for key, entry in reg.models.items()]
+
+
+def by_model(frames: object, reg: Registry) -> dict[str, object]:
+    """A bulk-loaded per-model input ({partition key: frame}) narrowed to each model's first corpus and
+    keyed by model (what the cross-model tables and figures use)."""
+    if not isinstance(frames, dict):
+        return {}
+    out = {}
+    for pk, df in frames.items():
+        try:
+            model, corpus = split_key(pk)
+        except ValueError:
+            continue
+        if model in reg.models and reg.model(model).corpus == corpus:
+            out[model] = df
+    return out
+
+
+def wanted_keys(reg: Registry) -> dict[str, list[str]]:
+    """The dynamic partition keys the registry defines, per dimension, in file order."""
+    return {MODEL_DIM: list(reg.models), CORPUS_DIM: list(reg.corpora), SERIES_DIM: list(reg.series)}
+
+
+def partition_requests(reg: Registry, existing: dict[str, list[str]]) -> tuple[list[AddDynamicPartitionsRequest],
+                                                                              dict[str, list[str]]]:
+    """Requests adding what the registry lists and the instance lacks, and what the instance has that the
+    registry no longer lists (reported, never deleted: their outputs stay)."""
+    adds, gone = [], {}
+    for dim, keys in wanted_keys(reg).items():
+        have = set(existing.get(dim, []))
+        new = [k for k in keys if k not in have]
+        if new:
+            adds.append(AddDynamicPartitionsRequest(partitions_def_name=dim, partition_keys=new))
+        removed = sorted(have - set(keys))
+        if removed:
+            gone[dim] = removed
+    return adds, gone
+
+
+def sync_instance(instance, reg: Registry) -> dict[str, list[str]]:
+    """Add the registry's partitions to ``instance`` (what the sensor does, for in-process runs and tests);
+    returns the keys added per dimension."""
+    existing = {d: list(instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
+    adds, _ = partition_requests(reg, existing)
+    for req in adds:
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    return {req.partitions_def_name: list(req.partition_keys) for req in adds}

@@ -94,7 +94,7 @@ class ModelEntry:
     dtype: str
     window: int
     bucket: int
-    corpus: str
+    corpus: str  # the first of ``corpora``: the corpus the study joins use
     config_overrides: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     capture: CaptureOptions = field(default_factory=CaptureOptions)
@@ -104,6 +104,11 @@ class ModelEntry:
     revision_label: str | None = None
     step_index: int | None = None
     description: str = ""
+    corpora: tuple[str, ...] = ()  # every corpus the model is captured on (SPEC 10), ``corpus`` first
+
+    def __post_init__(self) -> None:
+        if not self.corpora:
+            object.__setattr__(self, "corpora", (self.corpus,))
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,7 @@ class EntryFields(BaseModel):
     window: Annotated[int, Strict(), Field(ge=16)] | None = None
     bucket: PosInt | None = None
     corpus: Str = ""
+    corpora: Annotated[list[Str], Field(min_length=1)] | None = None  # SPEC 10: every corpus, first = study's
     config_overrides: dict[str, Any] = Field(default_factory=dict)  # free: keys of the model's HF config
     trust_remote_code: Bool = False
     capture: CaptureOptions = Field(default_factory=CaptureOptions)
@@ -292,6 +298,22 @@ def _merge(*layers: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _corpora(path: Path, key: str, raw: dict[str, Any], spec: EntryFields,
+             corpora: dict[str, CorpusEntry]) -> tuple[str, ...]:
+    """The corpora a model is captured on (SPEC 10): its own ``corpora`` list or ``corpus`` name, else the
+    defaults' (``corpora`` before ``corpus``); the first one is the corpus the study joins use."""
+    if "corpora" in raw or ("corpus" not in raw and spec.corpora is not None):
+        fld, names = "corpora", list(spec.corpora or [])
+    else:
+        fld, names = "corpus", [spec.corpus]
+    for name in names:
+        if name not in corpora:
+            raise _err(path, key, fld, f"unknown corpus {name!r}; declared: {sorted(corpora)}")
+    if len(set(names)) != len(names):
+        raise _err(path, key, fld, f"lists a corpus twice: {names}")
+    return tuple(names)
+
+
 def _model(path: Path, key: str, raw: dict[str, Any], defaults: dict[str, Any],
            corpora: dict[str, CorpusEntry], revision: str | None = None) -> ModelEntry:
     merged = _merge(defaults, raw)
@@ -305,14 +327,13 @@ def _model(path: Path, key: str, raw: dict[str, Any], defaults: dict[str, Any],
     bucket = spec.bucket if spec.bucket is not None else window // 16
     if bucket > window:
         raise _err(path, key, "bucket", f"bucket width {bucket} exceeds window {window}")
-    if spec.corpus not in corpora:
-        raise _err(path, key, "corpus", f"unknown corpus {spec.corpus!r}; declared: {sorted(corpora)}")
+    names = _corpora(path, key, raw, spec, corpora)
     capture = spec.capture
     if capture.layers is not None:
         capture = replace(capture, layers=tuple(capture.layers))
     return ModelEntry(
         key=key, family=spec.family, source=source, tokenizer=tokenizer, dtype=spec.dtype,
-        window=window, bucket=bucket, corpus=spec.corpus, config_overrides=dict(spec.config_overrides),
+        window=window, bucket=bucket, corpus=names[0], corpora=names, config_overrides=dict(spec.config_overrides),
         trust_remote_code=spec.trust_remote_code, capture=capture,
         analysis={k: dict(v) for k, v in merged.get("analysis", {}).items()},
         groups=tuple(spec.groups), description=spec.description,

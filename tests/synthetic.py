@@ -226,6 +226,27 @@ def write_synthetic_capture(storage, model_key: str, heads: list[SyntheticHead],
         "capture_prefix": capture_prefix(model_key, fingerprint)} for h in heads])
 
 
+def pair(model: str) -> str:
+    """The (model, corpus) partition key of a synthetic model: its registry corpus, else ``synthetic``."""
+    from qk_assets.partitions import pair_key, registry
+
+    reg = registry()
+    return str(pair_key(model, reg.model(model).corpus if model in reg.models else "synthetic"))
+
+
+def partitions_instance(models):
+    """An ephemeral Dagster instance holding the (model, corpus) partitions of ``models``."""
+    from dagster import DagsterInstance
+
+    from qk_assets.partitions import CORPUS_DIM, MODEL_DIM, split_key
+
+    instance = DagsterInstance.ephemeral()
+    pairs = [split_key(pair(m)) for m in models]
+    instance.add_dynamic_partitions(MODEL_DIM, sorted({m for m, _ in pairs}))
+    instance.add_dynamic_partitions(CORPUS_DIM, sorted({c for _, c in pairs}))
+    return instance
+
+
 def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]], **capture_kw):
     """Write one synthetic capture per model and its ``qk_capture`` value where the IO manager reads it.
 
@@ -237,16 +258,16 @@ def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]],
     from dagster import asset
 
     from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.partitions import model_partitions
+    from qk_assets.partitions import model_corpus_partitions
     from qk_assets.resources import StorageResource
     from qk_core.storage import Storage
 
     storage = Storage(root)
     for i, (model, heads) in enumerate(heads_by_model.items()):
         cap = write_synthetic_capture(storage, model, heads, seed=i, **capture_kw)
-        storage.write_parquet(asset_rel(["qk_capture"], model), pa.Table.from_pandas(cap))
+        storage.write_parquet(asset_rel(["qk_capture"], pair(model)), pa.Table.from_pandas(cap))
 
-    @asset(name="qk_capture", partitions_def=model_partitions())
+    @asset(name="qk_capture", partitions_def=model_corpus_partitions())
     def capture_stand_in() -> pd.DataFrame:
         raise AssertionError("the upstream is read from storage, never recomputed here")
 

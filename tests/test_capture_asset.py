@@ -28,6 +28,17 @@ def reload_modules() -> tuple[ModuleType, ModuleType]:
             importlib.reload(importlib.import_module("qk_assets.assets.capture")))
 
 
+def partitioned_instance():
+    """An ephemeral instance holding the (temporary) registry's partitions."""
+    from dagster import DagsterInstance
+
+    from qk_assets.partitions import registry, sync_instance
+
+    instance = DagsterInstance.ephemeral()
+    sync_instance(instance, registry())
+    return instance
+
+
 @pytest.fixture
 def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, Path]]:
     tm.build_tiny_model("llama", tmp_path / "llama")
@@ -48,17 +59,24 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[M
 
 
 def test_asset_definition() -> None:
+    from dagster import DagsterInstance
+
     from qk_assets.assets.capture import qk_capture
-    from qk_assets.partitions import registry
+    from qk_assets.partitions import model_corpus_partitions, registry, registry_pairs, sync_instance
 
     assert qk_capture.op.pool == "gpu"
-    assert set(qk_capture.partitions_def.get_partition_keys()) == set(registry().model_keys)
+    assert qk_capture.partitions_def == model_corpus_partitions()
+    with DagsterInstance.ephemeral() as instance:
+        sync_instance(instance, registry())
+        keys = qk_capture.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+        assert {(k.keys_by_dimension["model"], k.keys_by_dimension["corpus"]) for k in keys} >= set(
+            registry_pairs(registry()))
     assert qk_capture.required_resource_keys >= {"storage", "device"}
-    assert [k.to_user_string() for k in qk_capture.keys_by_input_name.values()] == ["corpus"]
+    assert {k.to_user_string() for k in qk_capture.keys_by_input_name.values()} == {"corpus", "registry_entry"}
 
 
 def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Path]) -> None:
-    from dagster import AssetKey, DagsterInstance, materialize
+    from dagster import AssetKey, materialize
 
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.resources import StorageResource, TorchDeviceResource
@@ -68,15 +86,16 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
                  "device": TorchDeviceResource(device="auto")}
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
-    instance = DagsterInstance.ephemeral()
-    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-llama",
+    instance = partitioned_instance()
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
+                       instance=instance).success
+    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
                          resources=resources, instance=instance)
     assert result.success
     value = result.output_for_node("qk_capture")
     assert list(value.columns) == VALUE_COLUMNS and len(value) == 6
     storage = Storage(tmp / "storage")
-    stored = storage.read_parquet(asset_rel(["qk_capture"], "tiny-llama")).to_pandas()
+    stored = storage.read_parquet(asset_rel(["qk_capture"], "tiny|tiny-llama")).to_pandas()
     assert stored.equals(value)
     reader = CaptureReader(storage, value["capture_prefix"].iloc[0])
     assert reader.manifest["dataset"]["corpus"] == "tiny" and reader.manifest["device"] == "cpu"
@@ -98,7 +117,8 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     assert check.passed and check.metadata["verified_at_finalize"].value
     assert check.metadata["files_verified"].value == len(reader.complete["files"])
 
-    again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-llama", resources=resources)
+    again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
+                        resources=resources, instance=instance)
     meta2 = again.asset_materializations_for_node("qk_capture")[0].metadata
     assert meta2["documents_resumed_or_reused"].value == 3 and meta2["documents_captured_this_run"].value == 0
     check2 = again.get_asset_check_evaluations()[0]
@@ -155,12 +175,14 @@ def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleTy
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
                  "device": TorchDeviceResource(device="cpu")}
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
-    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny-mllama",
-                         resources=resources, raise_on_error=False)
+    instance = partitioned_instance()
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
+                       instance=instance).success
+    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-mllama",
+                         resources=resources, raise_on_error=False, instance=instance)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure)
     assert "requested layer 1 is a cross-attention layer" in str(failure.step_failure_data.error)
     storage = Storage(tmp / "storage")
-    assert not storage.exists(asset_rel(["qk_capture"], "tiny-mllama"))
+    assert not storage.exists(asset_rel(["qk_capture"], "tiny|tiny-mllama"))
     assert not storage.exists("captures/tiny-mllama")

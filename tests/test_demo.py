@@ -11,18 +11,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from dagster import (
-    AssetDep,
     AssetExecutionContext,
     AssetKey,
     Definitions,
-    StaticPartitionMapping,
-    StaticPartitionsDefinition,
     asset,
     instance_for_test,
     mem_io_manager,
+    partition_loading_context,
 )
 
 from qk_assets.demo import REPORT_KEY, Planner, group_steps, run_demo, select_nodes
+from qk_assets.partitions import corpus_partitions, model_corpus_partitions, sync_instance
 from qk_core.registry import load_registry
 from qk_core.storage import Storage
 
@@ -61,8 +60,7 @@ FAIL: set[str] = set()
 
 def toy_defs(ana_version: str = "v1") -> Definitions:
     """corpus_t[c] -> cap[m] -> ana[m] -> rep -> report_html (same shape as the real graph)."""
-    corpora = StaticPartitionsDefinition(["c"])
-    models = StaticPartitionsDefinition(["m1", "m2", "m3"])
+    corpora, models = corpus_partitions(), model_corpus_partitions()
 
     def record(context: AssetExecutionContext) -> pd.DataFrame:
         name = context.assets_def.key.to_user_string()
@@ -76,8 +74,7 @@ def toy_defs(ana_version: str = "v1") -> Definitions:
     def corpus_t(context: AssetExecutionContext) -> pd.DataFrame:
         return record(context)
 
-    @asset(partitions_def=models, code_version="k1", deps=[AssetDep(
-        "corpus_t", partition_mapping=StaticPartitionMapping({"c": {"m1", "m2", "m3"}}))])
+    @asset(partitions_def=models, code_version="k1", deps=["corpus_t"])
     def cap(context: AssetExecutionContext) -> pd.DataFrame:
         return record(context)
 
@@ -104,6 +101,7 @@ def env(tmp_path: Path):
     with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
         CALLS.clear()
         FAIL.clear()
+        sync_instance(instance, load_registry(reg_path))
         yield instance, reg_path, Storage(tmp_path / "storage")
 
 
@@ -114,18 +112,20 @@ def demo(instance, defs, reg_path, storage, **kw) -> tuple[int, str]:
 
 
 def test_selection_and_run_grouping(env) -> None:
-    _, reg_path, _ = env
+    instance, reg_path, _ = env
     graph = toy_defs().resolve_asset_graph()
-    nodes, notes = select_nodes(graph, load_registry(reg_path), "demo")
+    nodes, notes = select_nodes(graph, load_registry(reg_path), "demo", instance=instance)
     names = {(k.to_user_string(), p) for k, p in nodes}
-    assert ("cap", "m3") not in names  # not a demo model
-    assert {("corpus_t", "c"), ("cap", "m1"), ("ana", "m2"), ("rep", None), ("report_html", None)} <= names
+    assert ("cap", "c|m3") not in names  # not a demo model
+    assert {("corpus_t", "c"), ("cap", "c|m1"), ("ana", "c|m2"), ("rep", None), ("report_html", None)} <= names
     assert notes == []
-    only_m2 = {(k.to_user_string(), p) for k, p in select_nodes(graph, load_registry(reg_path), "demo", ["m2"])[0]}
-    assert ("cap", "m2") in only_m2 and not any(p == "m1" for _, p in only_m2)
-    steps = list(group_steps(graph, list(nodes), ["c", "m1", "m2", None]))
+    only_m2 = {(k.to_user_string(), p)
+               for k, p in select_nodes(graph, load_registry(reg_path), "demo", ["m2"], instance)[0]}
+    assert ("cap", "c|m2") in only_m2 and not any(p == "c|m1" for _, p in only_m2)
+    with partition_loading_context(dynamic_partitions_store=instance):
+        steps = list(group_steps(graph, list(nodes), ["c", "c|m1", "c|m2", None]))
     assert [(s.partition, sorted(k.to_user_string() for k in s.keys)) for s in steps] == [
-        ("c", ["corpus_t"]), ("m1", ["ana", "cap"]), ("m2", ["ana", "cap"]), (None, ["rep", "report_html"])]
+        ("c", ["corpus_t"]), ("c|m1", ["ana", "cap"]), ("c|m2", ["ana", "cap"]), (None, ["rep", "report_html"])]
 
 
 def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
@@ -133,9 +133,9 @@ def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
     defs = toy_defs()
     failed, out = demo(instance, defs, reg_path, storage)
     assert failed == 0, out
-    assert sorted(CALLS) == sorted(["corpus_t[c]", "cap[m1]", "cap[m2]", "ana[m1]", "ana[m2]", "rep",
+    assert sorted(CALLS) == sorted(["corpus_t[c]", "cap[c|m1]", "cap[c|m2]", "ana[c|m1]", "ana[c|m2]", "rep",
                                     "report_html"])
-    assert "cap[m3]" not in CALLS
+    assert "cap[c|m3]" not in CALLS
 
     CALLS.clear()
     failed, out = demo(instance, defs, reg_path, storage)
@@ -146,7 +146,7 @@ def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
     CALLS.clear()
     failed, out = demo(instance, toy_defs(ana_version="v2"), reg_path, storage)
     assert failed == 0, out
-    assert sorted(CALLS) == ["ana[m1]", "ana[m2]", "rep", "report_html"]
+    assert sorted(CALLS) == ["ana[c|m1]", "ana[c|m2]", "rep", "report_html"]
     assert "code version" in out
 
     # rule 4: a changed registry entry of m1 recomputes only m1's chain
@@ -156,7 +156,7 @@ def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
     CALLS.clear()
     failed, out = demo(instance, toy_defs(ana_version="v2"), reg_path, storage)
     assert failed == 0, out
-    assert sorted(CALLS) == ["ana[m1]", "cap[m1]", "rep", "report_html"]
+    assert sorted(CALLS) == ["ana[c|m1]", "cap[c|m1]", "rep", "report_html"]
     assert "configuration changed" in out
 
     # rule 3: an upstream materialised outside the demo (e.g. from the UI) makes its dependents stale
@@ -165,30 +165,31 @@ def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
     defs2 = toy_defs(ana_version="v2")
     graph = defs2.resolve_asset_graph()
     materialize([defs2.get_assets_def(AssetKey("ana")), defs2.get_assets_def(AssetKey("cap"))],
-                selection=["ana"], partition_key="m2", instance=instance)
+                selection=["ana"], partition_key="c|m2", instance=instance)
     CALLS.clear()
-    decisions = Planner(instance, graph, load_registry(reg_path)).decide(select_nodes(
-        graph, load_registry(reg_path), "demo")[0])
+    with partition_loading_context(dynamic_partitions_store=instance):
+        decisions = Planner(instance, graph, load_registry(reg_path)).decide(select_nodes(
+            graph, load_registry(reg_path), "demo", instance=instance)[0])
     redo = {(k.to_user_string(), p): r for (k, p), r in ((d.node, d.reason) for d in decisions) if r}
     assert set(redo) == {("rep", None), ("report_html", None)}
-    assert "ana[m2] is newer" in redo[("rep", None)]
+    assert "ana[c|m2] is newer" in redo[("rep", None)]
 
 
 def test_failure_skips_dependents_but_builds_the_report(env) -> None:
     instance, reg_path, storage = env
-    FAIL.add("cap[m2]")
+    FAIL.add("cap[c|m2]")
     failed, out = demo(instance, toy_defs(), reg_path, storage)
     assert failed >= 2  # cap[m2] failed, ana[m2] skipped, rep skipped
-    assert "cap[m2]" in CALLS and "ana[m2]" not in CALLS and "rep" not in CALLS
-    assert "ana[m1]" in CALLS
+    assert "cap[c|m2]" in CALLS and "ana[c|m2]" not in CALLS and "rep" not in CALLS
+    assert "ana[c|m1]" in CALLS
     assert "report_html" in CALLS  # the report runs regardless and marks what is missing
-    assert "FAILED: cap[m2]" in out
+    assert "FAILED: cap[c|m2]" in out
     # the next demo retries exactly what failed or was skipped
     FAIL.clear()
     CALLS.clear()
     failed, out = demo(instance, toy_defs(), reg_path, storage)
     assert failed == 0, out
-    assert sorted(CALLS) == ["ana[m2]", "cap[m2]", "rep", "report_html"]
+    assert sorted(CALLS) == ["ana[c|m2]", "cap[c|m2]", "rep", "report_html"]
 
 
 def test_failure_beside_the_report_does_not_skip_it(env) -> None:
@@ -211,7 +212,8 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
     lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("  run ")]
     assert "corpus[sotu-demo]" in lines
     parts = {ln.split("[", 1)[1].rstrip("]") for ln in lines if "[" in ln}
-    assert parts <= {"sotu-demo", "smollm2-135m", "gemma3-270m", *load_registry(REPO / "data" / "registry.toml").series}
+    assert parts <= {"sotu-demo", "sotu-demo|smollm2-135m", "sotu-demo|gemma3-270m",
+                     *load_registry(REPO / "data" / "registry.toml").series}
     assert not (tmp_path / "storage" / "assets").exists()  # dry run: nothing written
     assert json.dumps(lines)  # plan printed
     assert REPORT_KEY.to_user_string() in proc.stdout or "report_html" not in proc.stdout

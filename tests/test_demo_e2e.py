@@ -68,14 +68,14 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> 
     assert "0 asset partition(s) failed or skipped" in out
     for key in MODELS:
         for asset in PER_MODEL:
-            assert (storage / "assets" / asset / f"{key}.parquet").is_file(), (asset, key)
+            assert (storage / "assets" / asset / key / "tiny.parquet").is_file(), (asset, key)
     for asset in ("model_report", "benchmark_scores", "benchmark_joins", "benchmark_stats", "geometry_figures",
                   "report_html"):
         assert (storage / "assets" / asset / "_all.parquet").is_file(), asset
     # one run per partition set, in dependency order: corpus, each model, unpartitioned, then the report
     runs = re.findall(r"^\[run \d+\] (\S+): (.*)$", out, re.M)
     starts = [part for part, what in runs if not what.startswith(("ok", "FAILED"))]
-    assert starts[0] == "tiny" and starts[1:3] == list(MODELS) and starts[-1] == "unpartitioned"
+    assert starts[0] == "tiny" and starts[1:3] == [f"tiny|{m}" for m in MODELS] and starts[-1] == "unpartitioned"
     assert [what for part, what in runs if not what.startswith(("ok", "FAILED"))][-1] == "report_html"
     assert f"report: {(storage / 'report' / 'index.html').as_uri()}" in out
 

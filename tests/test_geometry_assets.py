@@ -17,6 +17,8 @@ from synthetic import (
     HeadSpec,
     SyntheticHead,
     expected_rotation,
+    pair,
+    partitions_instance,
     stage_synthetic_models,
     stratified_positions,
 )
@@ -60,16 +62,17 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     selection = [AssetKey(k) for k in ("pca_heads", "pca_layers", "pca_metrics", "rotation_heads",
                                        "rotation_layers", "rotation_metrics")]
     results = {}
+    inst = partitions_instance(MODELS)
     for model in MODELS:
-        results[model] = materialize(analyses, selection=selection, partition_key=model, resources=resources,
-                                     run_config=PARTIAL)
+        results[model] = materialize(analyses, selection=selection, partition_key=pair(model), resources=resources,
+                                     run_config=PARTIAL, instance=inst)
         assert results[model].success
     cross = materialize([capture_stand_in, geometry, geometry_figures], selection=[AssetKey("geometry_figures")],
-                        resources=resources)
+                        resources=resources, instance=inst)
     assert cross.success
 
     def read(name: str, part: str | None) -> pd.DataFrame:
-        return storage.read_parquet(asset_rel([name], part)).to_pandas()
+        return storage.read_parquet(asset_rel([name], pair(part) if part else None)).to_pandas()
 
     return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read,
             "resources": resources, "capture_stand_in": capture_stand_in}
@@ -139,7 +142,7 @@ def test_figures_are_written_and_attached(materialised) -> None:
     for stage, names in (("pca", ("pc0_taxonomy", "explained_variance", "depth_pc0")),
                          ("rotation", ("ab_plane", "depth_rotation"))):
         for name in names:
-            png = root / "figures" / stage / "smollm2-135m" / f"{name}.png"
+            png = root / "figures" / stage / "smollm2-135m" / "sotu-demo" / f"{name}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     mats = {m.asset_key.to_user_string(): m for m in res.get_asset_materialization_events()}
     meta = mats["pca_heads"].materialization.metadata
@@ -170,15 +173,15 @@ def test_subset_and_run_config_options(tmp_path: Path) -> None:
     config = {"ops": {"geometry": {"config": {"rotation_separation": "eigen", "rotation_complement": True,
                                               "rotation_complement_pairs": 2}}}}
     result = materialize([capture_stand_in, geometry], selection=[AssetKey(k) for k in ("rotation_heads",
-                         "rotation_metrics")], partition_key="smollm2-135m", run_config=config,
-                         resources=resources)
+                         "rotation_metrics")], partition_key=pair("smollm2-135m"), run_config=config,
+                         resources=resources, instance=partitions_instance(["smollm2-135m"]))
     assert result.success
-    assert not storage.exists(asset_rel(["pca_heads"], "smollm2-135m"))  # PCA was not selected, not run
-    assert not storage.exists(asset_rel(["rotation_layers"], "smollm2-135m"))
-    heads = storage.read_parquet(asset_rel(["rotation_heads"], "smollm2-135m")).to_pandas()
+    assert not storage.exists(asset_rel(["pca_heads"], pair("smollm2-135m")))  # PCA was not selected, not run
+    assert not storage.exists(asset_rel(["rotation_layers"], pair("smollm2-135m")))
+    heads = storage.read_parquet(asset_rel(["rotation_heads"], pair("smollm2-135m"))).to_pandas()
     assert '"separation": "eigen"' in heads["options"].iloc[0]
     assert all(len(v) == 2 for v in heads["complement_share"])
-    metrics = storage.read_parquet(asset_rel(["rotation_metrics"], "smollm2-135m")).to_pandas()
+    metrics = storage.read_parquet(asset_rel(["rotation_metrics"], pair("smollm2-135m"))).to_pandas()
     assert set(metrics.loc[metrics["metric"] == "complement_pair_share", "key"]) == {"pair0", "pair1"}
 
 

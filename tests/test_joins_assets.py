@@ -18,7 +18,7 @@ from qk_assets.assets import benchmarks as bench_assets
 from qk_assets.assets import joins as join_assets
 from qk_assets.assets import model_report as report_assets
 from qk_assets.io_manager import ParquetIOManager
-from qk_assets.partitions import model_partitions
+from qk_assets.partitions import model_corpus_partitions, registry, sync_instance
 from qk_assets.resources import StorageResource
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.storage import Storage
@@ -28,7 +28,7 @@ DOWNSTREAM = ["model_report", "benchmark_joins", "benchmark_length_joins", "benc
 ASSETS = [bench_assets.benchmark_scores, bench_assets.model_aliases, bench_assets.benchmark_models,
           bench_assets.reference_metrics, report_assets.model_report, join_assets.benchmark_joins,
           join_assets.benchmark_length_joins, join_assets.benchmark_stats,
-          *[AssetSpec(name, partitions_def=model_partitions(), group_name="stand_in")
+          *[AssetSpec(name, partitions_def=model_corpus_partitions(), group_name="stand_in")
             for name in report_assets.METRIC_ASSETS]]
 
 
@@ -53,6 +53,7 @@ def read(root: Path, asset: str) -> pd.DataFrame:
 @pytest.fixture
 def instance():
     with DagsterInstance.ephemeral() as inst:
+        sync_instance(inst, registry())
         yield inst
 
 
@@ -60,10 +61,10 @@ def test_report_and_joins_from_synthetic_upstream(tmp_path: Path, instance: Dags
     root = tmp_path / "root"
     st = Storage(root)
     opts = {"L": 131072, "B": 8192}
-    st.write_parquet("assets/plasticity_metrics/qwen3-8b.parquet", _arrow(metrics_frame([
+    st.write_parquet("assets/plasticity_metrics/qwen3-8b/longbench-pro.parquet", _arrow(metrics_frame([
         metric_row("qwen3-8b", "ap_drop", [0.4, 0.6], unit="AP", options=opts),
         metric_row("qwen3-8b", "ap_overall", [0.7], unit="AP", options=opts)])))
-    st.write_parquet("assets/rotation_metrics/ministral3-3b.parquet", _arrow(metrics_frame([
+    st.write_parquet("assets/rotation_metrics/ministral3-3b/longbench-pro.parquet", _arrow(metrics_frame([
         metric_row("ministral3-3b", "bias_strength", [2e-3], unit="per token", options=opts)])))
     # pca_metrics: no partition at all; every other model: missing partitions
     res = run(root, SOURCES + DOWNSTREAM, instance)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from synthetic import CloudSpec, HeadSpec, SyntheticHead, stage_synthetic_models
+from synthetic import CloudSpec, HeadSpec, SyntheticHead, pair, partitions_instance, stage_synthetic_models
 
 MODELS = ("smollm2-135m", "gemma3-270m")  # demo partitions of the shipped registry
 D, WINDOW, BUCKET, PER_BUCKET = 16, 2048, 128, 4
@@ -44,17 +44,18 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     outs = ["plasticity_heads", "plasticity_profiles", "plasticity_bins", "plasticity_pairs", "plasticity_heatmap",
             "plasticity_components", "plasticity_metrics"]
     results = {}
+    inst = partitions_instance(MODELS)
     for model in MODELS:
         results[model] = materialize([capture_stand_in, plasticity], selection=[AssetKey(k) for k in outs],
-                                     partition_key=model, resources=resources,
+                                     partition_key=pair(model), resources=resources, instance=inst,
                                      run_config={"ops": {"plasticity": {"config": {"allow_partial": True}}}})
         assert results[model].success
     cross = materialize([capture_stand_in, plasticity, plasticity_deciles],
-                        selection=[AssetKey("plasticity_deciles")], resources=resources)
+                        selection=[AssetKey("plasticity_deciles")], resources=resources, instance=inst)
     assert cross.success
 
     def read(name: str, part: str | None) -> pd.DataFrame:
-        return storage.read_parquet(asset_rel([name], part)).to_pandas()
+        return storage.read_parquet(asset_rel([name], pair(part) if part else None)).to_pandas()
 
     return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read,
             "resources": resources, "capture_stand_in": capture_stand_in, "outs": outs}
@@ -137,7 +138,7 @@ def test_model_metrics_aggregate_the_heads(materialised) -> None:
 def test_figures_are_written_and_embedded(materialised) -> None:
     root = materialised["root"]
     for name in ("profiles", "heatmap", "components", "closed_vs_empirical"):
-        png = root / "figures" / "plasticity" / "smollm2-135m" / f"{name}.png"
+        png = root / "figures" / "plasticity" / "smollm2-135m" / "sotu-demo" / f"{name}.png"
         assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     mats = materialised["results"]["smollm2-135m"].get_asset_materialization_events()
     meta = {e.materialization.asset_key.to_user_string(): e.materialization.metadata for e in mats}

@@ -62,18 +62,26 @@ def test_bad_entries_name_entry_and_field(tmp_path: Path, body: str, entry: str,
     assert str(path) in msg and f"'{entry}'" in msg and f"'{field}'" in msg
 
 
-def test_new_entry_adds_a_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = SHIPPED.read_text() + '\n[models.extra-model]\nfamily="llama"\nsource={local="m"}\nwindow=64\n'
+def test_new_entry_adds_partitions_and_removed_ones_are_reported(tmp_path: Path) -> None:
+    from qk_assets.partitions import partition_requests, registry_pairs
+
+    shipped = load_registry(SHIPPED)
+    existing = {"model": [*shipped.models, "gone-model"], "corpus": list(shipped.corpora), "series": []}
+    text = SHIPPED.read_text() + (
+        '\n[corpora.extra-corpus]\nkind="local_file"\npath="x.jsonl"\n'
+        '\n[models.extra-model]\nfamily="llama"\nsource={local="m"}\nwindow=64\n'
+        'corpora=["extra-corpus", "sotu-demo"]\n')
     path = tmp_path / "registry.toml"
     path.write_text(text)
-    monkeypatch.setenv("QK_REGISTRY", str(path))
-    from qk_assets import partitions
-
-    partitions.registry.cache_clear()
-    try:
-        assert "extra-model" in partitions.model_partitions().get_partition_keys()
-    finally:
-        partitions.registry.cache_clear()
+    reg = load_registry(path)
+    adds, gone = partition_requests(reg, existing)
+    added = {r.partitions_def_name: list(r.partition_keys) for r in adds}
+    assert added == {"model": ["extra-model"], "corpus": ["extra-corpus"], "series": list(shipped.series)}
+    assert gone == {"model": ["gone-model"]}
+    assert reg.model("extra-model").corpus == "extra-corpus"  # the first listed: what the study joins use
+    assert [p for p in registry_pairs(reg) if p[0] == "extra-model"] == [
+        ("extra-model", "extra-corpus"), ("extra-model", "sotu-demo")]
+    assert reg.model("qwen3-8b").corpora == ("longbench-pro",)  # the default corpus
 
 
 MODEL = '[models.m]\nfamily="llama"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\n'
@@ -185,3 +193,12 @@ def test_registry_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
     path.write_bytes((BASE + MODEL).encode() + b'description = "caf\xe9"\n')
     with pytest.raises(RegistryError, match=r"registry\.toml: not UTF-8 text"):
         load_registry(path)
+
+
+@pytest.mark.parametrize("value", ['["nope"]', "[]", '["c", "c"]', '"c"'])
+def test_bad_corpora_name_entry_and_field(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + f'[models.m]\nfamily="llama"\nsource={{hub="a/b"}}\nwindow=64\ncorpora={value}\n')
+    with pytest.raises(RegistryError) as err:
+        load_registry(path)
+    assert str(path) in str(err.value) and "'m'" in str(err.value) and "'corpora'" in str(err.value)

@@ -98,7 +98,7 @@ def plant(storage: Storage, i: int, bias: float, ap_last: float, seed: int = 0) 
     for name, df in [("qk_capture", cap), ("rotation_metrics", metrics_frame(rot)),
                      ("plasticity_metrics", metrics_frame(pla)), ("pca_metrics", metrics_frame(pca)),
                      ("plasticity_profiles", prof)]:
-        storage.write_parquet(asset_rel([name], key), __import__("pyarrow").Table.from_pandas(df))
+        storage.write_parquet(asset_rel([name], f"tiny|{key}"), __import__("pyarrow").Table.from_pandas(df))
     return {"bias_strength": float(b.mean()), "window": L, "bucket": B,
             "rope_theta": cfg["model"]["config"]["rope_theta"]}
 
@@ -112,7 +112,8 @@ def test_trajectory_materialises_with_a_missing_checkpoint(traj: ModuleType, tmp
     root = tmp_path / "storage"
     storage = Storage(root)
     truth = {0: plant(storage, 0, 0.01, 0.5), 2: plant(storage, 2, 0.002, 0.4)}
-    result = dg.materialize([traj.trajectory], partition_key="tser", resources=resources(root))
+    result = dg.materialize([traj.trajectory], partition_key="tser", resources=resources(root),
+                            instance=partitioned_instance())
     assert result.success
     table = storage.read_parquet(asset_rel(["trajectory"], "tser")).to_pandas()
     assert table["revision"].tolist() == REVS
@@ -140,40 +141,44 @@ def test_trajectory_materialises_with_a_missing_checkpoint(traj: ModuleType, tmp
         assert storage.exists(f"figures/trajectory/tser/{name}.png")
 
 
-def test_partitions_mapping_and_registry_growth(traj: ModuleType, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_partitions_and_registry_growth(traj: ModuleType, tmp_path: Path) -> None:
+    """Checkpoints are (model, corpus) partitions; a revision added to the registry is a new partition,
+    requested by the registry sensor's logic without reloading anything."""
     from qk_assets import partitions
+    from qk_core.registry import load_registry
 
     keys = [f"tser@{r}" for r in REVS]
-    model_keys = partitions.model_partitions().get_partition_keys()
-    assert model_keys == ["other", *keys]
-    rng = dg.PartitionKeyRange(keys[0], keys[-1])
-    assert partitions.model_partitions().get_partition_keys_in_range(rng) == keys  # one contiguous range
-    assert partitions.series_partitions().get_partition_keys() == ["tser"]
+    instance = partitioned_instance()
+    assert list(instance.get_dynamic_partitions("model")) == ["other", *keys]
+    assert list(instance.get_dynamic_partitions("series")) == ["tser"]
     spec = {s.key.to_user_string(): s for s in traj.trajectory.specs}["trajectory"]
     assert {d.asset_key.to_user_string() for d in spec.deps} == set(traj.UPSTREAM)
-    for dep in spec.deps:
-        assert dep.partition_mapping.downstream_partition_keys_by_upstream_partition_key == {k: "tser" for k in keys}
-    assert traj.trajectory.partitions_def.get_partition_keys() == ["tser"]
-    # A revision added to the registry is a new partition, inside the range and the mapping.
+    assert all(isinstance(d.partition_mapping, dg.AllPartitionMapping) for d in spec.deps)
+    assert traj.trajectory.partitions_def == partitions.series_partitions()
     reg = tmp_path / "registry2.toml"
     reg.write_text(registry_text(tmp_path / "c.jsonl", [*REVS, "lc-step-9"], [*REG_WINDOWS, 128]))
-    monkeypatch.setenv("QK_REGISTRY", str(reg))
-    mod = reload_registry_modules()
-    new_keys = partitions.model_partitions().get_partition_keys()
-    assert new_keys == ["other", *keys, "tser@lc-step-9"]
-    spec = {s.key.to_user_string(): s for s in mod.trajectory.specs}["trajectory"]
-    assert next(iter(spec.deps)).partition_mapping.downstream_partition_keys_by_upstream_partition_key[
-        "tser@lc-step-9"] == "tser"
+    existing = {d: list(instance.get_dynamic_partitions(d)) for d in ("model", "corpus", "series")}
+    adds, gone = partitions.partition_requests(load_registry(reg), existing)
+    assert [(r.partitions_def_name, list(r.partition_keys)) for r in adds] == [("model", ["tser@lc-step-9"])]
+    assert gone == {}
+
+
+def partitioned_instance() -> dg.DagsterInstance:
+    """An ephemeral instance holding the current registry's dynamic partitions."""
+    from qk_assets.partitions import registry, sync_instance
+
+    instance = dg.DagsterInstance.ephemeral()
+    sync_instance(instance, registry())
+    return instance
 
 
 def stub_assets() -> list[dg.AssetsDefinition]:
     """Model-partitioned stand-ins for the capture and analyses (values planted by ``plant``)."""
-    from qk_assets.partitions import model_partitions
+    from qk_assets.partitions import model_corpus_partitions
 
     out = []
     for name in ("qk_capture", "pca_metrics", "rotation_metrics", "plasticity_metrics", "plasticity_profiles"):
-        @dg.asset(name=name, partitions_def=model_partitions(), group_name="stub",
+        @dg.asset(name=name, partitions_def=model_corpus_partitions(), group_name="stub",
                   io_manager_key="io_manager")
         def stub():  # the value is already in storage
             return None
@@ -185,7 +190,7 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
     """Metrics of one checkpoint change -> the series trajectory is requested; capture alone does not."""
     stubs = stub_assets()
     defs = dg.Definitions(assets=[*stubs, traj.trajectory], resources=resources(tmp_path / "storage"))
-    instance = dg.DagsterInstance.ephemeral()
+    instance = partitioned_instance()
     traj_key = dg.AssetKey("trajectory")
 
     def requested(cursor: object) -> tuple[set, object]:
@@ -194,7 +199,7 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
 
     _, cursor = requested(None)
     # checkpoint 0's rotation metrics are materialised; checkpoints 1 and 2 are still missing
-    dg.materialize([stubs[2]], partition_key=f"tser@{REVS[0]}", instance=instance,
+    dg.materialize([stubs[2]], partition_key=f"tiny|tser@{REVS[0]}", instance=instance,
                    resources=resources(tmp_path / "storage"))
     got, cursor = requested(cursor)
     assert got == {"tser"}
@@ -205,30 +210,14 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
     got, cursor = requested(cursor)
     assert got == set()
     # a new capture alone does not trigger it (its analyses will)
-    dg.materialize([stubs[0]], partition_key=f"tser@{REVS[2]}", instance=instance,
+    dg.materialize([stubs[0]], partition_key=f"tiny|tser@{REVS[2]}", instance=instance,
                    resources=resources(tmp_path / "storage"))
     got, cursor = requested(cursor)
     assert got == set()
-    dg.materialize([stubs[4]], partition_key=f"tser@{REVS[2]}", instance=instance,
+    dg.materialize([stubs[4]], partition_key=f"tiny|tser@{REVS[2]}", instance=instance,
                    resources=resources(tmp_path / "storage"))
     got, cursor = requested(cursor)
     assert got == {"tser"}
-
-
-def test_series_job_backfills_every_checkpoint(traj: ModuleType, tmp_path: Path) -> None:
-    """The per-series job holds exactly the model-partitioned assets; its range is the series."""
-    stubs = stub_assets()
-    defs = dg.Definitions(assets=[*stubs, traj.trajectory], jobs=traj.JOBS, resources=resources(tmp_path / "s"))
-    job = defs.resolve_job_def("tser_checkpoints")
-    assert {k.to_user_string() for k in job.asset_layer.selected_asset_keys} == set(traj.UPSTREAM)
-    assert f"[tser@{REVS[0]}...tser@{REVS[-1]}]" in job.description
-    keys = job.partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(f"tser@{REVS[0]}",
-                                                                                 f"tser@{REVS[-1]}"))
-    instance = dg.DagsterInstance.ephemeral()
-    for key in keys:  # what a backfill over the range launches: one run per checkpoint
-        assert job.execute_in_process(partition_key=key, instance=instance).success
-    done = instance.get_materialized_partitions(dg.AssetKey("plasticity_metrics"))
-    assert done == {f"tser@{r}" for r in REVS}
 
 
 def test_automation_sensor_targets_the_trajectory() -> None:
@@ -248,7 +237,8 @@ def test_series_without_any_capture_shows_the_thesis_reference(tmp_path: Path) -
     from qk_assets.assets import trajectory as shipped
 
     root = tmp_path / "storage"
-    result = dg.materialize([shipped.trajectory], partition_key="smollm3-3b", resources=resources(root))
+    result = dg.materialize([shipped.trajectory], partition_key="smollm3-3b", resources=resources(root),
+                            instance=partitioned_instance())
     assert result.success
     storage = Storage(root)
     table = storage.read_parquet(asset_rel(["trajectory"], "smollm3-3b")).to_pandas()

@@ -35,16 +35,29 @@ SCRIPT = r"""
 import json, sys
 import dagster as dg
 from qk_assets import defs
+from qk_assets.definitions import per_model_keys
+from qk_assets.partitions import registry, sync_instance
 from qk_core.storage import Storage
 from qk_core.settings import Settings
 
 keys, out = sys.argv[1:4], sys.argv[4]
 inst = dg.DagsterInstance.ephemeral()
+sync_instance(inst, registry())
 every = defs.resolve_implicit_global_asset_job_def()
 traj = [dg.AssetKey("trajectory"), dg.AssetKey("trajectory_profiles")]
 assert every.execute_in_process(partition_key="tiny", asset_selection=[dg.AssetKey("corpus")], instance=inst).success
-job = defs.resolve_job_def("tser_checkpoints")
-selected = sorted(k.to_user_string() for k in job.asset_layer.selected_asset_keys)
+per_model = per_model_keys(defs.assets)
+selected = sorted(k.to_user_string() for k in per_model)
+
+
+class Job:  # one run per checkpoint, as a backfill over the series' (model, corpus) partitions launches
+    @staticmethod
+    def execute_in_process(partition_key, instance):
+        return every.execute_in_process(partition_key="tiny|" + partition_key, asset_selection=per_model,
+                                        instance=instance)
+
+
+job = Job()
 for key in keys[:2]:
     assert job.execute_in_process(partition_key=key, instance=inst).success, key
 assert every.execute_in_process(partition_key="tser", asset_selection=traj, instance=inst).success
@@ -138,8 +151,8 @@ def test_trajectory_updates_automatically_and_is_complete(run: dict) -> None:
     assert table["max_position_embeddings"].tolist() == MPE
     assert (table["config_source"] == "capture").all()
     for i, key in enumerate(run["keys"]):
-        rot = storage.read_parquet(f"assets/rotation_metrics/{key}.parquet").to_pandas()
-        pla = storage.read_parquet(f"assets/plasticity_metrics/{key}.parquet").to_pandas()
+        rot = storage.read_parquet(f"assets/rotation_metrics/{key}/tiny.parquet").to_pandas()
+        pla = storage.read_parquet(f"assets/plasticity_metrics/{key}/tiny.parquet").to_pandas()
         model_value = {(r.metric, r.key): r for df in (rot, pla) for r in df.itertuples()}
         for name in ("bias_strength", "abs_alpha_k", "mu_q_a", "abs_r_k_a", "separation_strength",
                      "plane_var_fraction", "ap_overall", "ap_first20", "ap_last20", "ap_drop"):
@@ -147,7 +160,7 @@ def test_trajectory_updates_automatically_and_is_complete(run: dict) -> None:
         assert table.loc[i, "ap_drop_lo"] == pytest.approx(model_value[("ap_drop", "")].lo, nan_ok=True)
         assert np.isfinite(table.loc[i, "ap_overall"]) and np.isfinite(table.loc[i, "bias_strength"])
         assert table.loc[i, "bias_strength_window"] == pytest.approx(table.loc[i, "bias_strength"] * WINDOWS[i])
-        caps = storage.read_parquet(f"assets/qk_capture/{key}.parquet").to_pandas()
+        caps = storage.read_parquet(f"assets/qk_capture/{key}/tiny.parquet").to_pandas()
         assert len(caps) == 4
     shares = table[[c for c in table.columns if c.startswith("pca_share_")]]
     assert not shares.empty

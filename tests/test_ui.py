@@ -33,6 +33,8 @@ import sys
 from dagster import AssetKey, DagsterInstance
 from qk_assets import defs
 from qk_assets.demo import Step, run_step
+from qk_assets.partitions import registry, sync_instance
+sync_instance(DagsterInstance.get(), registry())  # the series partition, as the registry sensor adds it
 graph = defs.resolve_asset_graph()
 node = graph.get(AssetKey("{ASSET}"))
 keys = [k for k in graph.get_all_asset_keys() if graph.get(k).is_materializable

@@ -20,12 +20,14 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetIn,
+    AutomationCondition,
+    Failure,
     MetadataValue,
     Output,
     asset,
 )
 
-from qk_assets.partitions import corpus_of_model, model_partitions, registry
+from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
 
 HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
@@ -33,8 +35,10 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
 
 
 @asset(
-    partitions_def=model_partitions(),
-    ins={"corpus": AssetIn(partition_mapping=corpus_of_model())},
+    partitions_def=model_corpus_partitions(),
+    ins={"corpus": AssetIn()},  # Dagster maps the corpus partition to the pairs' corpus dimension
+    deps=["registry_entry"],
+    automation_condition=AutomationCondition.eager(),
     pool="gpu",
     group_name="capture",
     kinds={"pytorch", "parquet"},
@@ -55,9 +59,14 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     from qk_core.capture.run import layers_frame
     from qk_core.capture_store import verify_capture
 
-    entry = registry().model(context.partition_key)
+    model, corpus_name = split_key(context.partition_key)
+    entry = registry().model(model)
+    if corpus_name not in entry.corpora:
+        raise Failure(description=(
+            f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
+            f"lists {list(entry.corpora)}); add '{corpus_name}' there to capture this pair"))
     store = storage.get()
-    result = capture_model(entry, corpus, store, corpus_name=entry.corpus, device=device.resolve(),
+    result = capture_model(entry, corpus, store, corpus_name=corpus_name, device=device.resolve(),
                            log=context.log)
     man = result.manifest
     tokens = result.doc_tokens
@@ -68,6 +77,8 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
         "capture_path": MetadataValue.path(store.uri(result.prefix)),
         "capture_prefix": result.prefix,
         "fingerprint": result.fingerprint,
+        "model": model,
+        "corpus": corpus_name,
         "heads": len(result.heads),
         "layers_sampled": int(result.heads["layer"].nunique()),
         "documents": len(tokens),

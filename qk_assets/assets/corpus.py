@@ -2,13 +2,14 @@
 
 
 import pandas as pd
-from dagster import AssetExecutionContext, MetadataValue, asset
+from dagster import AssetExecutionContext, AutomationCondition, MetadataValue, asset
 
 from qk_assets.partitions import corpus_partitions, registry
 from qk_core.corpus import build_corpus
 
 
-@asset(partitions_def=corpus_partitions(), group_name="corpus", kinds={"parquet"})
+@asset(partitions_def=corpus_partitions(), group_name="corpus", kinds={"parquet"},
+       automation_condition=AutomationCondition.on_missing())
 def corpus(context: AssetExecutionContext) -> pd.DataFrame:
     """Documents of one corpus: example_id, content_sha256, title, text, n_chars."""
     df, provenance = build_corpus(registry().corpus(context.partition_key))

@@ -15,10 +15,19 @@ column / JSON) with L, B and the skipped heads.
 import json
 
 import pandas as pd
-from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, MetadataValue, Output, multi_asset
+from dagster import (
+    AssetExecutionContext,
+    AssetIn,
+    AssetOut,
+    AutomationCondition,
+    Config,
+    MetadataValue,
+    Output,
+    multi_asset,
+)
 
 from qk_assets.figures import save_figures
-from qk_assets.partitions import model_partitions, registry
+from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource
 from qk_core.blas import blas_threads
 from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions, iter_capture_heads
@@ -28,6 +37,9 @@ from qk_core.summaries import missing_heads, skipped_summary
 GROUP = "geometry"
 PCA_OUTS = ("pca_heads", "pca_layers", "pca_metrics")
 ROTATION_OUTS = ("rotation_heads", "rotation_layers", "rotation_metrics")
+# every output: optional (subsettable), eager (new partitions and upstream updates; model_automation_sensor)
+OUT = {"group_name": GROUP, "kinds": {"parquet"}, "is_required": False,
+       "automation_condition": AutomationCondition.eager()}
 
 
 class GeometryConfig(Config):
@@ -110,41 +122,41 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
 
 @multi_asset(
     outs={
-        "pca_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "pca_heads": AssetOut(**OUT, description=(
             "One row per sampled head: EVR, r_q, r_k per component (sign rule applied), PC0 taxonomy, "
             "positional budgets, the pooled mean and the components (row-major, n_components x d), counts, "
             "status/reason for heads that could not be analysed, options (SPEC 2).")),
-        "pca_layers": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "pca_layers": AssetOut(**OUT, description=(
             "Per-layer and whole-model summaries of the per-head PCA values: mean, median, quartiles, IQR, "
             "heads used and skipped; taxonomy shares.")),
-        "pca_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "pca_metrics": AssetOut(**OUT, description=(
             "Per-model PCA values in the long metrics format: pca_share_<class>, pos_budget_q/k, "
             "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key pc<j>).")),
-        "rotation_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "rotation_heads": AssetOut(**OUT, description=(
             "One row per sampled head: drift axis a, separation axis b, alpha_Q/alpha_K (per token and x L), "
             "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "
             "separation_strength, split-half axis stability and position capture with pass/fail flags "
             "(thresholds in options), optional complement pairs, status/reason/notes, options (SPEC 3).")),
-        "rotation_layers": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "rotation_layers": AssetOut(**OUT, description=(
             "Per-layer and whole-model summaries of the per-head rotation values: mean, median, quartiles, "
             "IQR, heads used and skipped.")),
-        "rotation_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, is_required=False, description=(
+        "rotation_metrics": AssetOut(**OUT, description=(
             "Per-model rotation values in the long metrics format (bias_strength, bias_strength_window, "
             "abs_alpha_k, mu_q_a, abs_r_k_a, abs_r_q_a, separation_strength, plane_var_fraction, ...).")),
     },
     ins={"qk_capture": AssetIn()},
-    partitions_def=model_partitions(),
+    partitions_def=model_corpus_partitions(),
     can_subset=True,
 )
 def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: StorageResource,
              qk_capture: pd.DataFrame):
     """Combined Q+K PCA and planar rotation of every sampled head of one model, with figures (SPEC 2, 3, 7)."""
-    model = context.partition_key
+    model, corpus = split_key(context.partition_key)
     selected = set(context.selected_output_names)
     pca_opts, rot_opts = resolve_options(model, config)
     do_pca, do_rot = bool(selected & set(PCA_OUTS)), bool(selected & set(ROTATION_OUTS))
     store = storage.get()
-    items = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"geometry {model}")
+    items = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"geometry {model} on {corpus}")
     with blas_threads(config.blas_threads):
         out = run_geometry(model, items, pca_opts if do_pca else None, rot_opts if do_rot else None,
                            keep_points=config.plane_points)
@@ -154,7 +166,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         heads, layers, metrics = out["pca"]
         if skipped_summary(heads):
             context.log.warning(f"pca {model}: skipped heads {skipped_summary(heads)} (status/reason columns)")
-        figures = save_figures(store, f"pca/{model}", {
+        figures = save_figures(store, f"pca/{model}/{corpus}", {
             "pc0_taxonomy": plots.fig_pca_taxonomy(heads, model, pca_opts.taxonomy_low, pca_opts.taxonomy_high),
             "explained_variance": plots.fig_pca_explained_variance(heads, model),
             "depth_pc0": plots.fig_depth_heatmaps(
@@ -181,7 +193,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         heads, layers, metrics, points = out["rotation"]
         if skipped_summary(heads):
             context.log.warning(f"rotation {model}: skipped heads {skipped_summary(heads)} (status/reason columns)")
-        figures = save_figures(store, f"rotation/{model}", {
+        figures = save_figures(store, f"rotation/{model}/{corpus}", {
             "ab_plane": plots.fig_plane_scatter(heads, points, model),
             "depth_rotation": plots.fig_depth_heatmaps(
                 heads, [("abs_r_k_a", r"$|r_{k,a}|$", "abs"), ("bias_strength", "bias_strength (per token)", "signed")],

@@ -10,8 +10,9 @@ import pandas as pd
 from dagster import AllPartitionMapping, AssetExecutionContext, AssetIn, MetadataValue, asset
 
 from qk_assets.assets.geometry import GROUP
+from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
-from qk_assets.partitions import registry
+from qk_assets.partitions import by_model, registry
 from qk_assets.resources import StorageResource
 from qk_core.summaries import ok_mask, wide_by_model
 
@@ -40,6 +41,7 @@ def _registry_order(models: list[str]) -> list[str]:
          for name in ("pca_metrics", "rotation_metrics", "rotation_heads")},
     group_name=GROUP,
     kinds={"parquet"},
+    automation_condition=AFTER_UPSTREAM,
 )
 def geometry_figures(context: AssetExecutionContext, storage: StorageResource, pca_metrics: dict,
                      rotation_metrics: dict, rotation_heads: dict) -> pd.DataFrame:
@@ -52,7 +54,8 @@ def geometry_figures(context: AssetExecutionContext, storage: StorageResource, p
         model_order,
     )
 
-    pca_m, rot_m, rot_h = _concat(pca_metrics), _concat(rotation_metrics), _concat(rotation_heads)
+    reg = registry()  # each model on its first corpus
+    pca_m, rot_m, rot_h = (_concat(by_model(x, reg)) for x in (pca_metrics, rotation_metrics, rotation_heads))
     models = _registry_order(sorted(set(pca_m.get("model", [])) | set(rot_m.get("model", []))))
     families = model_families(models)
     order = model_order(models, families)

@@ -21,6 +21,7 @@ from dagster import (
     asset,
 )
 
+from qk_assets.partitions import by_model, registry
 from qk_core.benchmarks import BenchmarkDataError
 from qk_core.joins import MEASURED_ASSETS, build_model_report
 
@@ -36,10 +37,10 @@ REPORT_CONDITION = (
 
 
 def _measured(frames: object) -> dict[str, pd.DataFrame]:
-    """The IO manager's value for a metric input: {partition: frame}, or a single frame."""
-    if isinstance(frames, pd.DataFrame):
-        return {"_all": frames}
-    return dict(frames or {})
+    """The IO manager's value for a metric input ({partition: frame}) narrowed to each model on its first
+    corpus (the corpus the benchmark joins use), keyed ``<model>/<corpus>`` (where the value is stored)."""
+    reg = registry()
+    return {f"{m}/{reg.model(m).corpus}": df for m, df in by_model(frames, reg).items()}
 
 
 @asset(

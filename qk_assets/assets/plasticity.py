@@ -31,6 +31,7 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
+    AutomationCondition,
     Config,
     MetadataValue,
     Output,
@@ -38,13 +39,16 @@ from dagster import (
     multi_asset,
 )
 
+from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
-from qk_assets.partitions import model_partitions, registry
+from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource
 from qk_core.capture_store import CaptureError, CaptureReader
 from qk_core.plasticity import PlasticityOptions, analyse_model
 
 GROUP = "plasticity"
+# every output: eager (new partitions and upstream updates; model_automation_sensor)
+OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": AutomationCondition.eager()}
 
 UNITS = {
     "tau_tokens, t_i, t_j, *_tokens": "raw token positions",
@@ -79,34 +83,34 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
 
 @multi_asset(
     outs={
-        "plasticity_heads": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_heads": AssetOut(**OUT, description=(
             "Per head: AP_overall/first20/last20/drop with 95% document-bootstrap intervals, empirical "
             "counterparts, closed-form vs empirical gap, diagnostics, counts, status/reason, options (SPEC 4).")),
-        "plasticity_profiles": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_profiles": AssetOut(**OUT, description=(
             "Per head and query bucket: tau (raw tokens, / L), AP closed form + interval, AP empirical, pairs, "
             "queries, keys, status (SPEC 4.4).")),
-        "plasticity_bins": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_bins": AssetOut(**OUT, description=(
             "Per head and bin: quintiles, deciles, length bins, RULER bins, absolute position bins; missing "
             "bins carry their reason (SPEC 4.5).")),
-        "plasticity_pairs": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_pairs": AssetOut(**OUT, description=(
             "Per key pair: document, t_i, t_j, bucket, tau, delta_1, z, PP closed form and empirical (SPEC 4.7).")),
-        "plasticity_heatmap": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_heatmap": AssetOut(**OUT, description=(
             "Mean PP by inter-key distance x query-to-key-midpoint distance, pooled over heads (SPEC 4.7).")),
-        "plasticity_components": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_components": AssetOut(**OUT, description=(
             "Per head and query coordinate: R^2 on position and normalised weight (SPEC 4.8).")),
-        "plasticity_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+        "plasticity_metrics": AssetOut(**OUT, description=(
             "Per-model plasticity metrics in the long format: ap_overall, ap_first20, ap_last20, ap_drop, "
             "ap_quintile, ap_decile, ap_length_bin, ap_length_bin_ruler, ap_position_bin (model-level "
             "bootstrap lo/hi), empirical and diagnostic means.")),
     },
     ins={"qk_capture": AssetIn()},
-    partitions_def=model_partitions(),
+    partitions_def=model_corpus_partitions(),
     can_subset=False,
 )
 def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage: StorageResource,
                qk_capture: pd.DataFrame):
     """Attention plasticity of every sampled head of one model (SPEC 4), with figures (SPEC 7)."""
-    model = context.partition_key
+    model, corpus = split_key(context.partition_key)
     overrides = {k: v for k, v in config.model_dump().items() if v is not None}
     opts = plasticity_options(model, overrides)
     store = storage.get()
@@ -132,7 +136,7 @@ def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage
     if skipped:
         context.log.warning(f"plasticity {model}: heads without a value {skipped}; see status/reason")
     figures = _figures(result, model, L, B, record)
-    folder = f"plasticity/{model}"
+    folder = f"plasticity/{model}/{corpus}"
     common = {"options": MetadataValue.json(record), "L_tokens": L, "B_tokens": B,
               "heads_ok": int((h["status"] == "ok").sum()) if len(h) else 0,
               "heads_missing": int(record.get("n_heads_missing", 0)),
@@ -197,14 +201,12 @@ def decile_table(metrics_by_model: dict[str, pd.DataFrame]) -> pd.DataFrame:
                                                                            ignore_index=True)
 
 
-@asset(ins={"plasticity_metrics": AssetIn()}, group_name=GROUP, kinds={"parquet"})
+@asset(ins={"plasticity_metrics": AssetIn()}, group_name=GROUP, kinds={"parquet"}, automation_condition=AFTER_UPSTREAM)
 def plasticity_deciles(storage: StorageResource, plasticity_metrics: dict):
     """Decile profiles (mean AP over heads per tenth of the window) of every model that has them (SPEC 7)."""
     from qk_core.plots.plasticity import fig_deciles
 
-    if isinstance(plasticity_metrics, pd.DataFrame):  # a single partition loads as the frame itself
-        plasticity_metrics = {str(plasticity_metrics["model"].iloc[0]): plasticity_metrics} \
-            if len(plasticity_metrics) else {}
+    plasticity_metrics = by_model(plasticity_metrics, registry())  # each model on its first corpus
     table = decile_table(plasticity_metrics)
     meta = save_figures(storage.get(), "plasticity/all_models", {"decile_profiles": fig_deciles(table)})
     wide = table.pivot_table(index="model", columns="key", values="value") if len(table) else pd.DataFrame()

@@ -30,7 +30,7 @@ from dagster import (
 
 from qk_assets import assets as assets_pkg
 from qk_assets.io_manager import asset_rel
-from qk_assets.partitions import registry
+from qk_assets.partitions import registry, split_key
 from qk_assets.resources import StorageResource
 from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, render_report
 from qk_core.storage import Storage
@@ -96,6 +96,18 @@ def _read_table(storage: Storage, rel: str) -> pd.DataFrame | None:
     return df
 
 
+def partition_label(part: str | None) -> str | None:
+    """How the page names a partition: a (model, corpus) pair by its model when the corpus is the model's
+    first one, else ``<model> (<corpus>)``; other keys as they are."""
+    if not part or "|" not in part:
+        return part
+    model, corpus = split_key(part)
+    reg = registry()
+    if model in reg.models and reg.model(model).corpus == corpus:
+        return model
+    return f"{model} ({corpus})"
+
+
 def _model_info(key: str) -> ModelInfo:
     m = registry().model(key)
     return ModelInfo(
@@ -132,9 +144,10 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         if pdef is None:
             parts: list[str | None] = [None]
         else:
-            valid = set(pdef.get_partition_keys())
+            valid = set(pdef.get_partition_keys(dynamic_partitions_store=instance))
             parts = sorted(p for p in instance.get_materialized_partitions(key) if p in valid)
         for part in parts:
+            label = partition_label(part)
             flt = AssetRecordsFilter(asset_key=key, asset_partitions=[part] if part else None)
             recs = instance.fetch_materializations(flt, limit=1, ascending=False).records
             if not recs:
@@ -144,12 +157,12 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
             meta = dict(mat.metadata) if mat is not None else {}
             tags = {**(rec.event_log_entry.tags or {}), **(dict(mat.tags or {}) if mat is not None else {})}
             rel = asset_rel(key.path, part)
-            states.append(AssetState(name, part, rec.timestamp, rec.run_id, tags.get("dagster/code_version", ""),
+            states.append(AssetState(name, label, rec.timestamp, rec.run_id, tags.get("dagster/code_version", ""),
                                      st.uri(rel) if st.exists(rel) else "", _text_metadata(meta)))
             df = _read_table(st, rel)
             if df is not None:
-                tables.setdefault(name, {})[part] = df
-                inventory.append({"asset": name, "partition": part or "", "kind": "table", "path": st.uri(rel)})
+                tables.setdefault(name, {})[label] = df
+                inventory.append({"asset": name, "partition": label or "", "kind": "table", "path": st.uri(rel)})
             for mkey, value in meta.items():
                 if not (mkey.startswith("fig_") and mkey.endswith("_path")):
                     continue
@@ -164,8 +177,8 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                 fig_name = mkey[len("fig_"):-len("_path")]
                 if any(f.src == src_rel for f in figures):  # one file attached to several outputs
                     continue
-                figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=part))
-                inventory.append({"asset": name, "partition": part or "", "kind": "figure", "path": st.uri(dest)})
+                figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=label))
+                inventory.append({"asset": name, "partition": label or "", "kind": "figure", "path": st.uri(dest)})
 
     measured = {s.partition for s in states if s.partition in model_keys}
     models = [k for k in registry().model_keys if k in measured] or registry().in_group("demo")

@@ -1,29 +1,19 @@
 """The training trajectory of each checkpoint series (SPEC 6): ``trajectory`` + ``trajectory_profiles``.
 
-Every checkpoint of a series is a model partition (``<series>@<revision>``) of the capture and of every
-per-model analysis. The trajectory assets are partitioned by series and depend on all checkpoints of
-their series through :func:`qk_assets.partitions.checkpoints_of_series`. They read the per-checkpoint
-values from the storage root themselves (the IO manager's layout), so a checkpoint that is not (yet)
-materialised is reported as missing — in the metadata and in the ``missing`` column — instead of
-failing the run. They re-materialise automatically whenever any checkpoint's metrics or profiles
-change (:data:`TRAJECTORY_CONDITION`, evaluated by ``trajectory_automation_sensor``, which the daemon
-of ``make ui`` runs).
-
-Backfilling a whole series from the UI, in one action: open the job ``<series>_checkpoints`` (one per
-series, e.g. ``smollm3_3b_checkpoints``; it holds the capture and every per-model analysis), then
-*Materialize all* / *Launch backfill* and select the partition range given in the job's description,
-``[<series>@<first revision>...<series>@<last revision>]`` — the checkpoints of a series are contiguous
-model partitions in training order. The trajectory then follows by itself. Adding a revision to the
-series in ``data/registry.toml`` adds its partition, extends the range and the mapping.
+Every checkpoint of a series is a model key (``<series>@<revision>``) of the (model, corpus) partitions of
+the capture and of every per-model analysis. The trajectory assets are partitioned by series (dynamic) and
+depend on the per-model assets with ``AllPartitionMapping`` (a series' checkpoints are registry data that
+grows without a reload). They read each checkpoint on the series' first corpus from the storage root
+themselves (the IO manager's layout), so a checkpoint that is not (yet) materialised is reported as
+missing — in the metadata and in the ``missing`` column — instead of failing the run. They re-materialise
+automatically whenever any checkpoint's metrics or profiles change (:data:`TRAJECTORY_CONDITION`).
 """
-
-import re
 
 import pandas as pd
 from dagster import (
+    AllPartitionMapping,
     AssetDep,
     AssetExecutionContext,
-    AssetKey,
     AssetOut,
     AssetSelection,
     AutomationCondition,
@@ -31,13 +21,12 @@ from dagster import (
     DefaultSensorStatus,
     MetadataValue,
     Output,
-    define_asset_job,
     multi_asset,
 )
 
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
-from qk_assets.partitions import checkpoints_of_series, model_partitions, registry, series_partitions
+from qk_assets.partitions import pair_key, registry, series_partitions
 from qk_assets.resources import StorageResource
 from qk_core.registry import ModelEntry
 from qk_core.storage import Storage, StorageError
@@ -67,12 +56,15 @@ TRAJECTORY_CONDITION = (
 
 
 def _deps() -> list[AssetDep]:
-    mapping = checkpoints_of_series()
-    return [AssetDep(name, partition_mapping=mapping) for name in UPSTREAM]
+    # Every (model, corpus) partition: a series' checkpoints are registry data (they grow without a reload),
+    # and Dagster has no built-in mapping from a series key to its checkpoints' keys. The asset reads the
+    # checkpoints it needs itself.
+    return [AssetDep(name, partition_mapping=AllPartitionMapping()) for name in UPSTREAM]
 
 
 def _read(storage: Storage, asset: str, key: str) -> pd.DataFrame | None:
-    rel = asset_rel([asset], key)
+    """One checkpoint's value on its first corpus (the corpus its registry entry lists first)."""
+    rel = asset_rel([asset], str(pair_key(key, registry().model(key).corpus)))
     if not storage.exists(rel):
         return None
     return storage.read_parquet(rel).to_pandas()
@@ -111,10 +103,6 @@ def _config_mpe(entry: ModelEntry) -> tuple[float, str]:
     except Exception as exc:  # the source may be offline: the value is then unknown
         return float("nan"), f"revision config not available: {exc}"
     return (float(value), "revision config") if value else (float("nan"), "not in the revision config")
-
-
-def _job_name(series: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", series) + "_checkpoints"
 
 
 @multi_asset(
@@ -168,38 +156,6 @@ def _figures(table: pd.DataFrame, profiles: pd.DataFrame, series: str) -> dict:
 
     return trajectory_figures(table, profiles, series)
 
-
-class CheckpointAssets(AssetSelection):
-    """Every materialisable asset partitioned by model key: the capture and the per-model analyses.
-
-    Resolved against the final asset graph, so a new per-model analysis joins the series jobs by itself.
-    """
-
-    def resolve_inner(self, asset_graph, allow_missing: bool) -> set[AssetKey]:  # asset_graph: BaseAssetGraph
-        keys = model_partitions().get_partition_keys()
-        out = set()
-        for key in asset_graph.materializable_asset_keys:
-            parts = asset_graph.get(key).partitions_def
-            if parts is not None and list(parts.get_partition_keys()) == keys:
-                out.add(key)
-        return out
-
-
-def series_jobs() -> list:
-    """One job per series: the capture and every per-model analysis, to backfill over its checkpoints."""
-    jobs = []
-    for name, s in registry().series.items():
-        first, last = s.checkpoint_keys[0], s.checkpoint_keys[-1]
-        jobs.append(define_asset_job(
-            _job_name(name), selection=CheckpointAssets(), tags={"qk/series": name},
-            description=(f"Capture and analyses of the {len(s.checkpoint_keys)} checkpoints of series '{name}'. "
-                         f"Launch a backfill over the partition range [{first}...{last}]; the trajectory "
-                         "follows automatically."),
-        ))
-    return jobs
-
-
-JOBS = series_jobs()
 
 # Evaluates TRAJECTORY_CONDITION (needs the daemon, which `make ui` starts); on by default.
 trajectory_automation_sensor = AutomationConditionSensorDefinition(

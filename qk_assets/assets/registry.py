@@ -1,0 +1,127 @@
+"""The registry inside Dagster: its entries as data versions, its keys as dynamic partitions.
+
+- ``registry_entry`` [model, corpus]: an observable source asset. Its data version per (model, corpus)
+  is a hash of what configures that pair's computation: the model entry (source, tokenizer, window,
+  capture and analysis options, ...; not its groups, description or corpus list) and the corpus entry.
+  ``qk_capture`` depends on it, so editing an entry makes that pair's lineage stale in Dagster's own
+  staleness (UI: "upstream data version changed") and automation re-runs it. Pairs the registry does not
+  list are never observed, so Dagster treats them as missing and automation leaves them alone.
+- ``registry_partitions_sensor`` (running by default): every few seconds it reads the registry file and
+  adds the model, corpus and series keys the instance lacks (``SensorResult(dynamic_partitions_requests)``),
+  then observes ``registry_entry`` when any entry changed. Entries removed from the file are reported
+  (tick message and log), never deleted: their partitions and stored outputs stay.
+- ``model_automation_sensor`` (stopped by default; start it in the UI under Automation): evaluates the
+  automation conditions of ``corpus`` and of every (model, corpus) asset, so a new model, checkpoint or
+  corpus materialises its lineage by itself. It is off by default because the shipped registry's study
+  models download LongBench-Pro and checkpoints from the hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import warnings
+
+from dagster import (
+    AssetKey,
+    AssetSelection,
+    AutomationConditionSensorDefinition,
+    BetaWarning,
+    DataVersion,
+    DataVersionsByPartition,
+    DefaultSensorStatus,
+    RunRequest,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    observable_source_asset,
+    sensor,
+)
+
+from qk_assets.partitions import (
+    CORPUS_DIM,
+    MODEL_DIM,
+    SERIES_DIM,
+    model_corpus_partitions,
+    pair_key,
+    partition_requests,
+    registry_pairs,
+)
+from qk_core.registry import Registry, RegistryError, load_registry
+
+REGISTRY_ENTRY = AssetKey("registry_entry")
+SENSOR_INTERVAL_S = 5
+# Fields of a model entry that do not change what is computed for a (model, corpus) pair.
+NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index")
+
+
+def entry_versions(reg: Registry) -> dict[str, str]:
+    """Data version per (model, corpus) partition key: a hash of the model and the corpus entries."""
+    out = {}
+    for model, corpus in registry_pairs(reg):
+        entry = {k: v for k, v in dataclasses.asdict(reg.model(model)).items() if k not in NOT_CONFIGURING}
+        blob = json.dumps({"model": entry, "corpus": dataclasses.asdict(reg.corpus(corpus))}, sort_keys=True,
+                          default=str)
+        out[str(pair_key(model, corpus))] = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return out
+
+
+def observe_registry() -> DataVersionsByPartition:
+    reg = load_registry()  # the file as it is now, not as the code location loaded it
+    return DataVersionsByPartition({pk: DataVersion(v) for pk, v in entry_versions(reg).items()})
+
+
+with warnings.catch_warnings():  # observable_source_asset is marked beta; its use here is the documented one
+    warnings.simplefilter("ignore", BetaWarning)
+    registry_entry = observable_source_asset(
+        name="registry_entry", partitions_def=model_corpus_partitions(), group_name="registry",
+        description="One data version per (model, corpus) the registry lists: a hash of its model and corpus "
+                    "entries. Observed by registry_partitions_sensor whenever the registry file changes.",
+    )(observe_registry)
+
+
+@sensor(
+    name="registry_partitions_sensor",
+    minimum_interval_seconds=SENSOR_INTERVAL_S,
+    default_status=DefaultSensorStatus.RUNNING,
+    asset_selection=AssetSelection.assets(REGISTRY_ENTRY),
+    description="Adds the registry's models, checkpoints, corpora and series as partitions (no reload) and "
+                "observes registry_entry when an entry changes; removed entries are reported, never deleted.",
+)
+def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
+    try:
+        reg = load_registry()
+    except RegistryError as exc:
+        return SkipReason(f"registry not loaded, partitions unchanged: {exc}")
+    existing = {d: list(context.instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
+    adds, gone = partition_requests(reg, existing)
+    versions = entry_versions(reg)
+    state = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()
+    notes = [f"added {r.partitions_def_name}: {', '.join(r.partition_keys)}" for r in adds]
+    notes += [f"no longer in {reg.path}: {dim} {', '.join(keys)} (partitions and stored outputs kept)"
+              for dim, keys in gone.items()]
+    for note in notes:
+        context.log.info(note)
+    if not adds and state == context.cursor:
+        return SkipReason("; ".join(notes) or f"registry unchanged ({len(versions)} (model, corpus) pairs)")
+    runs = [] if state == context.cursor else [RunRequest(
+        run_key=state, asset_selection=[REGISTRY_ENTRY], tags={"qk/trigger": "registry"})]
+    return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=state)
+
+
+def model_automation_sensor(per_model: list[AssetKey]) -> AutomationConditionSensorDefinition:
+    """The sensor evaluating ``corpus`` and every (model, corpus) asset (``per_model``, found by
+    :func:`qk_assets.definitions.build_definitions` from their partitions, so a new per-model analysis
+    joins by itself)."""
+    return AutomationConditionSensorDefinition(
+        "model_automation_sensor",
+        target=AssetSelection.assets("corpus", *per_model),
+        minimum_interval_seconds=SENSOR_INTERVAL_S,
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Materialises new and changed (model, corpus) partitions and their analyses by their "
+                    "automation conditions. Off by default (the study models need the hub); start it here.",
+    )
+
+
+SENSORS = [registry_partitions_sensor]
