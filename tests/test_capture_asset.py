@@ -144,9 +144,11 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
         return qk_capture
 
     assets = [corpus_mod.corpus, capture_mod.qk_capture, downstream]
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources).success
+    instance = partitioned_instance()
+    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
+                       instance=instance).success
     first = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
-                        partition_key="tiny-llama", resources=resources)
+                        partition_key="tiny|tiny-llama", resources=resources, instance=instance)
     assert first.success and ran == ["downstream"]
     value = first.output_for_node("qk_capture")
     row = value.iloc[0]
@@ -157,7 +159,8 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     path.write_bytes(bytes(data))
     ran.clear()
     second = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
-                         partition_key="tiny-llama", resources=resources, raise_on_error=False)
+                         partition_key="tiny|tiny-llama", resources=resources, raise_on_error=False,
+                         instance=instance)
     check = second.get_asset_check_evaluations()[0]
     assert not check.passed and rel.rsplit("/", 1)[1] in check.description and "SHA-256" in check.description
     assert ran == [] and not second.success

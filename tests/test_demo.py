@@ -225,7 +225,7 @@ def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypat
 
     closure = dict(versioning.module_closure("qk_assets.assets.corpus"))
     assert {"qk_assets.assets.corpus", "qk_core.corpus", "qk_core.registry"} <= set(closure)
-    assert "qk_core.metrics" not in closure and "qk_assets.definitions" not in closure
+    assert "qk_core.joins" not in closure and "qk_assets.definitions" not in closure
 
     # the version is a hash of exactly those files: editing one of them changes it
     before = versioning.source_version("qk_assets.assets.corpus")

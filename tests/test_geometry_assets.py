@@ -74,7 +74,7 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     def read(name: str, part: str | None) -> pd.DataFrame:
         return storage.read_parquet(asset_rel([name], pair(part) if part else None)).to_pandas()
 
-    return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read,
+    return {"storage": storage, "root": Path(root), "instance": inst, "results": results, "cross": cross, "read": read,
             "resources": resources, "capture_stand_in": capture_stand_in}
 
 
@@ -197,7 +197,7 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
 
     storage, read = materialised["storage"], materialised["read"]
     names = ("pca_heads", "pca_metrics", "rotation_heads", "rotation_metrics")
-    before = {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in names}
+    before = {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in names}
     for name in ("pca_metrics", "rotation_metrics"):
         opts = json.loads(read(name, "smollm2-135m")["options"].iloc[0])
         assert opts["n_heads_missing"] == 2 and opts["missing_reasons"] == {"read_error": 1, "non_finite": 1}
@@ -205,9 +205,10 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     meta = materialised["results"]["smollm2-135m"].asset_materializations_for_node("geometry")
     assert {m.metadata["heads_missing"].value for m in meta} == {2}
     result = materialize([materialised["capture_stand_in"], geometry], selection=[AssetKey(n) for n in names],
-                         partition_key="smollm2-135m", resources=materialised["resources"], raise_on_error=False)
+                         partition_key=pair("smollm2-135m"), resources=materialised["resources"], raise_on_error=False,
+                         instance=materialised["instance"])
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.to_string()
     assert "smollm2-135m: pca: 2 of 15 heads could not be read or analysed" in failure
     assert "layer 7 head 0: non_finite" in failure and "allow_partial" in failure
-    assert {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in names} == before
+    assert {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in names} == before

@@ -57,7 +57,7 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     def read(name: str, part: str | None) -> pd.DataFrame:
         return storage.read_parquet(asset_rel([name], pair(part) if part else None)).to_pandas()
 
-    return {"storage": storage, "root": Path(root), "results": results, "cross": cross, "read": read,
+    return {"storage": storage, "root": Path(root), "instance": inst, "results": results, "cross": cross, "read": read,
             "resources": resources, "capture_stand_in": capture_stand_in, "outs": outs}
 
 
@@ -193,13 +193,14 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     from qk_assets.io_manager import asset_rel
 
     storage, outs = materialised["storage"], materialised["outs"]
-    before = {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in outs}
+    before = {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in outs}
     opts = json.loads(materialised["read"]("plasticity_metrics", "smollm2-135m")["options"].iloc[0])
     assert opts["n_heads_missing"] == 2 and opts["missing_reasons"] == {"read_error": 1, "non_finite": 1}
     result = materialize([materialised["capture_stand_in"], plasticity], selection=[AssetKey(k) for k in outs],
-                         partition_key="smollm2-135m", resources=materialised["resources"], raise_on_error=False)
+                         partition_key=pair("smollm2-135m"), resources=materialised["resources"], raise_on_error=False,
+                         instance=materialised["instance"])
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.to_string()
     assert "smollm2-135m: plasticity: 2 of 10 heads could not be read or analysed" in failure
     assert "analysis.plasticity.allow_partial" in failure
-    assert {n: storage.read_bytes(asset_rel([n], "smollm2-135m")) for n in outs} == before
+    assert {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in outs} == before
