@@ -202,3 +202,29 @@ def test_bad_corpora_name_entry_and_field(tmp_path: Path, value: str) -> None:
     with pytest.raises(RegistryError) as err:
         load_registry(path)
     assert str(path) in str(err.value) and "'m'" in str(err.value) and "'corpora'" in str(err.value)
+
+
+def test_asset_run_config_is_checked_with_the_registry_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The geometry / plasticity assets merge registry ``analysis.*`` tables with their run config and check
+    the result with the same schema: a bad run-config value fails naming the option."""
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + MODEL + 'analysis={pca={n_components=4}, plasticity={bootstrap=7}}\n')
+    monkeypatch.setenv("QK_REGISTRY", str(path))
+    from qk_assets import partitions
+    from qk_assets.assets.geometry import GeometryConfig, resolve_options
+    from qk_assets.assets.plasticity import plasticity_options
+    from qk_core.plasticity import PlasticityOptionsError
+
+    partitions.registry.cache_clear()
+    try:
+        pca, rot = resolve_options("m", GeometryConfig(rotation_separation="eigen"))
+        assert (pca.n_components, rot.separation) == (4, "eigen")
+        with pytest.raises(ValueError, match=r"pca options: field 'n_components': Input should be greater than"):
+            resolve_options("m", GeometryConfig(pca_n_components=0))
+        with pytest.raises(ValueError, match=r"rotation options: field 'separation'"):
+            resolve_options("m", GeometryConfig(rotation_separation="centriod"))
+        assert plasticity_options("m", {"seed": 2}).bootstrap == 7
+        with pytest.raises(PlasticityOptionsError, match=r"field 'bootstrap'.*greater than or equal to 0"):
+            plasticity_options("m", {"bootstrap": -1})
+    finally:
+        partitions.registry.cache_clear()
