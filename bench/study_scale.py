@@ -13,6 +13,9 @@ CPU time (user + system) and peak RSS:
 - ``finalize``: :meth:`CaptureWriter.finalize` (fan-out, checksums, verification, document files removed);
 - ``verify``: :func:`verify_capture` of the finished capture (the blocking asset check's work), and one
   head read with verification against the same two Parquet files read without it;
+- ``s3_read``: one head (Q + K files, manifest, commit record) uploaded to a local moto S3 server and read
+  with :meth:`CaptureReader.read_head` (verified), median of 5; plus one column of a head file read alone,
+  with the bytes the server sent counted on the wire (tests/s3.py's counting relay);
 - ``geometry``: PCA + rotation of every head (:func:`qk_core.rotation.run_geometry`, asset defaults);
 - ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options.
 
@@ -43,7 +46,7 @@ D = 128
 N_LAYERS, N_Q, N_KV = 32, 32, 8
 N_BUCKETS, B = 16, 8192
 L = N_BUCKETS * B
-STAGES = ["write", "finalize", "verify", "geometry", "plasticity"]
+STAGES = ["write", "finalize", "verify", "s3_read", "geometry", "plasticity"]
 
 
 def plan(n_heads: int) -> list[dict[str, int]]:
@@ -120,6 +123,8 @@ def child(stage: str, args: argparse.Namespace) -> dict:
             for p in paths:
                 pq.read_table(p)
         out["read_head_unverified_ms"] = round((time.perf_counter() - t0) / 5 * 1000, 2)
+    elif stage == "s3_read":
+        out.update(s3_read(storage, prefix, man))
     elif stage == "geometry":
         import pandas as pd
 
@@ -141,9 +146,17 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         out["heads_ok"] = int((res.heads["status"] == "ok").sum())
         out["pairs_rows"] = len(res.pairs)
         out["pairs_mb_in_memory"] = round(res.pairs.memory_usage(deep=True).sum() / 2**20, 1)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from qk_assets.io_manager import parquet_write_options
+
+        tbl = pa.Table.from_pandas(res.pairs, preserve_index=False)
         pq_path = Path(args.workdir) / "pairs.parquet"
-        res.pairs.to_parquet(pq_path, index=False)
-        out["pairs_mb_parquet"] = round(pq_path.stat().st_size / 2**20, 1)
+        pq.write_table(tbl, pq_path)
+        out["pairs_mb_parquet_default_options"] = round(pq_path.stat().st_size / 2**20, 1)
+        pq.write_table(tbl, pq_path, **parquet_write_options(tbl))
+        out["pairs_mb_parquet_as_stored"] = round(pq_path.stat().st_size / 2**20, 1)
         pq_path.unlink()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     out.update(wall_s=round(time.perf_counter() - t_wall, 2),
@@ -154,6 +167,55 @@ def child(stage: str, args: argparse.Namespace) -> dict:
     docs_dir = cap_dir / "docs"
     out["doc_files_mb"] = round(tree_bytes(docs_dir) / 2**20, 1) if docs_dir.exists() else 0.0
     return out
+
+
+def s3_read(storage, prefix: str, man: dict) -> dict:
+    """Read one head of the finished capture from a moto S3 server on 127.0.0.1 (see the module docstring)."""
+    import statistics
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import boto3
+    from s3 import CREDENTIALS, CountingProxy, start_server
+
+    from qk_core.capture_store import CaptureReader, head_file
+    from qk_core.storage import Storage
+
+    os.environ.update(CREDENTIALS)
+    server, endpoint = start_server()
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+        proxy = CountingProxy(endpoint)
+        remote = Storage("s3://bench/root", proxy.endpoint)
+        h = man["heads"][0]
+        names = ["manifest.json", "complete.json", "doc_tokens.parquet",
+                 head_file(prefix, "q", h["layer"], h["q_head"])[len(prefix) + 1:],
+                 head_file(prefix, "k", h["layer"], h["kv_head"])[len(prefix) + 1:]]
+        for name in names:
+            remote.write_bytes(f"{prefix}/{name}", storage.read_bytes(f"{prefix}/{name}"))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            reader = CaptureReader(remote, prefix)
+            hd = reader.read_head(h["layer"], h["q_head"])
+            times.append(time.perf_counter() - t0)
+        proxy.reset()
+        CaptureReader(remote, prefix).read_head(h["layer"], h["q_head"])
+        head_bytes = proxy.reset()
+        q_rel = f"{prefix}/{names[3]}"
+        remote.read_parquet(q_rel, columns=["position"])
+        one_col = proxy.reset()
+        return {"s3_read_head_s": round(statistics.median(times), 3), "s3_head_rows_q": len(hd.q),
+                "s3_head_bytes_on_wire": head_bytes, "s3_head_files_bytes": sum(
+                    len(storage.read_bytes(f"{prefix}/{n}")) for n in names[3:]),
+                "s3_position_column_bytes_on_wire": one_col}
+    finally:
+        server.stop()
+
+
+def save(doc: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "study_scale.md").write_text(markdown(doc))
 
 
 def run_size(size: str, args: argparse.Namespace) -> dict:
@@ -168,6 +230,7 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
             if proc.returncode:
                 raise SystemExit(f"{size} {stage} failed:\n{proc.stderr[-3000:]}")
             res[stage] = json.loads(proc.stdout.strip().splitlines()[-1])
+            res[stage]["load_1min"] = round(os.getloadavg()[0], 2)
             print(f"{size} {stage}: {res[stage]}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -179,7 +242,8 @@ def markdown(doc: dict) -> str:
              f"Command: `{doc['command']}` (repository root; started {doc['started']}, {doc['cpus']} CPUs, "
              f"load averages at start {doc['load_start']}, at end {doc['load_end']}).",
              "The machine is shared with other work: when the load average exceeds the 2 cores, wall time exceeds "
-             "CPU time by the contention. Synthetic captures written by `CaptureWriter` (d = 128, 500 documents, "
+             "CPU time by the contention. Synthetic captures written by `CaptureWriter` "
+             f"(d = 128, {doc['docs']} documents, "
              "L = 131072, B = 8192, heads drawn from 32 layers x 32 query heads with 8 KV heads). "
              "Size `HxR` = H sampled heads, R rows per document and head (16 buckets x per_bucket).", "",
              "| size | stage | wall (s) | CPU (s) | peak RSS (MB) | on storage after (MB) | notes |",
@@ -215,15 +279,13 @@ def main() -> None:
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load_start = [round(x, 2) for x in os.getloadavg()]
-    results = [run_size(size, args) for size in args.sizes.split(",")]
     cmd = "python bench/study_scale.py" + "".join(f" {a}" for a in sys.argv[1:])
     doc = {"command": cmd, "started": started, "cpus": os.cpu_count(), "python": platform.python_version(),
-           "load_start": load_start, "load_end": [round(x, 2) for x in os.getloadavg()],
-           "docs": args.docs, "stages": args.stages, "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "study_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "study_scale.md").write_text(markdown(doc))
+           "load_start": load_start, "docs": args.docs, "stages": args.stages, "results": []}
+    for size in args.sizes.split(","):  # results saved after every size
+        doc["results"].append(run_size(size, args))
+        doc["load_end"] = [round(x, 2) for x in os.getloadavg()]
+        save(doc, Path(args.out))
     print(markdown(doc))
 
 
