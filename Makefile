@@ -38,6 +38,7 @@ bench: setup
 	$(BIN)/python bench/capture_cpu.py --repeats 4
 	$(BIN)/python bench/pca_rotation.py
 	$(BIN)/python bench/plasticity.py
+	$(BIN)/python bench/study_scale.py
 
 # Capture on the real model shapes at 32K and 128K tokens on a CUDA GPU (bench/results/gpu_capture.*).
 bench-gpu: setup

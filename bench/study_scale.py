@@ -86,7 +86,9 @@ def tree_bytes(path: Path) -> int:
 
 
 def child(stage: str, args: argparse.Namespace) -> dict:
-    from qk_core.capture_store import CaptureReader, CaptureWriter, capture_prefix, verify_capture
+    if args.code:  # measure another checkout's qk_core (e.g. the code before a change)
+        sys.path.insert(0, str(Path(args.code).resolve()))
+    from qk_core.capture_store import CaptureReader, CaptureWriter, capture_prefix
     from qk_core.storage import Storage
 
     n_heads, rows = (int(v) for v in args.size.split("x"))
@@ -102,9 +104,12 @@ def child(stage: str, args: argparse.Namespace) -> dict:
             w.write_document(eid, n_tok, rs)
     elif stage == "finalize":
         summary = CaptureWriter(storage, "bench", man).finalize()
-        out.update(fan_out_s=summary["timing"]["fan_out_s"], verify_in_finalize_s=summary["timing"]["verify_s"],
+        timing = summary.get("timing", {})
+        out.update(fan_out_s=timing.get("fan_out_s"), verify_in_finalize_s=timing.get("verify_s"),
                    head_files=len(summary["rows"]))
     elif stage == "verify":
+        from qk_core.capture_store import verify_capture
+
         check = verify_capture(storage, prefix)
         assert check["passed"], check["error"]
         out.update(verify_s=check["seconds"], verified_mb=round(check["bytes"] / 2**20, 1), files=check["files"])
@@ -214,8 +219,8 @@ def s3_read(storage, prefix: str, man: dict) -> dict:
 
 def save(doc: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "study_scale.md").write_text(markdown(doc))
+    (out / f"{doc['name']}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / f"{doc['name']}.md").write_text(markdown(doc))
 
 
 def run_size(size: str, args: argparse.Namespace) -> dict:
@@ -224,7 +229,7 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
     try:
         for stage in args.stages:
             cmd = [sys.executable, __file__, "--child", stage, "--size", size, "--docs", str(args.docs),
-                   "--workdir", workdir]
+                   "--workdir", workdir, "--code", args.code]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
             if proc.returncode:
@@ -240,7 +245,8 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
 def markdown(doc: dict) -> str:
     lines = ["# Study-scale data path (issue 18)", "",
              f"Command: `{doc['command']}` (repository root; started {doc['started']}, {doc['cpus']} CPUs, "
-             f"load averages at start {doc['load_start']}, at end {doc['load_end']}).",
+             f"load averages at start {doc['load_start']}, at end {doc['load_end']}; qk_core of "
+             f"{doc.get('code', 'this checkout')}).",
              "The machine is shared with other work: when the load average exceeds the 2 cores, wall time exceeds "
              "CPU time by the contention. Synthetic captures written by `CaptureWriter` "
              f"(d = 128, {doc['docs']} documents, "
@@ -269,6 +275,8 @@ def main() -> None:
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--tmp", default="", help="folder for the scratch captures (default: system temp)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--name", default="study_scale", help="results file name (bench/results/<name>.{json,md})")
+    ap.add_argument("--code", default="", help="a checkout whose qk_core the stages use (default: this one)")
     ap.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -281,7 +289,8 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     cmd = "python bench/study_scale.py" + "".join(f" {a}" for a in sys.argv[1:])
     doc = {"command": cmd, "started": started, "cpus": os.cpu_count(), "python": platform.python_version(),
-           "load_start": load_start, "docs": args.docs, "stages": args.stages, "results": []}
+           "load_start": load_start, "docs": args.docs, "name": args.name,
+           "code": args.code or "this checkout", "stages": args.stages, "results": []}
     for size in args.sizes.split(","):  # results saved after every size
         doc["results"].append(run_size(size, args))
         doc["load_end"] = [round(x, 2) for x in os.getloadavg()]
