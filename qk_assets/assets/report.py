@@ -14,6 +14,7 @@ import pkgutil
 import time
 
 import pandas as pd
+import pyarrow.parquet as pq
 from dagster import (
     AssetExecutionContext,
     AssetKey,
@@ -85,15 +86,18 @@ def _text_metadata(metadata: dict) -> dict[str, str]:
 def _read_table(storage: Storage, rel: str) -> pd.DataFrame | None:
     if not storage.exists(rel):
         return None
-    pf = storage.parquet_file(rel)
-    n = pf.metadata.num_rows
-    if n <= MAX_READ_ROWS:
-        df = storage.read_parquet(rel).to_pandas()
-    else:
-        batch = next(pf.iter_batches(batch_size=50), None)
-        df = batch.to_pandas() if batch is not None else pd.DataFrame()
-    df.attrs["total_rows"] = n
-    return df
+
+    def read(pf: pq.ParquetFile) -> pd.DataFrame:  # one version of the file, even while it is replaced
+        n = pf.metadata.num_rows
+        if n <= MAX_READ_ROWS:
+            df = pf.read(use_pandas_metadata=True).to_pandas()
+        else:
+            batch = next(pf.iter_batches(batch_size=50), None)
+            df = batch.to_pandas() if batch is not None else pd.DataFrame()
+        df.attrs["total_rows"] = n
+        return df
+
+    return storage.with_parquet_file(rel, read)
 
 
 def partition_label(part: str | None) -> str | None:
