@@ -199,3 +199,21 @@ def test_failed_verification_leaves_the_capture_incomplete(tmp_path: Path, monke
     w = CaptureWriter(storage, "m", manifest())  # the rerun finalizes anew from the kept documents
     w.finalize()
     assert verify_capture(storage, prefix)["passed"]
+
+
+def test_keep_doc_files_does_not_change_the_fingerprint(tmp_path: Path) -> None:
+    """Keeping the document files decides what stays on storage, not the captured values (SPEC 1.9)."""
+    import tiny_models as tm
+
+    from qk_core.capture.run import sampler_settings
+    from qk_core.registry import load_registry
+
+    tm.write_corpus_jsonl(tmp_path / "c.jsonl", ["a text"])
+    entries = {key: {"family": "llama", "source": {"local": str(tmp_path / "model")}, "window": 64,
+                     "capture": {"heads": 4, "keep_doc_files": keep}}
+               for key, keep in (("kept", True), ("removed", False))}
+    reg = load_registry(tm.write_registry(tmp_path / "r.toml", entries, tmp_path / "c.jsonl"))
+    kept, removed = reg.model("kept"), reg.model("removed")
+    assert kept.capture.keep_doc_files and not removed.capture.keep_doc_files
+    assert sampler_settings(kept) == sampler_settings(removed)
+    assert "keep_doc_files" not in sampler_settings(kept)
