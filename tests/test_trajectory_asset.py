@@ -20,6 +20,7 @@ import pytest
 import qk_assets  # noqa: F401  (build the code location with the shipped registry before any test swaps it)
 from qk_assets.io_manager import ParquetIOManager, asset_rel
 from qk_assets.resources import StorageResource
+from qk_core.capture_store import file_record
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.storage import Storage
 
@@ -82,7 +83,8 @@ def plant(storage: Storage, i: int, bias: float, ap_last: float, seed: int = 0) 
     cfg = MANIFEST[i]
     prefix = f"captures/{key}/fp{i}"
     storage.write_json(f"{prefix}/manifest.json", {"fingerprint": f"fp{i}", "heads": [], **cfg})
-    storage.write_json(f"{prefix}/complete.json", {"n_docs": 1})
+    storage.write_json(f"{prefix}/complete.json", {"fingerprint": f"fp{i}", "n_docs": 1, "rows": {}, "files": {
+        "manifest.json": file_record(storage.read_bytes(f"{prefix}/manifest.json"))}})
     cap = pd.DataFrame({"layer": [0, 1], "q_head": [0, 0], "kv_head": [0, 0], "capture_prefix": [prefix] * 2})
     rng = np.random.default_rng(seed + i)
     b = bias + rng.normal(0, bias / 10, 4)

@@ -28,6 +28,7 @@ from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.partitions import pair_key, registry, series_partitions
 from qk_assets.resources import StorageResource
+from qk_core.capture_store import CaptureError, CaptureReader
 from qk_core.registry import ModelEntry
 from qk_core.storage import Storage, StorageError
 from qk_core.trajectory import (
@@ -80,10 +81,10 @@ def load_checkpoint(storage: Storage, key: str) -> tuple[Checkpoint, dict]:
     if capture is not None and not capture.empty and "capture_prefix" in capture:
         prefix = str(capture["capture_prefix"].iloc[0])
         try:
-            manifest = storage.read_json(f"{prefix}/manifest.json")
+            manifest = CaptureReader(storage, prefix).manifest  # verified: committed, of this folder
             ck.config = checkpoint_config(manifest)
             notes["capture"] = storage.uri(prefix)
-        except (StorageError, TrajectoryError) as exc:
+        except (StorageError, TrajectoryError, CaptureError) as exc:
             notes["capture_error"] = str(exc)
     if ck.config is not None and not ck.config["max_position_embeddings"] > 0:
         # Older manifests do not record it: read it from the revision's own config (SPEC 6).
