@@ -303,6 +303,9 @@ def text_backbone(model: Any) -> Any:
         return lm
     if hasattr(model, "layers"):
         return model
+    inner = getattr(model, "model", None)  # a model with LM head: its decoder
+    if inner is not None and inner is not model:
+        return text_backbone(inner)
     raise ModelSourceError(f"{type(model).__name__}: no text decoder with .layers found")
 
 
@@ -332,13 +335,15 @@ def model_identity(entry: ModelEntry, config: Any) -> dict[str, Any]:
 
 
 def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str | None = None,
-               config: Any = None, tokenizer: Any = None) -> LoadedModel:
+               config: Any = None, tokenizer: Any = None, with_head: bool = False) -> LoadedModel:
     """Load an entry's model (no LM head) on ``device`` in the entry's dtype, plus its tokenizer.
 
     ``config`` / ``tokenizer`` reuse ones already loaded with :func:`load_config` / :func:`load_tokenizer`.
+    ``with_head`` loads the model with its LM head (the retrieval probe, SPEC 11.1): ``AutoModelForCausalLM``,
+    or ``AutoModelForImageTextToText`` for a multimodal checkpoint; ``backbone`` is still its text decoder.
     """
     import torch
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     device = resolve_device(device)
     dtype = resolve_dtype(entry.dtype, device)
@@ -352,7 +357,11 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     if device != "cpu":
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModel.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
+        auto = AutoModel
+        if with_head:
+            auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+                else AutoModelForCausalLM
+        model = auto.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
                                           trust_remote_code=entry.trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: weights not available: {exc}") from exc

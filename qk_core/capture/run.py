@@ -11,6 +11,7 @@ the capture only after ``finalize()`` wrote ``complete.json``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import platform
@@ -97,9 +98,19 @@ def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
 
 
 def capture_identity(entry: ModelEntry, config: Any, corpus: pd.DataFrame, corpus_name: str | None,
-                     dtype: str) -> dict[str, Any]:
-    """Everything that determines captured values; its hash is the capture fingerprint (SPEC 1.9)."""
-    return {
+                     dtype: str, intervention: Any = None,
+                     heads: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Everything that determines captured values; its hash is the capture fingerprint (SPEC 1.9).
+
+    A capture under an intervention (SPEC 11.3) or of an explicit head list adds those to the identity
+    (a plain capture's identity, hence its fingerprint, is unchanged).
+    """
+    extra: dict[str, Any] = {}
+    if intervention is not None:
+        extra["intervention"] = intervention.identity()
+    if heads is not None:
+        extra["heads"] = [list(h) for h in sorted(heads)]
+    return {**extra,
         "capture_version": CAPTURE_VERSION,
         "model": model_identity(entry, config),
         "dtype": dtype,
@@ -119,7 +130,18 @@ def _software() -> dict[str, str]:
 
 
 # ---- layers and heads ------------------------------------------------------------------------
-def probe_layers(loaded: LoadedModel, include_sliding: bool) -> list[LayerInfo]:
+def _under(loaded: LoadedModel, intervention: Any) -> contextlib.AbstractContextManager[Any]:
+    """The intervention session (inside a capture session: it runs first, the capture sees its result)."""
+    if intervention is None:
+        return contextlib.nullcontext()
+    from qk_core.interventions.hook import InterventionSession
+
+    if intervention.kind == "ablate" and intervention.mode == "mean":
+        raise CaptureError("a capture cannot run under mean ablation (the means are per prompt); use zero")
+    return InterventionSession(loaded.backbone, intervention)
+
+
+def probe_layers(loaded: LoadedModel, include_sliding: bool, intervention: Any = None) -> list[LayerInfo]:
     """Run a few tokens through the backbone under the capture function and describe every layer."""
     import torch
 
@@ -127,22 +149,35 @@ def probe_layers(loaded: LoadedModel, include_sliding: bool) -> list[LayerInfo]:
 
     ids = list(loaded.tokenizer("Probe of the attention layers.")["input_ids"])[:16] or [0, 1]
     x = torch.tensor([ids], device=loaded.device)
-    with hook.CaptureSession(loaded.backbone) as session, torch.inference_mode():
+    with hook.CaptureSession(loaded.backbone) as session, _under(loaded, intervention), torch.inference_mode():
         session.set_positions({})
         loaded.backbone(input_ids=x, use_cache=False)
         calls = dict(session.calls)
     return describe_layers(loaded.backbone.config, calls, include_sliding)
 
 
-def plan_heads(entry: ModelEntry, infos: list[LayerInfo]) -> list[dict[str, int]]:
-    """The head manifest: sampled (layer, q_head) with kv_head = floor(h·n_kv/n_q) and d (SPEC 1.5)."""
+def plan_heads(entry: ModelEntry, infos: list[LayerInfo],
+               explicit: list[tuple[int, int]] | None = None) -> list[dict[str, int]]:
+    """The head manifest: sampled (layer, q_head) with kv_head = floor(h·n_kv/n_q) and d (SPEC 1.5).
+
+    ``explicit`` (layer, q_head) pairs replace the sampler (a recapture of chosen heads, SPEC 11.3).
+    """
     opts = entry.capture
+    by_layer = {i.layer: i for i in infos}
+    if explicit is not None:
+        out = []
+        for layer, h in sorted(explicit):
+            info = by_layer.get(int(layer))
+            if info is None or not 0 <= int(h) < int(info.n_q or 0):
+                raise CaptureError(f"{entry.key}: requested head (layer {layer}, q_head {h}) does not exist")
+            out.append({"layer": int(layer), "q_head": int(h), "kv_head": kv_head_of(int(h), int(info.n_q),
+                        int(info.n_kv)), "d": int(info.head_dim)})
+        return out
     requested = list(getattr(opts, "layers", None) or []) or None
     try:
         chosen = select_layers(infos, requested, opts.include_sliding)
     except LayerSelectionError as exc:
         raise CaptureError(f"{entry.key}: {exc}") from exc
-    by_layer = {i.layer: i for i in infos}
     pool = [(layer, h) for layer in chosen for h in range(int(by_layer[layer].n_q or 0))]
     heads = sample_heads(pool, opts.heads, opts.seed)
     return [{"layer": layer, "q_head": h,
@@ -220,7 +255,8 @@ def _result_from_storage(storage: Storage, prefix: str, **kw: Any) -> CaptureRes
 def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, corpus_name: str | None = None,
                   device: str = "auto", loaded: LoadedModel | None = None, log: Any = None,
                   on_document: Callable[[int, int], None] | None = None,
-                  only_docs: Collection[int] | None = None, finalize: bool = True) -> CaptureResult:
+                  only_docs: Collection[int] | None = None, finalize: bool = True, intervention: Any = None,
+                  heads: list[tuple[int, int]] | None = None) -> CaptureResult:
     """Capture ``entry`` over ``corpus`` (columns example_id, text) into ``storage`` (SPEC 1).
 
     ``loaded`` reuses an already loaded model; ``log`` is any logger with ``info``/``warning`` (the
@@ -228,6 +264,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     One shard of a capture (:mod:`qk_core.capture.sharded`): ``only_docs`` restricts the documents this
     call forwards (the capture's identity stays the whole corpus), ``finalize=False`` leaves the
     fan-out to whoever commits the last shard; the result then holds no row counts (``heads`` with 0).
+    ``intervention`` (a :class:`qk_core.interventions.hook.Intervention`) is active during every forward
+    and ``heads`` replaces the head sampler: the recapture of SPEC 11.3. Both enter the fingerprint.
+    Under ``debias`` a layer's kernel gets one key head per query head, so there kv_head = q_head.
     """
     import torch
 
@@ -248,7 +287,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     # the tokenizer is resolved before the fingerprint: its resolved commit is part of the identity
     tokenizer = loaded.tokenizer if loaded is not None else load_tokenizer(entry.key, entry.tokenizer,
                                                                            entry.trust_remote_code)
-    ident = capture_identity(entry, config, docs, corpus_name, dtype)
+    ident = capture_identity(entry, config, docs, corpus_name, dtype, intervention, heads)
     fp = fingerprint(ident)
     prefix = capture_prefix(entry.key, fp)
     if storage.exists(f"{prefix}/complete.json"):
@@ -266,8 +305,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     if loaded is None:
         log.info(f"{entry.key}: loading {entry.source.describe()} on {dev} as {dtype}")
         loaded = load_model(entry, dev, config=config, tokenizer=tokenizer)
-    infos = probe_layers(loaded, entry.capture.include_sliding)
-    heads = plan_heads(entry, infos)
+    infos = probe_layers(loaded, entry.capture.include_sliding, intervention)
+    explicit = heads
+    heads = plan_heads(entry, infos, explicit)
     sampled = {h["layer"] for h in heads}
     manifest = {
         "schema_version": SCHEMA_VERSION, "fingerprint": fp, "model_key": entry.key,
@@ -300,7 +340,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     tokens = 0
     seconds = 0.0
     total = len(mine)
-    with hook.CaptureSession(loaded.backbone, plan) as session:
+    with hook.CaptureSession(loaded.backbone, plan) as session, _under(loaded, intervention):
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])

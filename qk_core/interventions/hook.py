@@ -1,0 +1,270 @@
+"""Head interventions through an attention function registered in AttentionInterface (SPEC 11.2).
+
+Like the capture function (:mod:`qk_core.capture.hook`), one function is registered per backend under
+``qkinterv_<backend>`` (with that backend's mask builder), and an :class:`InterventionSession` only
+switches the text backbone's attention implementation to it and back. No modeling file is copied and no
+module forward is patched. The function wraps whatever implementation was active when the session
+started, so it composes with the capture: entered inside a :class:`~qk_core.capture.hook.CaptureSession`
+it runs first and hands the capture exactly what the kernel then sees (``qkinterv_qkcapture_sdpa``).
+
+- ``ablate`` replaces a chosen head's attention output (before the output projection) by zero or by a
+  given mean vector (the head's mean over the baseline run's positions, recorded with ``record_means``).
+- ``debias`` removes a chosen head's key drift along its rotation axis a (SPEC 3):
+  k <- k - alpha_K (t - t_bar) a, t = key position. Under GQA the keys and values of that layer are
+  repeated per query head (``repeat_kv``) and only the chosen query head's copy is changed; for that call
+  the module's ``num_key_value_groups`` reads 1 so the backend does not repeat them again. The kernel (and
+  a capture running inside) therefore sees one key head per query head in such a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from qk_core.capture.hook import _backend_fn, _impl_name
+
+PREFIX = "qkinterv_"
+_ACTIVE: ContextVar[InterventionSession | None] = ContextVar("qk_intervention_session", default=None)
+_REGISTERED: set[str] = set()
+
+Kind = Literal["none", "ablate", "debias"]
+
+
+class InterventionError(RuntimeError):
+    """An intervention that cannot be applied (names the layer / head and why)."""
+
+
+@dataclass(frozen=True)
+class DebiasAxis:
+    """One head's drift axis a (unit vector, length d), slope alpha_K per token and reference position t_bar."""
+
+    a: np.ndarray
+    alpha_k: float
+    t_bar: float
+
+    def identity(self) -> dict[str, Any]:
+        return {"a": [round(float(x), 8) for x in self.a], "alpha_k": float(self.alpha_k), "t_bar": float(self.t_bar)}
+
+
+@dataclass
+class Intervention:
+    """What to do to which heads: ``kind`` on the set ``heads`` of (layer, query head).
+
+    ``ablate``: ``mode`` is ``zero`` or ``mean`` (then ``means`` maps (layer, head) -> the mean output vector,
+    set per prompt). ``debias``: ``axes`` maps each head to its :class:`DebiasAxis`.
+    """
+
+    kind: Kind = "none"
+    heads: tuple[tuple[int, int], ...] = ()
+    mode: Literal["zero", "mean"] = "mean"
+    axes: dict[tuple[int, int], DebiasAxis] = field(default_factory=dict)
+    means: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.heads = tuple(sorted({(int(la), int(h)) for la, h in self.heads}))
+        if self.kind not in ("none", "ablate", "debias"):
+            raise InterventionError(f"unknown intervention kind {self.kind!r} (none, ablate, debias)")
+        if self.kind == "ablate" and self.mode not in ("zero", "mean"):
+            raise InterventionError(f"unknown ablation mode {self.mode!r} (zero, mean)")
+        if self.kind == "debias":
+            missing = [h for h in self.heads if h not in self.axes]
+            if missing:
+                raise InterventionError(f"debias: no rotation axis for head(s) {missing} (layer, q_head)")
+
+    def by_layer(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for layer, h in self.heads:
+            out.setdefault(layer, []).append(h)
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """JSON-able description (part of a capture fingerprint when a capture runs under it)."""
+        ident: dict[str, Any] = {"kind": self.kind, "heads": [list(h) for h in self.heads]}
+        if self.kind == "ablate":
+            ident["mode"] = self.mode
+        if self.kind == "debias":
+            ident["axes"] = {f"{la}:{h}": self.axes[(la, h)].identity() for la, h in self.heads}
+        return ident
+
+
+def intervention_impl_name(inner: str) -> str:
+    return f"{PREFIX}{inner}"
+
+
+@contextlib.contextmanager
+def _kv_groups(module: torch.nn.Module, groups: int) -> Iterator[None]:
+    had = hasattr(module, "num_key_value_groups")
+    saved = getattr(module, "num_key_value_groups", None)
+    module.num_key_value_groups = groups
+    try:
+        yield
+    finally:
+        if had:
+            module.num_key_value_groups = saved
+        else:
+            del module.num_key_value_groups
+
+
+def _make_fn(inner: str) -> Callable[..., Any]:
+    def qk_intervention_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = _backend_fn(inner, module)
+
+        def call(k: torch.Tensor, v: torch.Tensor) -> Any:
+            if "flash" in inner:
+                with _impl_name(module.config, inner):
+                    return fn(module, query, k, v, attention_mask, *args, **kwargs)
+            return fn(module, query, k, v, attention_mask, *args, **kwargs)
+
+        session = _ACTIVE.get()
+        if session is None or id(module) not in session.module_ids:
+            return call(key, value)
+        layer = int(getattr(module, "layer_idx", -1))
+        debias = session.debias.get(layer)
+        if debias:
+            key, value = session.debiased_kv(layer, module, query, key, value, kwargs, debias)
+            with _kv_groups(module, 1):
+                out = call(key, value)
+        else:
+            out = call(key, value)
+        return session.edit_output(layer, out)
+
+    qk_intervention_attention.__qualname__ = f"qk_intervention_attention[{inner}]"
+    return qk_intervention_attention
+
+
+def ensure_registered(inner: str) -> str:
+    """Register the intervention function wrapping ``inner`` (and ``inner``'s mask builder); return its name."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    name = intervention_impl_name(inner)
+    if name not in _REGISTERED:
+        AttentionInterface.register(name, _make_fn(inner))
+        mask_fn = AttentionMaskInterface._global_mapping.get(inner)
+        if mask_fn is not None:
+            AttentionMaskInterface.register(name, mask_fn)
+        _REGISTERED.add(name)
+    return name
+
+
+class InterventionSession:
+    """Applies one :class:`Intervention` to a text backbone while active (a context manager).
+
+    With ``record_means`` the session also accumulates, per layer, each head's attention output summed
+    over positions while :attr:`recording` is true (:meth:`head_means` returns the means).
+    """
+
+    def __init__(self, backbone: torch.nn.Module, intervention: Intervention | None = None,
+                 record_means: bool = False):
+        self.backbone = backbone
+        self.intervention = intervention or Intervention()
+        self.module_ids = {id(m) for m in backbone.modules()}
+        iv = self.intervention
+        self.ablate = iv.by_layer() if iv.kind == "ablate" else {}
+        self.debias = iv.by_layer() if iv.kind == "debias" else {}
+        if iv.kind == "ablate" and iv.mode == "mean":
+            missing = [h for h in iv.heads if h not in iv.means]
+            if missing:
+                raise InterventionError(f"mean ablation: no baseline mean output for head(s) {missing}")
+        self.record_means = record_means
+        self.recording = record_means
+        self._sums: dict[int, torch.Tensor] = {}
+        self._counts: dict[int, int] = {}
+        self._token = None
+        self._saved_impl: str | None = None
+        self._axes: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def __enter__(self) -> InterventionSession:
+        if _ACTIVE.get() is not None:
+            raise InterventionError("an intervention session is already active in this context")
+        current = self.backbone.config._attn_implementation
+        if current is None or current.startswith(PREFIX):
+            raise InterventionError(f"unexpected attention implementation {current!r} on the backbone")
+        name = ensure_registered(current)
+        self._saved_impl = current
+        self.backbone.set_attn_implementation(name)
+        if self.backbone.config._attn_implementation != name:
+            self.backbone.set_attn_implementation(current)
+            raise InterventionError(f"{type(self.backbone).__name__} does not dispatch attention through "
+                                    "AttentionInterface; heads cannot be intervened on")
+        self._token = _ACTIVE.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+        if self._saved_impl is not None:
+            self.backbone.set_attn_implementation(self._saved_impl)
+            self._saved_impl = None
+
+    # ---- debias ------------------------------------------------------------------------------------
+    def _axis(self, layer: int, h: int, device: torch.device) -> torch.Tensor:
+        key = (layer, h, device)
+        if key not in self._axes:
+            a = np.asarray(self.intervention.axes[(layer, h)].a, dtype=np.float64)
+            self._axes[key] = torch.as_tensor(a, dtype=torch.float32, device=device)
+        return self._axes[key]
+
+    def debiased_kv(self, layer: int, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, kwargs: dict[str, Any], heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values repeated per query head; the chosen heads' copies debiased (SPEC 11.2)."""
+        if kwargs.get("sliding_window") is not None:
+            raise InterventionError(f"layer {layer}: debias on a sliding-window layer is not supported "
+                                    "(its cached key positions are not 0..T-1)")
+        n_q, n_kv, k_len, d = int(query.shape[1]), int(key.shape[1]), int(key.shape[2]), int(key.shape[3])
+        if n_q % n_kv:
+            raise InterventionError(f"layer {layer}: {n_q} query heads not a multiple of {n_kv} KV heads")
+        groups = n_q // n_kv
+        key = key.repeat_interleave(groups, dim=1) if groups > 1 else key.clone()
+        value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+        t = torch.arange(k_len, device=key.device, dtype=torch.float32)
+        for h in heads:
+            if not 0 <= h < n_q:
+                raise InterventionError(f"layer {layer}: query head {h} out of range (0..{n_q - 1})")
+            ax = self.intervention.axes[(layer, h)]
+            a = self._axis(layer, h, key.device)
+            if a.shape[0] != d:
+                raise InterventionError(f"layer {layer} head {h}: axis a has length {a.shape[0]}, head_dim is {d}")
+            shift = (float(ax.alpha_k) * (t - float(ax.t_bar)))[:, None] * a[None, :]  # (k_len, d)
+            key[:, h] = (key[:, h].float() - shift).to(key.dtype)
+        return key, value
+
+    # ---- ablate and mean recording -----------------------------------------------------------------
+    def edit_output(self, layer: int, out: Any) -> Any:
+        heads = self.ablate.get(layer)
+        if not heads and not self.recording:
+            return out
+        attn, *rest = out if isinstance(out, tuple) else (out,)
+        if self.recording:  # attn: (batch, q_len, n_q, d)
+            s = attn.detach().float().sum(dim=(0, 1))
+            self._sums[layer] = self._sums.get(layer, 0) + s
+            self._counts[layer] = self._counts.get(layer, 0) + int(attn.shape[0] * attn.shape[1])
+        if heads:
+            attn = attn.clone()
+            for h in heads:
+                if self.intervention.mode == "zero":
+                    attn[:, :, h, :] = 0
+                else:
+                    mean = torch.as_tensor(self.intervention.means[(layer, h)], dtype=attn.dtype, device=attn.device)
+                    attn[:, :, h, :] = mean
+        return (attn, *rest) if isinstance(out, tuple) else attn
+
+    def head_means(self) -> dict[tuple[int, int], np.ndarray]:
+        """Mean attention output per (layer, head) over the positions seen while recording."""
+        out: dict[tuple[int, int], np.ndarray] = {}
+        for layer, s in self._sums.items():
+            m = (s / max(self._counts[layer], 1)).cpu().numpy()
+            out.update({(layer, h): m[h] for h in range(m.shape[0])})
+        return out
+
+    def reset_means(self) -> None:
+        self._sums.clear()
+        self._counts.clear()
