@@ -1,0 +1,117 @@
+"""Interventions on heads and the retrieval probe, one partition per model (SPEC 11).
+
+Thin wrapper over :func:`qk_core.interventions.study.run_study`: loads the model with its LM head on the
+device resource (pool ``gpu``), reads the model's corpus, its capture, per-head plasticity (AP_last20 ranks
+the heads) and rotation (the drift axes of `debias`). Outputs:
+
+- ``intervention_trials``: one row per (trial, condition): document, nominal and measured depth, condition
+  (intervention, head set, random seed, k), correct, rank, log-prob margin, seconds;
+- ``intervention_summary``: accuracy (Wilson 95%) and mean margin (document bootstrap 95%) per
+  (intervention, head set, k, depth), chance 1/K; figure: accuracy vs depth;
+- ``intervention_contrast``: drop(S) - drop(random) per (intervention, k, depth), S = lowest / highest, with
+  document-bootstrap intervals; figure: contrast vs depth;
+- ``intervention_head_sets``: the heads of every set with their AP_last20;
+- ``intervention_debias_profiles`` / ``intervention_debias_metrics``: the `lowest` heads recaptured without
+  and with `debias`, SPEC 3 and 4 re-run: AP profiles, AP headline and bias_strength with paired intervals;
+  figure: AP profile with and without debias.
+
+Options: :class:`qk_core.interventions.options.InterventionOptions` defaults < the registry entry's
+``analysis.interventions`` table < the run config (the demo models' registry entries hold reduced settings).
+"""
+
+import pandas as pd
+from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, MetadataValue, Output, multi_asset
+
+from qk_assets.figures import save_figures
+from qk_assets.partitions import corpus_of_model, model_partitions, registry
+from qk_assets.resources import StorageResource, TorchDeviceResource
+
+GROUP = "interventions"
+
+
+class InterventionConfig(Config):
+    """Run-time overrides of the study options; unset fields keep the registry / default values."""
+
+    n_docs: int | None = None
+    depths: list[float] | None = None
+    repeats: int | None = None
+    random_sets: int | None = None
+    k_fractions: list[float] | None = None
+    remeasure: bool | None = None
+
+
+def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
+    return MetadataValue.md(df.head(n).to_markdown(index=False, floatfmt=".4g") if len(df) else "(empty)")
+
+
+@multi_asset(
+    outs={
+        "intervention_trials": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Retrieval probe trials x conditions: document, depth (nominal, measured in prompt tokens), "
+            "intervention, head set, k, correct, rank, log-prob margin (nats), seconds (SPEC 11.1-11.2).")),
+        "intervention_summary": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Accuracy (Wilson 95%) and mean margin (document bootstrap 95%) per intervention, head set, k and "
+            "depth; chance = 1/K (SPEC 11.3).")),
+        "intervention_contrast": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Causal contrast drop(S) - drop(random) per intervention, k and depth, S = lowest / highest "
+            "AP_last20 heads, document-bootstrap 95% interval (SPEC 11.3).")),
+        "intervention_head_sets": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "Heads of the lowest / highest / random sets per k with their AP_last20 (SPEC 11.2).")),
+        "intervention_debias_profiles": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "AP profiles of the lowest heads re-measured without and with debias (SPEC 11.3).")),
+        "intervention_debias_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "AP_overall / first20 / last20 / drop and bias_strength of the lowest heads without and with "
+            "debias, and the paired difference with document-bootstrap 95% intervals (SPEC 11.3).")),
+    },
+    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(),
+         "corpus": AssetIn(partition_mapping=corpus_of_model())},
+    partitions_def=model_partitions(),
+    pool="gpu",
+    can_subset=False,
+)
+def interventions(context: AssetExecutionContext, config: InterventionConfig, storage: StorageResource,
+                  device: TorchDeviceResource, qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
+                  rotation_heads: pd.DataFrame, corpus: pd.DataFrame):
+    """SPEC 11 on one model: probe, ablate / debias head sets, contrast, plasticity under debias."""
+    from qk_core.capture_store import CaptureError
+    from qk_core.interventions.options import InterventionOptions
+    from qk_core.interventions.study import run_study
+    from qk_core.model_loading import load_model
+    from qk_core.plasticity import PlasticityOptions
+    from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
+
+    model = context.partition_key
+    entry = registry().model(model)
+    overrides = {k: v for k, v in config.model_dump().items() if v is not None}
+    opts = InterventionOptions.from_analysis(entry.analysis, **overrides)
+    popts = PlasticityOptions.from_analysis(entry.analysis)
+    prefixes = sorted(set(qk_capture["capture_prefix"].astype(str))) if len(qk_capture) else []
+    if len(prefixes) != 1:
+        raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
+    store = storage.get()
+    context.log.info(f"{model}: loading the model with its LM head on {device.resolve()}")
+    loaded = load_model(entry, device.resolve(), with_head=True)
+    res = run_study(entry, corpus, store, prefixes[0], plasticity_heads, rotation_heads, opts, popts, loaded,
+                    corpus_name=entry.corpus, log=context.log)
+    folder = f"interventions/{model}"
+    common = {"options": MetadataValue.json(res.options),
+              "seconds_per_forward": float(round(res.seconds_per_forward, 3))}
+    headline = res.contrast.sort_values(["intervention", "k", "head_set", "depth"]) if len(res.contrast) else \
+        res.contrast
+    yield Output(res.trials, output_name="intervention_trials", metadata={
+        **common, "trials": int(res.trials[["doc_id", "depth", "repeat"]].drop_duplicates().shape[0]),
+        "conditions": int(res.trials.groupby(["intervention", "head_set", "set_seed", "k"]).ngroups)})
+    yield Output(res.summary, output_name="intervention_summary", metadata={
+        **common, "preview": _md(res.summary[["intervention", "head_set", "k", "depth", "n_trials", "accuracy",
+                                              "accuracy_lo", "accuracy_hi", "margin", "margin_lo", "margin_hi"]], 80),
+        **save_figures(store, folder, {"accuracy": fig_accuracy(res.summary, model, res.options)})})
+    yield Output(res.contrast, output_name="intervention_contrast", metadata={
+        **common, "preview": _md(headline, 80),
+        **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, model, res.options)})})
+    yield Output(res.head_sets, output_name="intervention_head_sets", metadata={**common, "preview": _md(
+        res.head_sets[res.head_sets["head_set"] != "random"], 60)})
+    yield Output(res.profiles, output_name="intervention_debias_profiles", metadata={
+        **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(res.profiles, res.remeasured,
+                                                                                       model)})})
+    yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata={
+        **common, "preview": _md(res.remeasured, 40)})

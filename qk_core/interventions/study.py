@@ -1,0 +1,224 @@
+"""The intervention study (SPEC 11.1-11.3): trials x conditions, summaries with intervals, the causal
+contrast, and the plasticity profile re-measured under `debias`.
+
+One trial = (document, depth, repeat). Per trial the baseline forward also records every head's mean
+attention output over the prompt's positions: those are the `mean` ablation values of that prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qk_core.interventions.head_sets import HeadSet
+from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
+from qk_core.interventions.options import InterventionOptions
+from qk_core.interventions.probe import Trial, build_trial, candidate_ids, score_trial, trial_outcome
+from qk_core.interventions.stats import boot_means, doc_sums, wilson
+from qk_core.plasticity.bootstrap import doc_weights, percentile_interval
+
+_log = logging.getLogger(__name__)
+TRIAL_COLUMNS = ["doc_id", "depth", "depth_tokens", "repeat", "n_tokens", "snapped", "intervention", "head_set",
+                 "set_seed", "k", "correct", "rank", "margin", "logp_correct", "seconds"]
+
+
+@dataclass(frozen=True)
+class Condition:
+    intervention: str  # baseline | ablate | debias
+    head_set: HeadSet | None
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        hs = self.head_set
+        return (self.intervention, hs.name if hs else "baseline", hs.seed if hs else 0, hs.k if hs else 0)
+
+
+def conditions(sets: list[HeadSet], interventions: tuple[str, ...]) -> list[Condition]:
+    return [Condition("baseline", None)] + [Condition(iv, hs) for iv in interventions for hs in sets]
+
+
+def build_trials(tokenizer: Any, docs: pd.DataFrame, window: int, opts: InterventionOptions) -> list[Trial]:
+    docs = docs.head(opts.n_docs)
+    return [build_trial(tokenizer, int(eid), str(text), depth, window, opts.candidates, opts.seed, rep,
+                        opts.snap_chars)
+            for eid, text in zip(docs["example_id"], docs["text"], strict=True)
+            for depth in opts.depths for rep in range(opts.repeats)]
+
+
+def make_intervention(cond: Condition, opts: InterventionOptions, axes: dict[tuple[int, int], DebiasAxis],
+                      means: dict[tuple[int, int], np.ndarray]) -> Intervention:
+    if cond.head_set is None:
+        return Intervention()
+    heads = cond.head_set.heads
+    if cond.intervention == "ablate":
+        return Intervention("ablate", heads, opts.ablation, means={h: means[h] for h in heads}
+                            if opts.ablation == "mean" else {})
+    return Intervention("debias", heads, axes={h: axes[h] for h in heads})
+
+
+def run_trials(model: Any, backbone: Any, tokenizer: Any, trials: list[Trial], conds: list[Condition],
+               opts: InterventionOptions, axes: dict[tuple[int, int], DebiasAxis], device: Any = "cpu",
+               log: Any = None, progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+    """Score every trial under every condition (baseline first: it records the mean outputs)."""
+    log = log or _log
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for n, trial in enumerate(trials):
+        cands = candidate_ids(tokenizer, trial.codes)
+        means: dict[tuple[int, int], np.ndarray] = {}
+        for cond in conds:
+            t0 = time.perf_counter()
+            record = cond.head_set is None
+            with InterventionSession(backbone, make_intervention(cond, opts, axes, means),
+                                     record_means=record) as session:
+                scores = score_trial_recorded(model, trial, cands, device, session if record else None)
+            if record:
+                means = session.head_means()
+            iv, name, seed, k = cond.key
+            rows.append({"doc_id": trial.doc_id, "depth": trial.depth, "depth_tokens": trial.depth_tokens,
+                         "repeat": trial.seed, "n_tokens": len(trial.ids), "snapped": trial.snapped,
+                         "intervention": iv, "head_set": name, "set_seed": seed, "k": k,
+                         **trial_outcome(scores), "seconds": time.perf_counter() - t0})
+        if progress:
+            progress(n + 1, len(trials))
+        done = time.perf_counter() - t_start
+        log.info(f"probe: trial {n + 1}/{len(trials)} (doc {trial.doc_id}, depth {trial.depth:.2f}) "
+                 f"{len(conds)} conditions, {done / (n + 1):.1f}s per trial")
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+
+def score_trial_recorded(model: Any, trial: Trial, cands: list[list[int]], device: Any,
+                         session: InterventionSession | None) -> np.ndarray:
+    """:func:`score_trial`, recording mean head outputs over the prompt only (not the continuations)."""
+    if session is None:
+        return score_trial(model, trial, cands, device)
+    session.reset_means()
+    return score_trial(model, trial, cands, device, on_prompt_done=lambda: setattr(session, "recording", False))
+
+
+# ---- summaries (SPEC 11.3) -------------------------------------------------------------------------
+def _doc_index(trials: pd.DataFrame) -> tuple[np.ndarray, int]:
+    docs = np.unique(trials["doc_id"].to_numpy())
+    return np.searchsorted(docs, trials["doc_id"].to_numpy()), len(docs)
+
+
+def summarise(trials: pd.DataFrame, opts: InterventionOptions) -> pd.DataFrame:
+    """Accuracy (Wilson) and mean margin (document bootstrap) per (intervention, head_set, k, depth).
+
+    `random` pools its seeds (accuracy over all their trials; its Wilson interval treats them as
+    independent, the bootstrap of the margin resamples documents).
+    """
+    idx, D = _doc_index(trials)
+    W = doc_weights(D, opts.bootstrap, opts.seed)
+    out = []
+    df = trials.assign(_doc=idx)
+    for (iv, name, k, depth), g in df.groupby(["intervention", "head_set", "k", "depth"], sort=True):
+        n, c = len(g), int(g["correct"].sum())
+        lo, hi = wilson(c, n)
+        s, cnt = doc_sums(g["_doc"].to_numpy(), g["margin"].to_numpy(), D)
+        mlo, mhi = percentile_interval(boot_means(W, s, cnt), opts.ci) if len(W) else (np.nan, np.nan)
+        out.append({"intervention": iv, "head_set": name, "k": int(k), "depth": float(depth), "n_trials": n,
+                    "n_sets": int(g["set_seed"].nunique()), "accuracy": c / n, "accuracy_lo": lo, "accuracy_hi": hi,
+                    "chance": 1.0 / opts.candidates, "margin": float(g["margin"].mean()),
+                    "margin_lo": float(mlo), "margin_hi": float(mhi),
+                    "depth_tokens": float(g["depth_tokens"].mean())})
+    return pd.DataFrame(out)
+
+
+def contrast(trials: pd.DataFrame, opts: InterventionOptions) -> pd.DataFrame:
+    """drop(S) - drop(random) per (intervention, k, depth) for S in lowest, highest, with bootstrap
+    intervals (documents resampled; drop = baseline accuracy - intervened accuracy, random pooled)."""
+    idx, D = _doc_index(trials)
+    W = doc_weights(D, opts.bootstrap, opts.seed)
+    df = trials.assign(_doc=idx)
+    out = []
+    for depth, gd in df.groupby("depth", sort=True):
+        base = gd[gd["intervention"] == "baseline"]
+        sb, nb = doc_sums(base["_doc"].to_numpy(), base["correct"].to_numpy(float), D)
+        for (iv, k), g in gd[gd["intervention"] != "baseline"].groupby(["intervention", "k"], sort=True):
+            rnd = g[g["head_set"] == "random"]
+            if rnd.empty:
+                continue
+            sr, nr = doc_sums(rnd["_doc"].to_numpy(), rnd["correct"].to_numpy(float), D)
+            for name in ("lowest", "highest"):
+                sel = g[g["head_set"] == name]
+                if sel.empty:
+                    continue
+                ss, ns = doc_sums(sel["_doc"].to_numpy(), sel["correct"].to_numpy(float), D)
+                # drop(S) - drop(random) = acc(random) - acc(S): the baseline cancels
+                point = sr.sum() / nr.sum() - ss.sum() / ns.sum()
+                boot = boot_means(W, sr, nr) - boot_means(W, ss, ns) if len(W) else np.zeros(0)
+                lo, hi = percentile_interval(boot, opts.ci) if len(boot) else (np.nan, np.nan)
+                acc_b = sb.sum() / nb.sum()
+                out.append({"intervention": iv, "k": int(k), "depth": float(depth), "head_set": name,
+                            "baseline_accuracy": acc_b, "drop": acc_b - ss.sum() / ns.sum(),
+                            "drop_random": acc_b - sr.sum() / nr.sum(), "contrast": point,
+                            "contrast_lo": float(lo), "contrast_hi": float(hi), "n_docs": D})
+    return pd.DataFrame(out)
+
+
+# ---- the whole study of one (model, corpus) ----------------------------------------------------------
+@dataclass
+class StudyResult:
+    trials: pd.DataFrame  # one row per (trial, condition), TRIAL_COLUMNS
+    summary: pd.DataFrame  # accuracy + margin per (intervention, head_set, k, depth) with intervals
+    contrast: pd.DataFrame  # drop(S) - drop(random) per (intervention, k, depth, S)
+    head_sets: pd.DataFrame  # head_set, set_seed, k, layer, q_head, ap_last20
+    profiles: pd.DataFrame  # AP profiles of the debiased heads, baseline and debias
+    remeasured: pd.DataFrame  # AP headline + bias_strength, baseline / debias / difference
+    options: dict[str, Any]
+    seconds_per_forward: float  # mean wall time of one trial under one condition (prompt + continuations)
+
+
+def head_set_table(sets: list[HeadSet], plasticity_heads: pd.DataFrame) -> pd.DataFrame:
+    ap = {(int(la), int(h)): float(v) for la, h, v in
+          zip(plasticity_heads["layer"], plasticity_heads["q_head"], plasticity_heads["ap_last20"], strict=True)}
+    return pd.DataFrame([{"head_set": s.name, "set_seed": s.seed, "k": s.k, "layer": la, "q_head": h,
+                          "ap_last20": ap.get((la, h), np.nan)} for s in sets for la, h in s.heads])
+
+
+def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: str, plasticity_heads: pd.DataFrame,
+              rotation_heads: pd.DataFrame, opts: InterventionOptions, popts: Any, loaded: Any,
+              corpus_name: str | None = None, log: Any = None) -> StudyResult:
+    """SPEC 11 for one (model, corpus): head sets, probe trials under every condition, summaries, contrast,
+    and (option ``remeasure``) the plasticity of the `lowest` sets re-measured under `debias`.
+
+    ``loaded`` is the model with its LM head (``load_model(..., with_head=True)``).
+    """
+    from qk_core.interventions.head_sets import head_sets, k_values
+    from qk_core.interventions.remeasure import debias_axes, remeasure
+
+    log = log or _log
+    window = int(opts.window or entry.window)
+    axes = debias_axes(storage, capture_prefix, rotation_heads)
+    eligible = set(axes) if "debias" in opts.interventions else None
+    ks = k_values(len(plasticity_heads), list(opts.k_fractions))
+    sets = head_sets(plasticity_heads, ks, opts.random_sets, opts.seed, eligible)
+    trials = build_trials(loaded.tokenizer, corpus, window, opts)
+    conds = conditions(sets, opts.interventions)
+    log.info(f"{entry.key}: probe of {len(trials)} trials x {len(conds)} conditions, window {window}, "
+             f"k in {ks}, {len(axes)} heads with a drift axis")
+    table = run_trials(loaded.model, loaded.backbone, loaded.tokenizer, trials, conds, opts, axes, loaded.device,
+                       log)
+    profiles, remeasured = [], []
+    if opts.remeasure and "debias" in opts.interventions:
+        for s in sets:
+            if s.name == "lowest":
+                log.info(f"{entry.key}: re-measuring plasticity of the {s.k} lowest heads under debias")
+                p, m = remeasure(entry, corpus, storage, loaded, s.heads, axes, popts, opts.remeasure_docs,
+                                 corpus_name, log, label=f"lowest k={s.k}")
+                profiles.append(p.assign(k=s.k))
+                remeasured.append(m.assign(k=s.k))
+    record = opts.record(window)
+    return StudyResult(
+        trials=table, summary=summarise(table, opts), contrast=contrast(table, opts),
+        head_sets=head_set_table(sets, plasticity_heads),
+        profiles=pd.concat(profiles, ignore_index=True) if profiles else pd.DataFrame(),
+        remeasured=pd.concat(remeasured, ignore_index=True) if remeasured else pd.DataFrame(),
+        options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"))

@@ -1,0 +1,152 @@
+"""Retrieval probe (SPEC 11.1), head sets (11.2) and the study's statistics (11.3).
+
+The cached scoring is checked against an independent full forward of prompt + continuation without a
+cache (also under each intervention); intervals against textbook values and brute force.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import tiny_models as tm
+import torch
+
+from qk_core.interventions.head_sets import head_sets, k_values
+from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
+from qk_core.interventions.model import backbone_of
+from qk_core.interventions.options import InterventionOptions
+from qk_core.interventions.probe import NEEDLE, ProbeError, build_trial, candidate_ids, score_trial, trial_outcome
+from qk_core.interventions.stats import mean_interval, wilson
+from qk_core.interventions.study import contrast, summarise
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def prose(n_sentences: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    words = ["the", "union", "is", "strong", "and", "our", "nation", "has", "grown", "in", "peace", "trade"]
+    return " ".join(" ".join(rng.choice(words, size=rng.integers(5, 12))).capitalize() + "."
+                    for _ in range(n_sentences))
+
+
+def test_trial_is_built_to_spec() -> None:
+    tok = tm.byte_tokenizer()
+    text = prose(400)
+    for depth in (0.05, 0.5, 0.95):
+        t = build_trial(tok, 7, text, depth, window=2000, K=10, seed=3)
+        cands = candidate_ids(tok, t.codes)
+        assert len(t.ids) + max(map(len, cands)) <= 2000
+        assert len(set(t.codes)) == 10 and all(len(c) == 5 and c.isdigit() for c in t.codes)
+        decoded = tok.decode(t.ids[t.needle_token:], skip_special_tokens=True)
+        assert decoded.startswith(NEEDLE.format(name=t.name, code=t.codes[0]))
+        before = tok.decode(t.ids[:t.needle_token], skip_special_tokens=True)
+        assert t.snapped and before.rstrip().endswith(".")  # at a sentence boundary
+        assert abs(t.depth_tokens - depth) < 0.03  # sentences are <= 12 words: the snap moves little
+        assert tok.decode(t.ids, skip_special_tokens=True).endswith(f"The pass code of {t.name} is")
+    again = build_trial(tok, 7, text, 0.5, window=600, K=10, seed=3)
+    other = build_trial(tok, 8, text, 0.5, window=600, K=10, seed=3)
+    assert again.ids == build_trial(tok, 7, text, 0.5, window=600, K=10, seed=3).ids
+    assert (other.name, other.codes) != (again.name, again.codes)
+    with pytest.raises(ProbeError, match="document 9"):
+        build_trial(tok, 9, text, 0.5, window=100)
+
+
+def full_logprobs(model: Any, trial: Any, cands: list[list[int]]) -> np.ndarray:
+    out = []
+    with torch.inference_mode():
+        for c in cands:
+            x = torch.tensor([trial.ids + c])
+            lp = torch.log_softmax(model(input_ids=x, use_cache=False).logits[0].double(), -1)
+            n = len(trial.ids)
+            out.append(sum(float(lp[n - 1 + i, tok]) for i, tok in enumerate(c)))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("fam", ["llama", "gemma3", "qwen3"])
+def test_cached_scores_equal_full_forward(fam: str) -> None:
+    model = tm.tiny_model(fam)
+    bb = backbone_of(model)
+    tok = tm.byte_tokenizer()
+    trial = build_trial(tok, 1, prose(30), 0.3, window=200, K=4, seed=1)
+    cands = candidate_ids(tok, trial.codes)
+    layer = 2 if fam == "gemma3" else 1
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=16)
+    means = {(layer, h): rng.normal(size=16) for h in range(4)}
+    ivs = [Intervention(), Intervention("ablate", ((layer, 0), (layer, 3)), "mean", means=means),
+           Intervention("debias", ((layer, 1),), axes={(layer, 1): DebiasAxis(a / np.linalg.norm(a), 0.05, 20.0)})]
+    seen = []
+    for iv in ivs:
+        with InterventionSession(bb, iv):
+            cached = score_trial(model, trial, cands)
+            full = full_logprobs(model, trial, cands)
+        np.testing.assert_allclose(cached, full, atol=2e-4, err_msg=f"{fam} {iv.kind}")
+        seen.append(cached)
+    assert not np.allclose(seen[0], seen[1]) and not np.allclose(seen[0], seen[2])
+    o = trial_outcome(np.array([-1.0, -3.0, -0.5]))
+    assert (o["correct"], o["rank"], o["margin"]) == (False, 1, -0.5)
+
+
+def test_head_sets_rank_and_match_layers() -> None:
+    rng = np.random.default_rng(1)
+    df = pd.DataFrame([{"layer": la, "q_head": h, "ap_last20": rng.uniform()} for la in range(4) for h in range(8)])
+    df.loc[3, "ap_last20"] = np.nan
+    ks = k_values(31, [0.05, 0.15])
+    assert ks == [2, 5]
+    sets = head_sets(df, ks, random_sets=3, seed=0)
+    ok = df.dropna().sort_values("ap_last20")
+    want_low = sorted(zip(ok["layer"][:5], ok["q_head"][:5], strict=True))
+    low = next(s for s in sets if s.name == "lowest" and s.k == 5)
+    high = next(s for s in sets if s.name == "highest" and s.k == 5)
+    assert list(low.heads) == want_low
+    assert list(high.heads) == sorted(zip(ok["layer"][-5:], ok["q_head"][-5:], strict=True))
+    rnd = [s for s in sets if s.name == "random" and s.k == 5]
+    assert len(rnd) == 3 and len({s.heads for s in rnd}) == 3
+    for s in rnd:
+        assert sorted(la for la, _ in s.heads) == sorted(la for la, _ in low.heads)
+        assert (0, 3) not in s.heads  # NaN AP_last20 is never drawn
+    assert rnd[0].heads == head_sets(df, ks, 3, 0)[2 + 3 + 2].heads  # seeded
+
+
+def test_intervals() -> None:
+    lo, hi = wilson(0, 10)
+    assert lo == 0 and hi == pytest.approx(0.2775, abs=1e-4)  # textbook value
+    lo, hi = wilson(5, 10)
+    assert (lo, hi) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    # one document: every resample is the same set of trials -> a zero-width interval at the mean
+    assert mean_interval(np.zeros(4, int), np.array([1.0, 2, 3, 4]), 1, 50, 0) == pytest.approx((2.5, 2.5))
+
+
+def planted_trials() -> pd.DataFrame:
+    """6 documents x 2 depths; at depth 0.9 `lowest` always fails and random 1 of 2 seeds fails."""
+    rows = []
+    for doc in range(6):
+        for depth in (0.1, 0.9):
+            cells = [("baseline", "baseline", 0, 0, True), ("ablate", "lowest", 0, 2, depth < 0.5),
+                     ("ablate", "highest", 0, 2, True), ("ablate", "random", 0, 2, True),
+                     ("ablate", "random", 1, 2, depth < 0.5 or doc % 2 == 0)]
+            for iv, hs, seed, k, ok in cells:
+                rows.append({"doc_id": doc, "depth": depth, "depth_tokens": depth, "repeat": 0, "n_tokens": 100,
+                             "snapped": True, "intervention": iv, "head_set": hs, "set_seed": seed, "k": k,
+                             "correct": ok, "rank": 0 if ok else 3, "margin": 1.0 if ok else -1.0,
+                             "logp_correct": -1.0, "seconds": 0.1})
+    return pd.DataFrame(rows)
+
+
+def test_summary_and_contrast_on_planted_trials() -> None:
+    opts = InterventionOptions(bootstrap=300)
+    tr = planted_trials()
+    s = summarise(tr, opts).set_index(["intervention", "head_set", "depth"])
+    assert s.loc[("ablate", "lowest", 0.9), "accuracy"] == 0.0
+    assert s.loc[("ablate", "random", 0.9), "accuracy"] == 0.75 and s.loc[("ablate", "random", 0.9), "n_trials"] == 12
+    assert s.loc[("baseline", "baseline", 0.1), "margin_lo"] == 1.0
+    c = contrast(tr, opts).set_index(["head_set", "depth"])
+    assert c.loc[("lowest", 0.9), "contrast"] == pytest.approx(0.75)  # drop 1.0 - drop 0.25
+    assert c.loc[("lowest", 0.1), "contrast"] == 0.0
+    assert c.loc[("highest", 0.9), "contrast"] == pytest.approx(-0.25)
+    lo, hi = c.loc[("lowest", 0.9), ["contrast_lo", "contrast_hi"]]
+    # random's accuracy per resample lies in [0.5, 1] -> contrast in [0.5, 1]; documents vary, so lo < hi
+    assert 0.5 <= lo < 0.75 < hi <= 1.0
