@@ -150,3 +150,27 @@ def test_summary_and_contrast_on_planted_trials() -> None:
     lo, hi = c.loc[("lowest", 0.9), ["contrast_lo", "contrast_hi"]]
     # random's accuracy per resample lies in [0.5, 1] -> contrast in [0.5, 1]; documents vary, so lo < hi
     assert 0.5 <= lo < 0.75 < hi <= 1.0
+
+
+def test_verdicts_state_support_and_its_absence() -> None:
+    from qk_core.interventions.verdict import verdicts
+
+    opts = InterventionOptions(bootstrap=300)
+    tr = planted_trials()
+    tr.loc[tr["depth"] == 0.9, "depth"] = 0.3  # the planted failures now sit at a distant depth
+    rem = pd.DataFrame([{"metric": "ap_last20", "condition": "difference", "value": 0.01, "lo": -0.02, "hi": 0.04,
+                         "k": 2, "n_heads": 2, "n_docs": 4}])
+    v = verdicts(tr, rem, opts)
+    h1 = v[v["hypothesis"].str.startswith("H1")].iloc[0]
+    assert h1["verdict"] == "supported" and h1["lo"] > 0 and "support it" in h1["statement"]
+    assert v[v["hypothesis"].str.startswith("H2")].iloc[0]["verdict"] == "inconclusive"
+    # the same trials with lowest and random swapped: contradicted
+    sw = tr.copy()
+    sw["head_set"] = sw["head_set"].map({"lowest": "random", "random": "lowest"}).fillna(sw["head_set"])
+    sw.loc[sw["head_set"] == "random", "set_seed"] = 0
+    v2 = verdicts(sw, rem.iloc[0:0], opts)
+    assert v2.iloc[0]["verdict"] == "contradicted" and v2.iloc[0]["hi"] < 0
+    # a baseline at chance cannot show a drop
+    flat = tr.copy()
+    flat.loc[flat["intervention"] == "baseline", "correct"] = False
+    assert verdicts(flat, rem.iloc[0:0], opts).iloc[0]["verdict"] == "not testable"

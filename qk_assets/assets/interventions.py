@@ -13,7 +13,8 @@ the heads) and rotation (the drift axes of `debias`). Outputs:
 - ``intervention_head_sets``: the heads of every set with their AP_last20;
 - ``intervention_debias_profiles`` / ``intervention_debias_metrics``: the `lowest` heads recaptured without
   and with `debias`, SPEC 3 and 4 re-run: AP profiles, AP headline and bias_strength with paired intervals;
-  figure: AP profile with and without debias.
+  figure: AP profile with and without debias;
+- ``intervention_verdicts``: plain statements of what the data support (H1, H2) with their intervals.
 
 Options: :class:`qk_core.interventions.options.InterventionOptions` defaults < the registry entry's
 ``analysis.interventions`` table < the run config (the demo models' registry entries hold reduced settings).
@@ -59,6 +60,9 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
             "Heads of the lowest / highest / random sets per k with their AP_last20 (SPEC 11.2).")),
         "intervention_debias_profiles": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
             "AP profiles of the lowest heads re-measured without and with debias (SPEC 11.3).")),
+        "intervention_verdicts": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "What the data support, stated plainly with intervals: H1 low-plasticity heads matter more for "
+            "distant retrieval than random heads; H2 removing bias raises distant plasticity (SPEC 11.3).")),
         "intervention_debias_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
             "AP_overall / first20 / last20 / drop and bias_strength of the lowest heads without and with "
             "debias, and the paired difference with document-bootstrap 95% intervals (SPEC 11.3).")),
@@ -115,3 +119,6 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
                                                                                        model)})})
     yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata={
         **common, "preview": _md(res.remeasured, 40)})
+    yield Output(res.verdicts, output_name="intervention_verdicts", metadata={
+        **common, "statements": MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
+                                                           for r in res.verdicts.itertuples()) or "(none)")})

@@ -4,6 +4,7 @@ one shared document bootstrap, so the debias - baseline differences get paired i
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -73,7 +74,8 @@ def remeasure(entry: Any, corpus: pd.DataFrame, storage: Storage, loaded: Any, h
     rows = []
     head_point = {c: agg.headline(aps[c], L, B) for c in caps}
     head_boot = {c: agg.headline(boots[c], L, B) for c in caps} if W.shape[0] else {}
-    with np.errstate(invalid="ignore"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a metric missing for every head stays NaN
         for m in HEADLINE:
             vals = {c: float(np.nanmean(head_point[c][m])) for c in caps}
             bm = {c: np.nanmean(head_boot[c][m], axis=0) for c in caps} if head_boot else {}

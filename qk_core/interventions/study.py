@@ -172,6 +172,7 @@ class StudyResult:
     head_sets: pd.DataFrame  # head_set, set_seed, k, layer, q_head, ap_last20
     profiles: pd.DataFrame  # AP profiles of the debiased heads, baseline and debias
     remeasured: pd.DataFrame  # AP headline + bias_strength, baseline / debias / difference
+    verdicts: pd.DataFrame  # what the data support (qk_core.interventions.verdict)
     options: dict[str, Any]
     seconds_per_forward: float  # mean wall time of one trial under one condition (prompt + continuations)
 
@@ -215,10 +216,13 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
                                  corpus_name, log, label=f"lowest k={s.k}")
                 profiles.append(p.assign(k=s.k))
                 remeasured.append(m.assign(k=s.k))
+    from qk_core.interventions.verdict import verdicts
+
     record = opts.record(window)
+    remeasured_df = pd.concat(remeasured, ignore_index=True) if remeasured else pd.DataFrame()
     return StudyResult(
         trials=table, summary=summarise(table, opts), contrast=contrast(table, opts),
         head_sets=head_set_table(sets, plasticity_heads),
         profiles=pd.concat(profiles, ignore_index=True) if profiles else pd.DataFrame(),
-        remeasured=pd.concat(remeasured, ignore_index=True) if remeasured else pd.DataFrame(),
+        remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts),
         options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"))
