@@ -211,11 +211,13 @@ def analysis_option_classes() -> dict[str, type]:
     Add an analysis here (its options dataclass annotated with :mod:`qk_core.options_schema` types) and
     its table is validated in the registry like the others.
     """
+    from qk_core.interventions.options import InterventionOptions
     from qk_core.pca import PCAOptions
     from qk_core.plasticity.options import PlasticityOptions
     from qk_core.rotation import RotationOptions
 
-    return {"pca": PCAOptions, "rotation": RotationOptions, "plasticity": PlasticityOptions}
+    return {"pca": PCAOptions, "rotation": RotationOptions, "plasticity": PlasticityOptions,
+            "interventions": InterventionOptions}
 
 
 @cache

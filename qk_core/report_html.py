@@ -121,6 +121,12 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "Geometry joined with LongBench-Pro and RULER scores. Each joined row says whether the "
                 "mechanistic value was measured here or taken from the thesis (reference); benchmark modes "
                 "are never mixed in one statistic.", (r"bench", r"join", r"alias", r"reference", r"stats")),
+    SectionSpec("interventions", "Interventions: does low plasticity cause long-context failure?", "SPEC 11",
+                "A needle (a pass code) is hidden at a token depth of a corpus document and the model ranks the "
+                "correct code among K candidates; heads with the lowest, highest or random AP_last20 are "
+                "ablated or debiased. The verdict table states plainly whether the data support 'low-plasticity "
+                "heads matter more for distant retrieval than random heads' and 'removing bias raises distant "
+                "plasticity', with 95% intervals, including when they do not.", (r"^intervention",)),
     SectionSpec("trajectory", "Training trajectory", "SPEC 6",
                 "Geometry across SmolLM3-3B training checkpoints. The checkpoints come from the hub, so "
                 "the offline demo captures none of them: its trajectory shows the thesis's published "

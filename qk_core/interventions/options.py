@@ -1,35 +1,57 @@
-"""Options of the intervention study (SPEC 11); registry `analysis.interventions` overrides the defaults."""
+"""Options of the intervention study (SPEC 11); registry `analysis.interventions` overrides the defaults.
+
+The fields are annotated with :mod:`qk_core.options_schema` types, so the registry's table and a run-config
+override are checked by one strict schema (unknown keys, types and ranges name the field).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
-from qk_core.pca import options_from_dict
+from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, UnitFloat, validate_options
 
 DEFAULT_DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
+class InterventionOptionsError(ValueError):
+    """An intervention option is invalid; the message names it."""
+
+
 @dataclass(frozen=True)
 class InterventionOptions:
-    """SPEC 11 options; every output records them (``record``)."""
+    """SPEC 11 options; every output records them (:meth:`record`).
 
-    window: int | None = None  # probe window L_p in tokens; None: the model's capture window
-    depths: tuple[float, ...] = DEFAULT_DEPTHS  # relative needle depths delta
-    n_docs: int = 20  # documents of the corpus used as haystacks (the first n)
-    repeats: int = 1  # trials per (document, depth): seeds of name and codes
-    candidates: int = 10  # K: the correct code + K-1 distractors
-    seed: int = 0
-    snap_chars: int = 400  # a sentence boundary within this many characters of the target is used
-    interventions: tuple[str, ...] = ("ablate", "debias")
-    ablation: str = "mean"  # zero | mean
-    k_fractions: tuple[float, ...] = (0.05, 0.15)  # k = round(f x captured heads)
-    random_sets: int = 5  # random head sets per k
-    bootstrap: int = 1000  # document bootstrap resamples
-    ci: float = 0.95
-    remeasure: bool = True  # recapture + SPEC 4 under `debias` of the `lowest` set
-    remeasure_docs: int | None = None  # documents of the recapture; None: all of the capture's
+    window: probe window L_p in tokens (the prompt and its continuations fit it); None: the capture window.
+    depths: relative needle depths delta, measured in tokens of the final prompt.
+    n_docs: corpus documents used as haystacks (the first n). repeats: trials per (document, depth),
+    each with its own seeded name and codes. candidates: K (the correct code + K - 1 distractors).
+    snap_chars: a sentence boundary within this many characters of the target depth is used.
+    interventions: ``ablate`` and / or ``debias``; ablation: ``zero`` or ``mean`` (per-prompt baseline mean).
+    k_fractions: k = round(f x captured heads) per fraction; random_sets: random head sets per k.
+    bootstrap: document bootstrap resamples; ci: central interval mass.
+    remeasure: recapture the `lowest` heads with and without `debias` and re-run SPEC 3 and 4;
+    remeasure_docs: documents of those recaptures (None: all of the corpus the capture read).
+    """
+
+    __pydantic_config__ = STRICT_TABLE
+
+    window: PosInt | None = None
+    depths: tuple[UnitFloat, ...] = DEFAULT_DEPTHS
+    n_docs: PosInt = 20
+    repeats: PosInt = 1
+    candidates: PosInt = 10
+    seed: NonNegInt = 0
+    snap_chars: NonNegInt = 400
+    interventions: tuple[Literal["ablate", "debias"], ...] = ("ablate", "debias")
+    ablation: Literal["zero", "mean"] = "mean"
+    k_fractions: tuple[UnitFloat, ...] = (0.05, 0.15)
+    random_sets: NonNegInt = 5
+    bootstrap: NonNegInt = 1000
+    ci: UnitFloat = 0.95
+    remeasure: Bool = True
+    remeasure_docs: PosInt | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
@@ -37,24 +59,27 @@ class InterventionOptions:
         object.__setattr__(self, "k_fractions", tuple(float(f) for f in self.k_fractions))
         where = "analysis.interventions"
         if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise ValueError(f"{where}.depths: each depth must lie in [0, 1], got {list(self.depths)}")
+            raise InterventionOptionsError(f"{where}.depths: each depth must lie in [0, 1], got {list(self.depths)}")
         if self.candidates < 2:
-            raise ValueError(f"{where}.candidates: need at least 2 candidates, got {self.candidates}")
+            raise InterventionOptionsError(f"{where}.candidates: need at least 2, got {self.candidates}")
         if set(self.interventions) - {"ablate", "debias"}:
-            raise ValueError(f"{where}.interventions: known are ablate, debias; got {list(self.interventions)}")
+            raise InterventionOptionsError(f"{where}.interventions: ablate, debias; got {list(self.interventions)}")
         if self.ablation not in ("zero", "mean"):
-            raise ValueError(f"{where}.ablation: zero or mean, got {self.ablation!r}")
-        if self.n_docs < 1 or self.repeats < 1 or self.random_sets < 0 or self.bootstrap < 0:
-            raise ValueError(f"{where}: n_docs and repeats must be >= 1, random_sets and bootstrap >= 0")
+            raise InterventionOptionsError(f"{where}.ablation: zero or mean, got {self.ablation!r}")
         if not self.k_fractions or any(not 0 < f <= 1 for f in self.k_fractions):
-            raise ValueError(f"{where}.k_fractions: each fraction must lie in (0, 1], got {list(self.k_fractions)}")
+            raise InterventionOptionsError(f"{where}.k_fractions: each in (0, 1], got {list(self.k_fractions)}")
         if self.window is not None and self.window < 64:
-            raise ValueError(f"{where}.window: at least 64 tokens, got {self.window}")
+            raise InterventionOptionsError(f"{where}.window: at least 64 tokens, got {self.window}")
+        if not 0.0 < self.ci < 1.0:
+            raise InterventionOptionsError(f"{where}.ci: must lie in (0, 1), got {self.ci}")
 
     @classmethod
     def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> InterventionOptions:
-        values = {**dict((analysis or {}).get("interventions") or {}), **overrides}
-        return options_from_dict(cls, values, "analysis.interventions")
+        """Options from a registry entry's ``analysis.interventions`` table and overrides, strictly checked."""
+        table = (analysis or {}).get("interventions") or {}
+        if not isinstance(table, dict):
+            raise InterventionOptionsError(f"analysis.interventions must be a table of options, got {table!r}")
+        return validate_options(cls, {**table, **overrides}, "interventions", InterventionOptionsError)
 
     def with_(self, **changes: Any) -> InterventionOptions:
         return replace(self, **changes)
