@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--remeasure-docs", type=int, default=None)
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--capture-docs", type=int, default=None, help="capture only the first N corpus documents")
     args = ap.parse_args()
 
     import logging
@@ -69,6 +71,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     reg = load_registry()
     entry = reg.model(args.model)
+    if args.capture_docs:
+        entry = replace(entry, capture=replace(entry.capture, max_docs=args.capture_docs))
     corpus, _ = build_corpus(reg.corpus(entry.corpus))
     storage = Storage(args.storage)
     times: dict[str, float] = {}
