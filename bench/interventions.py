@@ -73,14 +73,14 @@ def main() -> None:
     entry = reg.model(args.model)
     if args.capture_docs:
         entry = replace(entry, capture=replace(entry.capture, max_docs=args.capture_docs))
-    corpus, _ = build_corpus(reg.corpus(entry.corpus))
+    corpus, _ = build_corpus(reg.corpus(entry.corpora[0]))
     storage = Storage(args.storage)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     loaded = load_model(entry, "cpu", with_head=True)
     times["load_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cap = capture_model(entry, corpus, storage, corpus_name=entry.corpus, loaded=loaded)
+    cap = capture_model(entry, corpus, storage, corpus_name=entry.corpora[0], loaded=loaded)
     times["capture_s"] = time.perf_counter() - t0
     reader = CaptureReader(storage, cap.prefix)
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def main() -> None:
                                remeasure_docs=args.remeasure_docs, bootstrap=args.bootstrap)
     t0 = time.perf_counter()
     res = run_study(entry, corpus, storage, cap.prefix, pl.heads, rot, opts, popts, loaded,
-                    corpus_name=entry.corpus)
+                    corpus_name=entry.corpora[0])
     times["study_s"] = time.perf_counter() - t0
     n_trials = int(res.trials[["doc_id", "depth", "repeat"]].drop_duplicates().shape[0])
     n_conds = int(res.trials.groupby(["intervention", "head_set", "set_seed", "k"]).ngroups)

@@ -1,8 +1,8 @@
-"""Interventions on heads and the retrieval probe, one partition per model (SPEC 11).
+"""Interventions on heads and the retrieval probe, one partition per (model, corpus) (SPEC 10, 11).
 
 Thin wrapper over :func:`qk_core.interventions.study.run_study`: loads the model with its LM head on the
-device resource (pool ``gpu``), reads the model's corpus, its capture, per-head plasticity (AP_last20 ranks
-the heads) and rotation (the drift axes of `debias`). Outputs:
+device resource (pool ``gpu``), reads the pair's corpus (the haystacks), its capture, per-head plasticity
+(AP_last20 ranks the heads) and rotation (the drift axes of `debias`). Outputs:
 
 - ``intervention_trials``: one row per (trial, condition): document, nominal and measured depth, condition
   (intervention, head set, random seed, k), correct, rank, log-prob margin, seconds;
@@ -21,10 +21,10 @@ Options: :class:`qk_core.interventions.options.InterventionOptions` defaults < t
 """
 
 import pandas as pd
-from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, MetadataValue, Output, multi_asset
+from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, Failure, MetadataValue, Output, multi_asset
 
 from qk_assets.figures import save_figures
-from qk_assets.partitions import corpus_of_model, model_partitions, registry
+from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
 
 GROUP = "interventions"
@@ -67,9 +67,9 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
             "AP_overall / first20 / last20 / drop and bias_strength of the lowest heads without and with "
             "debias, and the paired difference with document-bootstrap 95% intervals (SPEC 11.3).")),
     },
-    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(),
-         "corpus": AssetIn(partition_mapping=corpus_of_model())},
-    partitions_def=model_partitions(),
+    # Dagster maps the corpus partition to the pairs' corpus dimension (as for the capture)
+    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(), "corpus": AssetIn()},
+    partitions_def=model_corpus_partitions(),
     pool="gpu",
     can_subset=False,
 )
@@ -84,8 +84,12 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
     from qk_core.plasticity import PlasticityOptions
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
-    model = context.partition_key
+    model, corpus_name = split_key(context.partition_key)
     entry = registry().model(model)
+    if corpus_name not in entry.corpora:
+        raise Failure(description=(
+            f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
+            f"lists {list(entry.corpora)})"))
     overrides = {k: v for k, v in config.model_dump().items() if v is not None}
     opts = InterventionOptions.from_analysis(entry.analysis, **overrides)
     popts = PlasticityOptions.from_analysis(entry.analysis)
@@ -96,9 +100,10 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
     context.log.info(f"{model}: loading the model with its LM head on {device.resolve()}")
     loaded = load_model(entry, device.resolve(), with_head=True)
     res = run_study(entry, corpus, store, prefixes[0], plasticity_heads, rotation_heads, opts, popts, loaded,
-                    corpus_name=entry.corpus, log=context.log)
-    folder = f"interventions/{model}"
-    common = {"options": MetadataValue.json(res.options),
+                    corpus_name=corpus_name, log=context.log)
+    folder = f"interventions/{model}/{corpus_name}"
+    title = f"{model} on {corpus_name}"
+    common = {"model": model, "corpus": corpus_name, "options": MetadataValue.json(res.options),
               "seconds_per_forward": float(round(res.seconds_per_forward, 3))}
     headline = res.contrast.sort_values(["intervention", "k", "head_set", "depth"]) if len(res.contrast) else \
         res.contrast
@@ -108,15 +113,15 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
     yield Output(res.summary, output_name="intervention_summary", metadata={
         **common, "preview": _md(res.summary[["intervention", "head_set", "k", "depth", "n_trials", "accuracy",
                                               "accuracy_lo", "accuracy_hi", "margin", "margin_lo", "margin_hi"]], 80),
-        **save_figures(store, folder, {"accuracy": fig_accuracy(res.summary, model, res.options)})})
+        **save_figures(store, folder, {"accuracy": fig_accuracy(res.summary, title, res.options)})})
     yield Output(res.contrast, output_name="intervention_contrast", metadata={
         **common, "preview": _md(headline, 80),
-        **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, model, res.options)})})
+        **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, title, res.options)})})
     yield Output(res.head_sets, output_name="intervention_head_sets", metadata={**common, "preview": _md(
         res.head_sets[res.head_sets["head_set"] != "random"], 60)})
     yield Output(res.profiles, output_name="intervention_debias_profiles", metadata={
-        **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(res.profiles, res.remeasured,
-                                                                                       model)})})
+        **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(
+        res.profiles, res.remeasured, title)})})
     yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata={
         **common, "preview": _md(res.remeasured, 40)})
     yield Output(res.verdicts, output_name="intervention_verdicts", metadata={
