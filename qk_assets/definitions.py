@@ -14,7 +14,7 @@ from qk_assets import assets as assets_pkg
 from qk_assets.assets.registry import model_automation_sensor
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.partitions import model_corpus_partitions
-from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 from qk_assets.versioning import with_code_versions
 from qk_core.settings import Settings
 
@@ -46,5 +46,6 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
             "storage": storage,
             "io_manager": ParquetIOManager(storage=storage),
             "device": TorchDeviceResource(device=settings.device),
+            "ray": RayClusterResource.from_settings(settings),
         },
     )

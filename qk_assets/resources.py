@@ -1,6 +1,9 @@
-"""Dagster resources: the storage root and the torch device (thin wrappers over qk_core)."""
+"""Dagster resources: the storage root, the torch device and an optional Ray cluster (thin wrappers)."""
+
+from urllib.parse import urlparse
 
 from dagster import ConfigurableResource
+from dagster_ray import RayResource
 
 from qk_core.settings import Settings
 from qk_core.storage import Storage
@@ -32,3 +35,47 @@ class TorchDeviceResource(ConfigurableResource):
         import torch  # imported lazily: definitions load without torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class RayClusterResource(RayResource):
+    """An existing Ray cluster that captures are sharded onto (``QK_RAY_ADDRESS``; issue 12).
+
+    dagster-ray's resource interface for a cluster this platform neither creates nor deletes: with an
+    ``address`` (Ray Client, ``ray://host:10001``, e.g. a KubeRay head service) the step connects with
+    ``ray.init`` for its duration and :func:`qk_core.capture.sharded.capture_sharded` submits one GPU task
+    per shard; without one nothing connects and the capture runs in the step process as before.
+    """
+
+    address: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.address)
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.address).hostname or ""
+
+    @property
+    def ray_address(self) -> str:  # type: ignore[override]
+        return self.address
+
+    @property
+    def name(self) -> str:
+        return f"Ray cluster {self.address}" if self.enabled else "no Ray cluster"
+
+    @property
+    def created(self) -> bool:  # an existing cluster: never created or deleted here
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def connect(self, context):  # type: ignore[no-untyped-def]
+        return super().connect(context) if self.enabled else None
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> "RayClusterResource":
+        settings = settings or Settings.from_env()
+        return cls(address=settings.ray_address)

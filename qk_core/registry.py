@@ -81,6 +81,10 @@ class CaptureOptions:
     max_docs: PosInt | None = None
     layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
+    # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
+    # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
+    shards: PosInt = 1
+    num_gpus: PosFloat = 1.0
 
 
 @dataclass(frozen=True)

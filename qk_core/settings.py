@@ -9,6 +9,8 @@
 | QK_DEVICE           | torch device for capture (``cuda``, ``cpu``, ``auto``)       | ``auto``                 |
 | QK_BENCHMARK_MAX_BYTES | largest benchmark / reference file read (bytes); larger    | 536870912 (512 MiB)      |
 |                     | ones are an error naming the file                            |                          |
+| QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (capture runs in   |
+|                     | that captures are sharded onto (qk_core.capture.sharded)     | the Dagster step)        |
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Settings:
     s3_endpoint_url: str | None
     device: str
     benchmark_max_bytes: int = 512 * 2**20
+    ray_address: str = ""
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -37,6 +40,7 @@ class Settings:
             s3_endpoint_url=os.environ.get("QK_S3_ENDPOINT_URL") or None,
             device=os.environ.get("QK_DEVICE", "auto"),
             benchmark_max_bytes=_int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
+            ray_address=os.environ.get("QK_RAY_ADDRESS", ""),
         )
 
 

@@ -31,6 +31,7 @@ FAST_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms"
 class RayCluster:
     address: str
     temp_dir: Path
+    client_port: int = 0  # the head's Ray Client server (ray://127.0.0.1:<client_port>)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
 
@@ -55,12 +56,12 @@ class RayCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _ports(head: bool) -> list[str]:
+def _ports(client_port: int | None = None) -> list[str]:
     out = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
            "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
            "--metrics-export-port", str(free_port()), "--runtime-env-agent-port", str(free_port())]
-    if head:
-        out += ["--ray-client-server-port", str(free_port())]
+    if client_port:
+        out += ["--ray-client-server-port", str(client_port)]
     return out
 
 
@@ -70,7 +71,7 @@ def start_cluster(env: dict[str, str], n_workers: int = 2, gpus_per_worker: int 
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = Path(tempfile.mkdtemp(prefix="qkray", dir="/tmp"))  # short: Ray's unix sockets live here
     port = free_port()
-    cluster = RayCluster(address=f"127.0.0.1:{port}", temp_dir=temp)
+    cluster = RayCluster(address=f"127.0.0.1:{port}", temp_dir=temp, client_port=free_port())
     env = {**env, **FAST_DEATH, "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address", "127.0.0.1", "--disable-usage-stats", "--block", "--num-cpus", "1",
               "--object-store-memory", str(80 * 2**20)]
@@ -83,11 +84,11 @@ def start_cluster(env: dict[str, str], n_workers: int = 2, gpus_per_worker: int 
                                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     launch("head", ["--head", "--port", str(port), "--num-gpus", "0", "--include-dashboard", "false",
-                    "--temp-dir", str(temp), *common, *_ports(head=True)])
+                    "--temp-dir", str(temp), *common, *_ports(cluster.client_port)])
     _wait_started(cluster, "head", timeout)
     for i in range(n_workers):  # one at a time: on a busy small machine parallel start-ups time out
         launch(f"worker{i}", ["--address", cluster.address, "--num-gpus", str(gpus_per_worker), *common,
-                              *_ports(head=False)])
+                              *_ports()])
         _wait_started(cluster, f"worker{i}", timeout)
     return cluster
 

@@ -71,7 +71,7 @@ def test_asset_definition() -> None:
         keys = qk_capture.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
         assert {(k.keys_by_dimension["model"], k.keys_by_dimension["corpus"]) for k in keys} >= set(
             registry_pairs(registry()))
-    assert qk_capture.required_resource_keys >= {"storage", "device"}
+    assert qk_capture.required_resource_keys >= {"storage", "device", "ray"}
     assert {k.to_user_string() for k in qk_capture.keys_by_input_name.values()} == {"corpus", "registry_entry"}
 
 
@@ -79,12 +79,12 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     from dagster import AssetKey, materialize
 
     from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.resources import StorageResource, TorchDeviceResource
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
     corpus_mod, capture_mod, tmp = modules
     res = StorageResource(root=str(tmp / "storage"))
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="auto")}
+                 "device": TorchDeviceResource(device="auto"), "ray": RayClusterResource()}
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
     assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
@@ -130,12 +130,12 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     from dagster import AssetIn, AssetKey, asset, materialize
 
     from qk_assets.io_manager import ParquetIOManager
-    from qk_assets.resources import StorageResource, TorchDeviceResource
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
     corpus_mod, capture_mod, tmp = modules
     res = StorageResource(root=str(tmp / "storage"))
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="cpu")}
+                 "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
     ran: list[str] = []
 
     @asset(ins={"qk_capture": AssetIn()}, partitions_def=capture_mod.qk_capture.partitions_def)
@@ -171,12 +171,12 @@ def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleTy
     from dagster import AssetKey, materialize
 
     from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.resources import StorageResource, TorchDeviceResource
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
     corpus_mod, capture_mod, tmp = modules
     res = StorageResource(root=str(tmp / "storage"))
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="cpu")}
+                 "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
     assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,

@@ -10,11 +10,13 @@ on the surviving node, which skips what was committed.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -40,9 +42,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa:
     tm.build_tiny_model("llama", root / "llama")
     tm.write_corpus_jsonl(root / "corpus.jsonl", tm.sample_texts(N_DOCS, CHARS, seed=3))
     model = {"family": "llama", "source": {"local": str(root / "llama")}, "window": WINDOW, "bucket": 64,
-             "capture": {"per_bucket": 2, "keep_doc_files": True}}  # kept: compared and counted below
-    entry = load_registry(tm.write_registry(root / "registry.toml", {"t-llama": model}, root / "corpus.jsonl")
-                          ).model("t-llama")
+             "capture": {"per_bucket": 2, "keep_doc_files": True, "shards": 2}}  # files kept: compared, counted
+    registry_file = tm.write_registry(root / "registry.toml", {"t-llama": model}, root / "corpus.jsonl")
+    entry = load_registry(registry_file).model("t-llama")
     corpus = local_corpus({"path": str(root / "corpus.jsonl")})
     ref_storage = Storage(root / "reference")
     ref = capture_model(entry, corpus, ref_storage, device="cpu")
@@ -60,7 +62,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa:
         pytest.fail(f"could not connect to the local Ray cluster at {cluster.address}: {exc}\n{cluster.log_tail()}")
     try:
         yield {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": cluster,
-               "s3": moto_s3}
+               "s3": moto_s3, "registry": registry_file}
     finally:
         ray.shutdown()
         cluster.stop()
@@ -102,6 +104,55 @@ def test_sharded_capture_equals_single_worker(lab: dict) -> None:
     assert assert_bit_identical(lab["ref_storage"], storage, result.prefix) > N_DOCS
     again = capture_sharded(lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu")
     assert again.already_complete
+
+
+def _reload_assets() -> tuple[ModuleType, ModuleType]:
+    from qk_assets import partitions
+
+    partitions.registry.cache_clear()
+    return (importlib.reload(importlib.import_module("qk_assets.assets.corpus")),
+            importlib.reload(importlib.import_module("qk_assets.assets.capture")))
+
+
+def test_dagster_capture_runs_on_the_cluster(lab: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The qk_capture asset with the Ray resource set: shards run as GPU tasks on the workers (Ray Client)."""
+    import ray
+    from dagster import AssetKey, DagsterInstance, materialize
+
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+
+    cluster: RayCluster = lab["cluster"]
+    root = lab["s3"].root("dagster")
+    monkeypatch.setenv("QK_REGISTRY", str(lab["registry"]))
+    corpus_mod, capture_mod = _reload_assets()
+    from qk_assets.partitions import registry, sync_instance
+
+    instance = DagsterInstance.ephemeral()
+    sync_instance(instance, registry())
+    ray.shutdown()  # the step connects by itself, through the Ray Client server of the head
+    try:
+        store = StorageResource(root=root, s3_endpoint_url=lab["s3"].endpoint)
+        resources = {"storage": store, "io_manager": ParquetIOManager(storage=store),
+                     "device": TorchDeviceResource(device="cpu"),
+                     "ray": RayClusterResource(address=f"ray://127.0.0.1:{cluster.client_port}")}
+        assets = [corpus_mod.corpus, capture_mod.qk_capture]
+        assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
+                           instance=instance).success
+        result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|t-llama",
+                             resources=resources, instance=instance)
+        assert result.success
+        logs = " ".join(e.user_message for e in instance.all_logs(result.run_id))
+        assert "2 shard(s) of 1.0 GPU(s) each on Ray cluster ray://127.0.0.1" in logs
+        assert "sharded capture of 16 documents over 2 Ray tasks" in logs
+        assert not ray.is_initialized()  # the resource disconnected after the step
+    finally:
+        monkeypatch.undo()
+        _reload_assets()
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    storage = Storage(root, lab["s3"].endpoint)
+    assert assert_bit_identical(lab["ref_storage"], storage, lab["ref"].prefix) > N_DOCS
 
 
 def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int, int]:

@@ -28,7 +28,7 @@ from dagster import (
 )
 
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
-from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
 HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
                       "n_q_rows", "n_k_rows"]
@@ -53,10 +53,15 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
         "capture_prefix); per-layer metadata is in the capture manifest."),
 )
 def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: StorageResource,
-               device: TorchDeviceResource):
-    """Capture one registry model over its corpus; the head manifest and layer metadata are shown here."""
+               device: TorchDeviceResource, ray: RayClusterResource):
+    """Capture one registry model over its corpus; the head manifest and layer metadata are shown here.
+
+    With a Ray cluster set (``QK_RAY_ADDRESS``) the documents are split over ``capture.shards`` Ray tasks
+    of ``capture.num_gpus`` GPUs each on the cluster's workers; the stored capture is the same.
+    """
     from qk_core.capture import capture_model
     from qk_core.capture.run import layers_frame
+    from qk_core.capture.sharded import capture_sharded
     from qk_core.capture_store import verify_capture
 
     model, corpus_name = split_key(context.partition_key)
@@ -66,8 +71,15 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
             f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
             f"lists {list(entry.corpora)}); add '{corpus_name}' there to capture this pair"))
     store = storage.get()
-    result = capture_model(entry, corpus, store, corpus_name=corpus_name, device=device.resolve(),
-                           log=context.log)
+    if ray.enabled:
+        context.log.info(f"{entry.key}: {entry.capture.shards} shard(s) of {entry.capture.num_gpus} GPU(s) each "
+                         f"on {ray.name}")
+        result = capture_sharded(entry, corpus, store, n_shards=entry.capture.shards,
+                                 num_gpus=entry.capture.num_gpus, corpus_name=corpus_name,
+                                 device=device.device, log=context.log)
+    else:
+        result = capture_model(entry, corpus, store, corpus_name=corpus_name, device=device.resolve(),
+                               log=context.log)
     man = result.manifest
     tokens = result.doc_tokens
     short = int((tokens["n_tokens"] < entry.window).sum())

@@ -54,6 +54,7 @@ REGISTRY_ENTRY = AssetKey("registry_entry")
 SENSOR_INTERVAL_S = 5
 # Fields of a model entry that do not change what is computed for a (model, corpus) pair.
 NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index")
+WHERE_IT_RUNS = ("shards", "num_gpus")  # capture options that only decide where a capture runs (issue 12)
 
 
 def entry_versions(reg: Registry) -> dict[str, str]:
@@ -61,6 +62,7 @@ def entry_versions(reg: Registry) -> dict[str, str]:
     out = {}
     for model, corpus in registry_pairs(reg):
         entry = {k: v for k, v in dataclasses.asdict(reg.model(model)).items() if k not in NOT_CONFIGURING}
+        entry["capture"] = {k: v for k, v in entry["capture"].items() if k not in WHERE_IT_RUNS}
         blob = json.dumps({"model": entry, "corpus": dataclasses.asdict(reg.corpus(corpus))}, sort_keys=True,
                           default=str)
         out[str(pair_key(model, corpus))] = hashlib.sha256(blob.encode()).hexdigest()[:16]

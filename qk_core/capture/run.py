@@ -90,9 +90,11 @@ def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str,
 
 
 def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
-    """The capture options that determine captured values (``keep_doc_files`` only decides what is kept)."""
+    """The capture options that determine captured values (``keep_doc_files``, ``shards`` and ``num_gpus``
+    only decide what is kept and where it runs)."""
     opts = asdict(entry.capture)
-    opts.pop("keep_doc_files", None)
+    for key in ("keep_doc_files", "shards", "num_gpus"):
+        opts.pop(key, None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
 
