@@ -17,7 +17,9 @@ CPU time (user + system) and peak RSS:
   with :meth:`CaptureReader.read_head` (verified), median of 5; plus one column of a head file read alone,
   with the bytes the server sent counted on the wire (tests/s3.py's counting relay);
 - ``geometry``: PCA + rotation of every head (:func:`qk_core.rotation.run_geometry`, asset defaults);
-- ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options.
+- ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options (2 worker threads);
+  ``peak_rss_analysis_mb`` is the peak right after the analysis, before this script measures the size of
+  the per-pair table as Parquet (with pyarrow's defaults and as the IO manager stores it).
 
 Bytes on storage are measured after the write (document files) and after the finalize (what stays).
 Writes bench/results/study_scale.{json,md}. The machine may be shared: load averages are recorded.
@@ -148,6 +150,7 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         doc_ids = reader.doc_tokens()["example_id"].to_numpy()
         heads = [(h["layer"], h["q_head"]) for h in sorted(man["heads"], key=lambda h: (h["layer"], h["q_head"]))]
         res = analyse_model("bench", heads, reader.read_head, doc_ids, L, B, PlasticityOptions())
+        out["peak_rss_analysis_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         out["heads_ok"] = int((res.heads["status"] == "ok").sum())
         out["pairs_rows"] = len(res.pairs)
         out["pairs_mb_in_memory"] = round(res.pairs.memory_usage(deep=True).sum() / 2**20, 1)
