@@ -292,7 +292,7 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
     """Each head read and analysed, in the order of ``heads``; ``workers`` > 1 runs that many heads at once.
 
     Threads suffice: the heavy steps (Parquet decoding, BLAS products, NumPy reductions) release the GIL.
-    At most ``workers + 1`` heads are in flight, so memory stays a few heads.
+    At most ``workers`` heads are in flight, so memory stays a few heads.
     """
     J = n_buckets(L, B)
 
@@ -311,9 +311,9 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plasticity") as pool:
         pending: deque[Future[HeadResult]] = deque()
         for layer, q_head in heads:
-            pending.append(pool.submit(one, layer, q_head))
-            if len(pending) > workers:
+            if len(pending) >= workers:  # at most ``workers`` heads in memory
                 yield pending.popleft().result()
+            pending.append(pool.submit(one, layer, q_head))
         while pending:
             yield pending.popleft().result()
 
