@@ -155,7 +155,7 @@ def test_builder_escapes_and_formats() -> None:
         defined_assets=["rotation_metrics", "geometry_figures", "qk_capture"], expected_assets=["pca_heads"]))
     assert "<title>t &lt;x&gt;</title>" in page and "m&lt;1&gt;" in page and "a &amp; b" in page
     assert '0.6 <span class="ci">[0.4, 0.8]</span>' in page
-    assert "<td>–</td>" in page  # a missing value is a dash, not "nan"
+    assert "<td class=\"num\">–" in page  # a missing value is a dash, not "nan"
     assert not re.search(r"\bnan\b", page, re.I)
     assert "<b>qk_capture</b>: not yet computed (defined, never materialised)" in page
     assert "<b>pca_heads</b>: not yet computed (not yet part of the code location)" in page

@@ -15,6 +15,7 @@ so the previous materialisation and everything downstream stay as they were.
 import pandas as pd
 from dagster import AssetExecutionContext, Failure, MetadataValue, asset
 
+from qk_assets.metadata import table_value
 from qk_assets.partitions import registry
 from qk_assets.resources import StorageResource
 from qk_core.benchmarks import (
@@ -50,7 +51,7 @@ def _files_meta(storage: Storage, files: list[SourceFile]) -> dict[str, object]:
 
 
 def _preview(df: pd.DataFrame, n: int = 15) -> MetadataValue:
-    return MetadataValue.md(df.head(n).to_markdown(index=False))
+    return table_value(df, max_rows=n)
 
 
 def _read_one(storage: Storage, rel: str) -> SourceFile:
@@ -75,7 +76,7 @@ def benchmark_scores(context: AssetExecutionContext, storage: StorageResource) -
     groups = df.groupby(["benchmark", "suite", "mode"]).agg(models=("model_name", "nunique"), rows=("score", "size"))
     context.add_output_metadata({
         **_files_meta(st, files), "seeded": MetadataValue.json(seeded), "rows_total": len(df),
-        "suites": MetadataValue.md(groups.reset_index().to_markdown(index=False)), "preview": _preview(df)})
+        "suites": table_value(groups, index=True), "preview": _preview(df)})
     return df
 
 

@@ -27,6 +27,7 @@ from dagster import (
     asset,
 )
 
+from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
@@ -107,9 +108,9 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
         "model_identity": MetadataValue.json(json.loads(json.dumps(man["model"], default=str))),
         "sampler": MetadataValue.json(man["sampler"]),
         "dataset": MetadataValue.json(dataset),
-        "head_manifest": MetadataValue.md(result.heads[HEAD_TABLE_COLUMNS].to_markdown(index=False)),
-        "layer_metadata": MetadataValue.md(layers_frame(man).to_markdown(index=False, floatfmt=".6g")),
-        "document_tokens": MetadataValue.md(tokens.to_markdown(index=False)),
+        "head_manifest": table_value(result.heads[HEAD_TABLE_COLUMNS], max_rows=1000),
+        "layer_metadata": table_value(layers_frame(man), digits=6),
+        "document_tokens": table_value(tokens),
     }
     yield Output(result.heads, metadata=metadata)
     yield AssetCheckResult(

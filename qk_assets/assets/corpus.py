@@ -4,6 +4,7 @@
 import pandas as pd
 from dagster import AssetExecutionContext, AutomationCondition, MetadataValue, asset
 
+from qk_assets.metadata import table_value
 from qk_assets.partitions import corpus_partitions, registry
 from qk_core.corpus import build_corpus
 
@@ -17,6 +18,6 @@ def corpus(context: AssetExecutionContext) -> pd.DataFrame:
         "documents": len(df),
         "chars_total": int(df["n_chars"].sum()),
         "provenance": MetadataValue.json(provenance),
-        "preview": MetadataValue.md(df[["example_id", "title", "n_chars"]].head(20).to_markdown(index=False)),
+        "preview": table_value(df[["example_id", "title", "n_chars"]], max_rows=20),
     })
     return df

@@ -27,6 +27,7 @@ from dagster import (
 )
 
 from qk_assets.figures import save_figures
+from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource
 from qk_core.blas import blas_threads
@@ -90,8 +91,8 @@ def logged(context: AssetExecutionContext, items, total: int, label: str):
         yield item
 
 
-def units_markdown(units: dict[str, str]) -> str:
-    return "| column | unit |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in units.items())
+def units_table(units: dict[str, str]) -> MetadataValue:
+    return table_value(pd.DataFrame({"column": list(units), "unit": list(units.values())}))
 
 
 def _common(heads: pd.DataFrame) -> dict:
@@ -177,14 +178,12 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         shares = metrics[metrics["metric"].str.startswith("pca_share_")][["metric", "value", "n_heads"]]
         model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
         outputs = {
-            "pca_heads": (heads, {**common, "taxonomy": MetadataValue.md(shares.to_markdown(index=False)),
+            "pca_heads": (heads, {**common, "taxonomy": table_value(shares),
                                   "taxonomy_classes": ", ".join(TAXONOMY),
-                                  "units": MetadataValue.md(units_markdown(PCA_UNITS)), **figures}),
-            "pca_layers": (layers, {**common, "model_summary": MetadataValue.md(
-                model_rows.to_markdown(index=False, floatfmt=".4g"))}),
-            "pca_metrics": (metrics, {**common, "preview": MetadataValue.md(
-                metrics[["metric", "key", "value", "median", "n_heads", "unit"]].head(40).to_markdown(
-                    index=False, floatfmt=".4g"))}),
+                                  "units": units_table(PCA_UNITS), **figures}),
+            "pca_layers": (layers, {**common, "model_summary": table_value(model_rows)}),
+            "pca_metrics": (metrics, {**common, "preview": table_value(
+                metrics[["metric", "key", "value", "median", "n_heads", "unit"]], max_rows=40)}),
         }
         for name, (value, meta) in outputs.items():
             if name in selected:
@@ -205,14 +204,12 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
                 "share_stable_axis", "share_captures_position", "share_diagnostics_pass"]
         model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
         outputs = {
-            "rotation_heads": (heads, {**common, "units": MetadataValue.md(units_markdown(ROTATION_UNITS)),
+            "rotation_heads": (heads, {**common, "units": units_table(ROTATION_UNITS),
                                        **_diagnostics_meta(heads, rot_opts),
                                        **figures}),
-            "rotation_layers": (layers, {**common, "model_summary": MetadataValue.md(
-                model_rows.to_markdown(index=False, floatfmt=".4g"))}),
-            "rotation_metrics": (metrics, {**common, "preview": MetadataValue.md(
-                metrics.loc[metrics["metric"].isin(main), ["metric", "value", "median", "n_heads", "unit"]]
-                .to_markdown(index=False, floatfmt=".4g"))}),
+            "rotation_layers": (layers, {**common, "model_summary": table_value(model_rows)}),
+            "rotation_metrics": (metrics, {**common, "preview": table_value(
+                metrics.loc[metrics["metric"].isin(main), ["metric", "value", "median", "n_heads", "unit"]])}),
         }
         for name, (value, meta) in outputs.items():
             if name in selected:

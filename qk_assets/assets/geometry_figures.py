@@ -12,6 +12,7 @@ from dagster import AllPartitionMapping, AssetExecutionContext, AssetIn, Metadat
 from qk_assets.assets.geometry import GROUP
 from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
+from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, registry
 from qk_assets.resources import StorageResource
 from qk_core.summaries import ok_mask, wide_by_model
@@ -81,5 +82,5 @@ def geometry_figures(context: AssetExecutionContext, storage: StorageResource, p
     missing = [m for m in registry().model_keys if m not in set(models)]
     context.add_output_metadata({
         "models": len(models), "models_missing": MetadataValue.json(missing),
-        "preview": MetadataValue.md(table.to_markdown(index=False, floatfmt=".3g")), **meta})
+        "preview": table_value(table, digits=3), **meta})
     return table

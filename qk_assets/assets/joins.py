@@ -17,7 +17,6 @@ conditions (eager: as soon as an input updates). Both sensors are on by default.
 materialisations, so restarting the daemon recomputes nothing that is up to date.
 """
 
-import hashlib
 import json
 
 import pandas as pd
@@ -41,6 +40,7 @@ from dagster import (
 from pydantic import Field
 
 from qk_assets.figures import save_figures
+from qk_assets.metadata import table_value
 from qk_assets.resources import StorageResource
 from qk_core.benchmarks import check_aliases, classify, ensure_seed_files, scan_files
 from qk_core.joins import (
@@ -73,7 +73,7 @@ def _check_aliases(aliases: pd.DataFrame, scores: pd.DataFrame, storage: Storage
 def _summary(df: pd.DataFrame) -> MetadataValue:
     groups = df.groupby(["benchmark", "suite", "mode", "value_source"]).agg(
         models=("model", "nunique"), rows=("model", "size"))
-    return MetadataValue.md(groups.reset_index().to_markdown(index=False))
+    return table_value(groups, index=True)
 
 
 @asset(group_name=GROUP, kinds={"parquet"}, automation_condition=AutomationCondition.eager())
@@ -104,9 +104,18 @@ class BenchmarkStatsConfig(Config):
     scopes: dict[str, list[str]] = Field(default_factory=lambda: {"thesis": list(THESIS_LBP_MODELS)})
 
 
-def _suite_tag(suite: str) -> str:
-    """A short, collision-free file-name tag for a suite (its slug plus a hash of the full name)."""
-    return f"{slug(suite, 24)}-{hashlib.sha1(suite.encode()).hexdigest()[:6]}"
+def _stem(kind: str, bench: str, suite: str, *parts: str) -> str:
+    """A readable figure name: kind, benchmark, suite (when it differs from the benchmark), mode, ..."""
+    words = [kind, slug(bench)] + ([slug(suite, 32)] if slug(suite) != slug(bench) else []) + [slug(p) for p in parts]
+    return "_".join(words)
+
+
+def _unique(figs: dict[str, object], name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``, ... when two groups slug alike (readable, collision-free)."""
+    out, i = name, 2
+    while out in figs:
+        out, i = f"{name}-{i}", i + 1
+    return out
 
 
 def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: BenchmarkStatsConfig) -> dict:
@@ -119,7 +128,7 @@ def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: Bench
         g = jm[(jm["benchmark"] == bench) & (jm["suite"] == suite) & (jm["mode"] == mode)
                & (jm["score_basis"] == basis)]
         title = f"{bench} ({mode}) overall score vs plasticity / bias aggregates — suite: {suite}; score: {basis}"
-        figs[f"scores_{slug(bench)}_{_suite_tag(suite)}_{slug(mode)}"] = fig_scores_vs_metrics(
+        figs[_unique(figs, _stem("scores", bench, suite, mode))] = fig_scores_vs_metrics(
             g, st, metrics=list(cfg.metrics), scopes=dict(cfg.scopes), title=title)
     per = pref[pref["analysis"] != "across_models"]
     for (bench, suite, mode, metric), st in per.groupby(["benchmark", "suite", "mode", "metric"], sort=True):
@@ -128,7 +137,8 @@ def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: Bench
         if g.empty or st["n"].max() < MIN_N:
             continue
         title = f"{bench} ({mode}) per-length score vs {metric} — suite: {suite}"
-        figs[f"length_{slug(bench)}_{_suite_tag(suite)}_{slug(mode)}_{slug(metric)}"] = fig_length(g, st, title=title)
+        figs[_unique(figs, _stem("length", bench, suite, mode, metric))] = fig_length(
+            g, st, title=title)
     return figs
 
 
@@ -151,7 +161,7 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
             "spearman_p", "spearman_permutations", "kendall_tau", "kendall_p"]
     context.add_output_metadata({
         **meta, "rows": len(df),
-        "headline": MetadataValue.md(headline[cols].round(3).to_markdown(index=False)),
+        "headline": table_value(headline[cols], digits=3),
     })
     return df
 

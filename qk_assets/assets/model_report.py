@@ -21,6 +21,7 @@ from dagster import (
     asset,
 )
 
+from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, registry
 from qk_core.benchmarks import BenchmarkDataError
 from qk_core.joins import MEASURED_ASSETS, build_model_report
@@ -66,7 +67,7 @@ def model_report(context: AssetExecutionContext, pca_metrics: object, rotation_m
         "partitions_read": MetadataValue.json({k: sorted(v) for k, v in measured.items()}),
         "models_measured": MetadataValue.json(sorted(df.loc[df["value_source"] == "measured", "model"].unique())),
         "models_reference": MetadataValue.json(sorted(df.loc[df["value_source"] == "reference", "model"].unique())),
-        "counts": MetadataValue.md(counts.reset_index().to_markdown(index=False)),
+        "counts": table_value(counts, index=True),
         "rows": len(df),
     })
     return df

@@ -41,6 +41,7 @@ from dagster import (
 
 from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
+from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource
 from qk_core.capture_store import CaptureError, CaptureReader
@@ -78,7 +79,7 @@ def plasticity_options(model_key: str, overrides: dict | None = None) -> Plastic
 
 
 def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
-    return MetadataValue.md(df.head(n).to_markdown(index=False, floatfmt=".4g"))
+    return table_value(df, max_rows=n)
 
 
 @multi_asset(
@@ -211,8 +212,8 @@ def plasticity_deciles(storage: StorageResource, plasticity_metrics: dict):
     meta = save_figures(storage.get(), "plasticity/all_models", {"decile_profiles": fig_deciles(table)})
     wide = table.pivot_table(index="model", columns="key", values="value") if len(table) else pd.DataFrame()
     return Output(table, metadata={"models": int(table["model"].nunique()) if len(table) else 0,
-                                   "deciles": MetadataValue.md(wide.to_markdown(floatfmt=".3f")) if len(wide)
-                                   else MetadataValue.md("(no model yet)"),
+                                   "deciles": table_value(wide, index=True, digits=3) if len(wide)
+                                   else MetadataValue.text("(no model yet)"),
                                    "missing_models": MetadataValue.json(sorted(set(registry().model_keys)
                                                                                - set(plasticity_metrics))),
                                    **meta})

@@ -11,6 +11,7 @@ materialised, or not yet defined) appear in the page as "not yet computed". With
 import importlib
 import json
 import pkgutil
+import struct
 import time
 
 import pandas as pd
@@ -26,6 +27,7 @@ from dagster import (
     DefaultSensorStatus,
     MetadataValue,
     PartitionsDefinition,
+    TableMetadataValue,
     asset,
 )
 
@@ -72,6 +74,9 @@ def _text_metadata(metadata: dict) -> dict[str, str]:
     for k, v in metadata.items():
         if k.startswith("fig_") or k in ("path", "preview", "capture_prefix"):
             continue
+        if isinstance(v, TableMetadataValue):  # a table entry: its records, shown as a table preview
+            out[k] = json.dumps([dict(r.data) for r in v.records], default=str)
+            continue
         raw = getattr(v, "value", v)
         if isinstance(raw, dict | list):
             text = json.dumps(raw, sort_keys=True, default=str)
@@ -82,6 +87,13 @@ def _text_metadata(metadata: dict) -> dict[str, str]:
             continue
         out[k] = text
     return out
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk; (0, 0) if it is not a PNG."""
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n":
+        return 0, 0
+    return struct.unpack(">II", data[16:24])
 
 
 def _read_table(storage: Storage, rel: str) -> pd.DataFrame | None:
@@ -142,6 +154,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     states: list[AssetState] = []
     figures: list[Figure] = []
     tables: dict[str, dict[str | None, pd.DataFrame]] = {}
+    links: dict[str, dict[str | None, str]] = {}
     inventory = []
     model_keys = set(registry().model_keys)
     for key, pdef in sorted(UPSTREAM.items(), key=lambda kv: kv[0].to_user_string()):
@@ -167,6 +180,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
             df = _read_table(st, rel)
             if df is not None:
                 tables.setdefault(name, {})[label] = df
+                links.setdefault(name, {})[label] = f"../{rel}"  # relative to report/index.html
                 inventory.append({"asset": name, "partition": label or "", "kind": "table", "path": st.uri(rel)})
             for mkey, value in meta.items():
                 if not (mkey.startswith("fig_") and mkey.endswith("_path")):
@@ -178,11 +192,14 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                 if not st.exists(src_rel):
                     continue
                 dest = f"{REPORT_DIR}/{src_rel}"
-                st.write_bytes(dest, st.read_bytes(src_rel))
+                data = st.read_bytes(src_rel)
+                st.write_bytes(dest, data)
                 fig_name = mkey[len("fig_"):-len("_path")]
                 if any(f.src == src_rel for f in figures):  # one file attached to several outputs
                     continue
-                figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=label))
+                width, height = png_size(data)
+                figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=label, width=width,
+                                      height=height))
                 inventory.append({"asset": name, "partition": label or "", "kind": "figure", "path": st.uri(dest)})
 
     measured = {s.partition for s in states if s.partition in model_keys}
@@ -191,7 +208,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         title="Q/K geometry of long-context attention — report",
         models=[_model_info(k) for k in models], tables=tables, figures=figures, states=states,
         defined_assets=[k.to_user_string() for k in UPSTREAM], expected_assets=EXPECTED,
-        storage_url=st.url, generated_at=time.time(), model_order=list(registry().model_keys),
+        storage_url=st.url, generated_at=time.time(), model_order=list(registry().model_keys), links=links,
     )
     page = render_report(inputs)
     st.write_text(PAGE, page)
@@ -204,6 +221,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         "models": ", ".join(models),
         "figures": len(figures),
         "assets_computed": len({s.asset for s in states}),
+        "page_bytes": len(page.encode()),
         "not_yet_computed": MetadataValue.md("\n".join(f"- {m}" for m in missing) or "none"),
     })
     return pd.DataFrame(inventory, columns=["asset", "partition", "kind", "path"])

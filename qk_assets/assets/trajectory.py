@@ -26,6 +26,7 @@ from dagster import (
 
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
+from qk_assets.metadata import table_value
 from qk_assets.partitions import pair_key, registry, series_partitions
 from qk_assets.resources import StorageResource
 from qk_core.capture_store import CaptureError, CaptureReader
@@ -141,7 +142,7 @@ def trajectory(context: AssetExecutionContext, storage: StorageResource):
         "complete_checkpoints": info["complete"],
         "missing_checkpoints": MetadataValue.json(missing),
         "inputs": MetadataValue.json(notes),  # capture location per checkpoint, where its config came from
-        "preview": MetadataValue.md(table[[c for c in preview_cols if c in table]].to_markdown(index=False)),
+        "preview": table_value(table[[c for c in preview_cols if c in table]]),
         **figures,
     }
     if missing:

@@ -211,7 +211,7 @@ def fig_closed_vs_empirical(profiles: pd.DataFrame, heads: pd.DataFrame, model: 
 
 def fig_deciles(deciles: pd.DataFrame) -> Figure:
     """Decile profiles of all models: mean AP over heads per decile of the window, 95% bootstrap bars."""
-    fig = Figure(figsize=(10, 5.5))
+    fig = Figure(figsize=(10, 5.5), layout="constrained")
     ax = fig.add_subplot()
     models = list(dict.fromkeys(deciles["model"])) if len(deciles) else []
     cmap = colormaps["tab20"] if len(models) > 10 else colormaps["tab10"]
@@ -233,7 +233,8 @@ def fig_deciles(deciles: pd.DataFrame) -> Figure:
     ax.set_ylabel("attention plasticity AP (mean over heads)")
     ax.grid(alpha=0.3)
     if models:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize=9, frameon=False,
+                   ncol=min(len(models), 3))
     else:
         ax.text(0.5, 0.5, "no model has plasticity deciles yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Plasticity by decile of the window, all models (bars: 95% document bootstrap)", fontsize=10)

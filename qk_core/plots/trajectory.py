@@ -130,8 +130,16 @@ def fig_bias_decomposition(table: pd.DataFrame, title: str = "") -> Figure:
 def fig_profiles(profiles: pd.DataFrame, title: str = "") -> Figure:
     """Mean AP profile of all checkpoints on one axis: absolute tau (left) and tau / L (right)."""
     fig = Figure(figsize=(13, 5))
+    if profiles.empty or not np.isfinite(profiles["ap"].astype(float)).any():
+        ax = fig.add_subplot()
+        ax.text(0.5, 0.5, "No checkpoint profile to draw: no checkpoint of this series has been captured and\n"
+                "analysed yet (the thesis publishes aggregates only, so reference values have no profile).",
+                ha="center", va="center", fontsize=12, transform=ax.transAxes)
+        ax.set_axis_off()
+        fig.suptitle(title or "Plasticity profiles across training")
+        return fig
     ax_abs, ax_norm = fig.subplots(1, 2, sharey=True)
-    models = list(dict.fromkeys(profiles["model"])) if not profiles.empty else []
+    models = list(dict.fromkeys(profiles["model"]))
     cmap = colormaps["viridis"]
     for i, model in enumerate(models):
         p = profiles[profiles["model"] == model].sort_values("tau")

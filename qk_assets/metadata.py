@@ -1,0 +1,57 @@
+"""DataFrames as Dagster table metadata, which the UI draws as a table on the materialisation itself.
+
+The Dagster UI shows a ``MetadataValue.table`` inline (its rows and typed columns), whereas markdown
+tables and images longer than 1000 characters sit behind a "[Show Markdown]" button; so every table an
+asset attaches goes through :func:`table_value`. Figures stay inline markdown images (one click each):
+the UI only loads images it can fetch, and a PNG embedded in markdown is always longer than that limit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
+
+#: Rows kept in a table entry; the whole table is the asset's stored value.
+MAX_ROWS = 200
+
+
+def _column_type(s: pd.Series) -> str:
+    if pd.api.types.is_bool_dtype(s):
+        return "bool"
+    if pd.api.types.is_integer_dtype(s):
+        return "int"
+    if pd.api.types.is_float_dtype(s):
+        return "float"
+    return "string"
+
+
+def _scalar(v: Any, kind: str, digits: int) -> Any:
+    """A JSON-safe cell: floats to ``digits`` significant digits, missing as None, others as text."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    if kind == "float":
+        f = float(v)
+        return float(f"{f:.{digits}g}") if math.isfinite(f) else str(f)
+    if kind == "int":
+        return int(v)
+    if kind == "bool":
+        return bool(v)
+    if isinstance(v, np.ndarray | list | tuple):
+        return f"[{len(v)} values]"
+    return str(v)
+
+
+def table_value(df: pd.DataFrame, *, max_rows: int = MAX_ROWS, digits: int = 4,
+                index: bool = False) -> MetadataValue:
+    """``df`` (its first ``max_rows`` rows) as a typed Dagster table entry."""
+    frame = df.reset_index() if index else df
+    frame = frame.head(max_rows)
+    kinds = {str(c): _column_type(frame[c]) for c in frame.columns}
+    schema = TableSchema(columns=[TableColumn(name=str(c), type=kinds[str(c)]) for c in frame.columns])
+    records = [TableRecord({str(c): _scalar(v, kinds[str(c)], digits) for c, v in zip(frame.columns, row, strict=True)})
+               for row in frame.itertuples(index=False)]
+    return MetadataValue.table(records=records, schema=schema)

@@ -1,0 +1,451 @@
+"""Tables of the static report as plain data (cells and rows) for the Jinja2 templates (SPEC 7).
+
+Nothing here writes HTML: a :class:`Table` is columns and rows of :class:`Cell` values (text, an
+optional 95% interval, a small note such as n, a link); ``templates/report/macros.html.j2`` draws them
+with autoescaping. Builders turn the stored DataFrames into such tables: per-model metrics side by side
+(:func:`metrics_table`), the model summary (:func:`summary_tables`), the benchmark statistics with n and
+exact p (:func:`stats_table`), the first rows of a stored table with a link to its Parquet file
+(:func:`preview_table`) and the registry entries (:func:`models_table`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pandas as pd
+
+from qk_core.metrics import COLUMNS as METRIC_COLUMNS
+from qk_core.stats import format_p
+
+PREVIEW_ROWS = 10  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
+PREVIEW_COLUMNS = 12
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One table cell: ``text`` and optional interval ``ci`` ("[lo, hi]"), muted ``note``, extra ``lines``."""
+
+    text: str = "–"
+    ci: str = ""
+    note: str = ""
+    lines: tuple[str, ...] = ()
+    num: bool = False
+    bold: bool = False
+    href: str = ""
+
+
+@dataclass
+class Table:
+    """Columns and rows of cells; ``total`` rows stored when only the first are shown, ``link`` to all."""
+
+    columns: list[str]
+    rows: list[list[Cell]]
+    caption: str = ""
+    total: int | None = None
+    link: str = ""
+    cls: str = ""
+
+    @property
+    def shown(self) -> int:
+        return len(self.rows)
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def fmt_num(x: object) -> str:
+    """Numbers with 4 significant digits, integers exact, missing as an en dash."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}" if abs(x) >= 10000 else str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "–"
+        if math.isinf(x):
+            return "∞" if x > 0 else "-∞"
+        if x == int(x) and abs(x) < 1e6:
+            return str(int(x))
+        return f"{x:.4g}"
+    try:
+        if pd.isna(x):
+            return "–"
+    except (TypeError, ValueError):
+        pass
+    if hasattr(x, "item"):
+        return fmt_num(x.item())
+    text = str(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def finite(x: object) -> bool:
+    try:
+        return math.isfinite(float(x))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
+def interval_cell(value: object, lo: object = None, hi: object = None, note: str = "") -> Cell:
+    """``value [lo, hi]`` (the interval only when both ends are finite)."""
+    ci = f"[{fmt_num(lo)}, {fmt_num(hi)}]" if finite(lo) and finite(hi) else ""
+    return Cell(fmt_num(value), ci=ci, note=note, num=True)
+
+
+def value_cell(value: object) -> Cell:
+    is_num = isinstance(value, int | float) and not isinstance(value, bool)
+    return Cell(fmt_num(value), num=is_num)
+
+
+def fmt_time(ts: float | None) -> str:
+    if ts is None:
+        return "–"
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def options_text(options: object) -> str:
+    """A compact ``k=v, ...`` rendering of an options JSON string or dict."""
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError:
+            return options
+    if not isinstance(options, dict):
+        return str(options)
+    parts = []
+    for k, v in sorted(options.items()):
+        if isinstance(v, dict):
+            v = "{" + options_text(v) + "}"
+        elif isinstance(v, list | tuple):
+            v = "[" + ", ".join(fmt_num(i) for i in v) + "]"
+        else:
+            v = fmt_num(v)
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)
+
+
+def is_metrics_frame(df: pd.DataFrame) -> bool:
+    return set(METRIC_COLUMNS) <= set(df.columns)
+
+
+def is_vector_column(col: pd.Series) -> bool:
+    if len(col) == 0:
+        return False
+    first = col.iloc[0]
+    return isinstance(first, list | tuple | dict) or getattr(first, "ndim", 0) > 0
+
+
+# ---- generic tables ---------------------------------------------------------------------------
+def frame_table(df: pd.DataFrame, *, caption: str = "", max_rows: int | None = None, link: str = "",
+                total: int | None = None, cls: str = "") -> Table:
+    """A DataFrame as a table of plain cells (first ``max_rows`` rows)."""
+    shown = df if max_rows is None else df.head(max_rows)
+    rows = [[value_cell(v) for v in rec] for rec in shown.itertuples(index=False)]
+    total = len(df) if total is None else total
+    if not cls and any(len(c.text) > 60 for row in rows for c in row):
+        cls = "wrap"  # sentences (verdicts, notes, options) wrap instead of widening the table
+    return Table([str(c) for c in df.columns], rows, caption=caption, link=link,
+                 total=total if total > len(rows) else None, cls=cls)
+
+
+def preview_table(df: pd.DataFrame, link: str = "") -> Table:
+    """The first rows and scalar columns of a stored table, with its total size and a link to the file."""
+    total = int(df.attrs.get("total_rows", len(df)))
+    cols = [c for c in df.columns if not is_vector_column(df[c])]
+    hidden = len(df.columns) - min(len(cols), PREVIEW_COLUMNS)
+    cap = f"{total:,} rows × {len(df.columns)} columns"
+    if hidden:
+        cap += f"; {hidden} more columns in the file"
+    return frame_table(df.loc[:, cols[:PREVIEW_COLUMNS]], caption=cap, max_rows=PREVIEW_ROWS, link=link,
+                       total=total)
+
+
+def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]) -> tuple[Table | None,
+                                                                                          Table | None]:
+    """Long-format metrics of several models side by side: (model values, keyed rows).
+
+    One row per metric (the keyed rows - bins, deciles, components - in the second table, with a key
+    column); each model's cell is ``value [lo, hi]`` with the number of heads as its note.
+    """
+    frames_ = [f for f in frames.values() if f is not None and len(f)]
+    if not frames_:
+        return None, None
+    df = pd.concat(frames_, ignore_index=True)
+    models = [m for m in model_order if m in set(df["model"])] + sorted(set(df["model"]) - set(model_order))
+    df = df.assign(key=df["key"].fillna("").astype(str))
+    plain: list[list[Cell]] = []
+    keyed: list[list[Cell]] = []
+    for (metric, key), sub in df.groupby(["metric", "key"], sort=False):
+        by_model = {r["model"]: r for r in sub.to_dict("records")}
+        cells = []
+        for m in models:
+            r = by_model.get(m)
+            cells.append(interval_cell(r["value"], r["lo"], r["hi"], note=f"n {int(r['n_heads'])}") if r
+                         else Cell())
+        label = [Cell(str(metric), bold=True)] + ([Cell(key)] if key else [])
+        (keyed if key else plain).append([*label, Cell(str(sub["unit"].iloc[0])), *cells])
+    caption = "model value = mean over heads [95% interval where defined]; n = heads contributing"
+    t_plain = Table(["metric", "unit", *models], plain, caption=caption) if plain else None
+    t_keyed = Table(["metric", "key", "unit", *models], keyed, caption=caption) if keyed else None
+    return t_plain, t_keyed
+
+
+def options_table(frames: dict[str | None, pd.DataFrame]) -> Table | None:
+    """The distinct options that produced a metrics table, per model (in full)."""
+    rows = []
+    for part, df in frames.items():
+        if df is None or "options" not in df.columns:
+            continue
+        for opt, sub in df.groupby("options", sort=False):
+            models = ", ".join(sorted(set(sub["model"]))) if "model" in sub.columns else (part or "")
+            rows.append([Cell(models, bold=True), Cell(str(len(sub)), num=True), Cell(options_text(opt))])
+    if not rows:
+        return None
+    return Table(["model", "metrics", "options"], rows, caption="options behind these numbers", cls="wrap")
+
+
+# ---- the model summary ------------------------------------------------------------------------
+PLASTICITY_SUMMARY: tuple[tuple[str, str], ...] = (
+    ("ap_overall", "AP overall"), ("ap_first20", "AP first 20%"), ("ap_last20", "AP last 20%"),
+    ("ap_drop", "AP drop"),
+)
+GEOMETRY_SUMMARY: tuple[tuple[str, str], ...] = (
+    ("bias_strength", "bias_strength (per token)"), ("bias_strength_window", "bias_strength (x L)"),
+    ("abs_alpha_k", "|alpha_K| (per token)"), ("mu_q_a", "mu_Q^a"), ("abs_r_k_a", "|r_k_a|"),
+    ("abs_r_q_a", "|r_q_a|"), ("separation_strength", "separation strength"),
+    ("plane_var_fraction", "plane variance fraction"),
+)
+DIAGNOSTICS_SUMMARY: tuple[tuple[str, str], ...] = (
+    ("split_half_cos", "split-half |cos(a_even, a_odd)|"), ("share_stable_axis", "share stable"),
+    ("position_capture", "position capture R²(x·a)/R²(x)"), ("share_captures_position", "share capturing"),
+    ("share_diagnostics_pass", "share passing both"),
+)
+
+
+def _short_suite(suite: str) -> str:
+    return re.split(r"\s*[(,]", str(suite), maxsplit=1)[0][:40]
+
+
+def _scores_by_model(joins: pd.DataFrame | None) -> dict[str, dict[str, list[str]]]:
+    """model -> benchmark -> ["score (mode, suite)", ...] from the joined overall scores."""
+    out: dict[str, dict[str, list[str]]] = {}
+    if joins is None or not {"model", "benchmark", "mode", "score"} <= set(joins.columns):
+        return out
+    cols = ["model", "benchmark", "suite", "mode", "score"] if "suite" in joins.columns else \
+        ["model", "benchmark", "mode", "score"]
+    for rec in joins[cols].drop_duplicates().to_dict("records"):
+        suite = rec.get("suite")
+        where = rec["mode"] + (f", {_short_suite(suite)}" if suite and suite != rec["benchmark"] else "")
+        out.setdefault(rec["model"], {}).setdefault(rec["benchmark"], []).append(
+            f"{fmt_num(float(rec['score']))} ({where})")
+    return out
+
+
+def summary_tables(report: pd.DataFrame, joins: pd.DataFrame | None,
+                   model_order: list[str]) -> list[tuple[str, Table]]:
+    """(title, table) per topic, one row per model (measured first, then the thesis's reference models):
+    plasticity aggregates beside the benchmark overall scores, the rotation geometry, its diagnostics."""
+    df = report[report["key"].fillna("").astype(str) == ""].copy()
+    if df.empty:
+        return []
+    src = "value_source" if "value_source" in df.columns else None
+    if src:  # measured takes precedence over reference (SPEC 5)
+        df = df.sort_values(src, key=lambda c: c.map({"measured": 0}).fillna(1), kind="stable")
+    df = df.drop_duplicates(["model", "metric"])
+    scores = _scores_by_model(joins)
+    benches = sorted({b for per in scores.values() for b in per})
+
+    def rank(m: str) -> tuple[int, int, str]:
+        measured = src is not None and (df.loc[df["model"] == m, src] == "measured").any()
+        return (0 if measured else 1, model_order.index(m) if m in model_order else len(model_order), m)
+
+    models = sorted(set(df["model"]), key=rank)
+    out = []
+    for title, metrics, with_scores in (("Plasticity and benchmark scores", PLASTICITY_SUMMARY, True),
+                                        ("Rotation geometry", GEOMETRY_SUMMARY, False),
+                                        ("Rotation diagnostics (SPEC 3)", DIAGNOSTICS_SUMMARY, False)):
+        shown = [(m, label) for m, label in metrics if m in set(df["metric"])]
+        if not shown:
+            continue
+        rows = []
+        for model in models:
+            sub = df[df["model"] == model]
+            if not set(sub["metric"]) & {m for m, _ in shown}:
+                continue
+            row = [Cell(model, bold=True), Cell(" + ".join(sorted(set(sub[src]))) if src else "")]
+            for metric, _ in shown:
+                cell = sub[sub["metric"] == metric]
+                if len(cell):
+                    rec = cell.iloc[0]
+                    n = f"n {int(rec['n_heads'])}" if finite(rec.get("n_heads")) and rec.get("n_heads") else ""
+                    row.append(interval_cell(rec["value"], rec["lo"], rec["hi"], note=n))
+                else:
+                    row.append(Cell())
+            if with_scores:
+                for b in benches:
+                    lines = scores.get(model, {}).get(b, [])
+                    row.append(Cell(lines[0], lines=tuple(lines[1:])) if lines else Cell())
+            rows.append(row)
+        columns = ["model", "values", *(label for _, label in shown)]
+        if with_scores:
+            columns += [f"{b} overall (0-100)" for b in benches]
+        out.append((title, Table(columns, rows, caption=(
+            "model value = mean over heads [95% document-bootstrap interval where defined], n = heads; values: "
+            "measured here, or the thesis's published reference values (measured take precedence)"))))
+    return out
+
+
+# ---- the benchmark statistics -------------------------------------------------------------------
+def _p_cell(rec: dict[str, Any], name: str) -> Cell:
+    method = str(rec.get(f"{name}_method") or ("t distribution" if name == "pearson" else ""))
+    perms = rec.get(f"{name}_permutations")
+    perms = int(perms) if finite(perms) else 0
+    note = method
+    if method == "monte carlo" and perms:
+        note = f"MC, {perms:,} permutations"
+    elif method == "exact" and perms:
+        note = f"exact, {perms:,} permutations"
+    return Cell(format_p(rec.get(f"{name}_p"), method, perms), note=note, num=True)
+
+
+def stats_table(stats: pd.DataFrame) -> Table | None:
+    """Across-model correlations (SPEC 5 c): each statistic with its n and its p-value (exact for small n,
+    never printed as 0), one row per benchmark, suite, mode, metric and set of models."""
+    need = {"analysis", "benchmark", "mode", "metric", "n", "pearson_r", "pearson_p"}
+    if not need <= set(stats.columns):
+        return None
+    df = stats[stats["analysis"] == "across_models"]
+    if "value_basis" in df.columns:
+        df = df[df["value_basis"] == "preferred"]
+    df = df[pd.to_numeric(df["n"], errors="coerce").fillna(0) >= 3]
+    if df.empty:
+        return Table(["note"], [[Cell("no across-model statistic with n >= 3")]])
+    rows = []
+    keys = [c for c in ("benchmark", "suite", "mode", "metric", "scope") if c in df.columns]
+    for rec in df.sort_values(keys).to_dict("records"):
+        suite = rec.get("suite")
+        bench = Cell(str(rec["benchmark"]), bold=True,
+                     note=_short_suite(suite) if suite and suite != rec["benchmark"] else "")
+        rows.append([
+            bench, Cell(str(rec["mode"])), Cell(str(rec["metric"])), Cell(str(rec.get("scope", ""))),
+            Cell(str(int(rec["n"])), num=True,
+                 note=f"{rec.get('n_measured', '–')} measured / {rec.get('n_reference', '–')} ref."),
+            Cell(fmt_num(rec["pearson_r"]), num=True), _p_cell(rec, "pearson"),
+            Cell(fmt_num(rec.get("spearman_rho")), num=True), _p_cell(rec, "spearman"),
+            Cell(fmt_num(rec.get("kendall_tau")), num=True), _p_cell(rec, "kendall"),
+        ])
+    return Table(["benchmark", "mode", "metric", "models", "n", "Pearson r", "p", "Spearman ρ", "p",
+                  "Kendall τ", "p"], rows, caption=(
+        "Correlation of each metric with the benchmark overall score across models (models: all matched "
+        "models, or the thesis's 7 LongBench-Pro models). p two-sided: Pearson from the t distribution; "
+        "Spearman by exact permutation for n <= 9, else Monte Carlo (permutations given); Kendall exact "
+        "without ties. A p below a Monte Carlo test's resolution reads '< 1/permutations'. Benchmark modes are "
+        "never mixed."))
+
+
+# ---- registry entries -------------------------------------------------------------------------
+def _sampler(cap: dict[str, Any]) -> str:
+    name = str(cap.get("position_sampler", ""))
+    if name == "bernoulli":
+        return f"bernoulli, rate {cap.get('bernoulli_rate')} per bucket"
+    return f"{name}, {cap.get('per_bucket')} per bucket per document"
+
+
+def models_table(models: Iterable[Any]) -> Table:
+    """Registry entries side by side: one column per model, one row per setting."""
+    models = list(models)
+    settings: list[tuple[str, list[object]]] = [
+        ("description", [m.description for m in models]),
+        ("family", [m.family for m in models]),
+        ("weights", [m.source for m in models]),
+        ("tokenizer", [m.tokenizer for m in models]),
+        ("dtype", [m.dtype for m in models]),
+        ("window L (tokens)", [fmt_num(m.window) for m in models]),
+        ("bucket B (tokens)", [fmt_num(m.bucket) for m in models]),
+        ("heads sampled (max)", [m.capture.get("heads", "") for m in models]),
+        ("position sampler", [_sampler(m.capture) for m in models]),
+        ("seed", [m.capture.get("seed", "") for m in models]),
+        ("sliding-window layers", ["included" if m.capture.get("include_sliding") else "excluded" for m in models]),
+        ("documents (max)", [m.capture.get("max_docs") or "all" for m in models]),
+        ("corpus", [m.corpus for m in models]),
+        ("analysis options", [options_text(m.analysis) if m.analysis else "defaults" for m in models]),
+    ]
+    rows = [[Cell(k, bold=True), *(Cell(str(v)) for v in vals)] for k, vals in settings]
+    return Table(["setting", *(m.key for m in models)], rows, caption="registry entries (data/registry.toml)",
+                 cls="wrap")
+
+
+@dataclass
+class Entries:
+    """Materialisation metadata of one asset: scalar entries side by side, table entries as previews."""
+
+    scalars: Table | None = None
+    tables: list[tuple[str, Table]] = field(default_factory=list)
+
+
+def parse_md_table(text: str) -> pd.DataFrame | None:
+    """A markdown pipe table (as ``DataFrame.to_markdown`` writes it) as a DataFrame; None otherwise."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines()]
+    if len(lines) < 2 or not lines[0].startswith("|") or not re.fullmatch(r"\|[\s:|-]+\|", lines[1]):
+        return None
+
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    head = cells(lines[0])
+    rows = [cells(ln) for ln in lines[2:] if ln.startswith("|")]
+    if any(len(r) != len(head) for r in rows):
+        return None
+    return pd.DataFrame(rows, columns=head)
+
+
+def metadata_entries(states: list[Any], order: list[str | None]) -> Entries:
+    """Textual metadata of one asset's partitions: one row per entry, one column per partition; entries
+    that are tables (markdown or JSON records) as previews of their first rows, one per partition."""
+    states = sorted(states, key=lambda st: order.index(st.partition) if st.partition in order else len(order))
+    keys = list(dict.fromkeys(k for st in states for k in st.metadata))
+    out = Entries()
+    if not keys:
+        return out
+    rows = []
+    for k in keys:
+        parsed = {st.partition: _as_frame(st.metadata[k]) for st in states if k in st.metadata}
+        if any(t is not None for t in parsed.values()):
+            for part, t in parsed.items():
+                if t is not None:
+                    label = f"{k} [{part}]" if part else k
+                    t.attrs["total_rows"] = len(t)
+                    out.tables.append((label, preview_table(t)))
+            continue
+        row = [Cell(k, bold=True)]
+        for st in states:
+            text = st.metadata.get(k, "–")
+            try:
+                value = json.loads(text)
+                if isinstance(value, dict):
+                    text = options_text(value)
+            except (json.JSONDecodeError, TypeError):
+                pass
+            row.append(Cell(text if len(text) < 300 else text[:297] + "..."))
+        rows.append(row)
+    if rows:
+        out.scalars = Table(["entry", *(st.partition or st.asset for st in states)], rows, cls="wrap")
+    return out
+
+
+def _as_frame(text: str) -> pd.DataFrame | None:
+    t = parse_md_table(text)
+    if t is not None:
+        return t
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return pd.DataFrame(value)
+    return None
