@@ -31,7 +31,9 @@ def _column_type(s: pd.Series) -> str:
 
 def _scalar(v: Any, kind: str, digits: int) -> Any:
     """A JSON-safe cell: floats to ``digits`` significant digits, missing as None, others as text."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    if isinstance(v, np.ndarray | list | tuple | dict):
+        return f"[{len(v)} values]"
+    if v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float) and math.isnan(v)):
         return None
     if kind == "float":
         f = float(v)
@@ -40,8 +42,6 @@ def _scalar(v: Any, kind: str, digits: int) -> Any:
         return int(v)
     if kind == "bool":
         return bool(v)
-    if isinstance(v, np.ndarray | list | tuple):
-        return f"[{len(v)} values]"
     return str(v)
 
 

@@ -193,6 +193,10 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
     (r"^rotation", r"plane", "Query and key projections on the {a, b} plane for a few heads (uncentred "
      "projections; a = drift axis, b = separation axis)."),
     (r"^rotation", r"depth", "|r_k_a| and bias_strength (per token) by layer depth and head."),
+    (r"^rotation", r"diagnostics", "SPEC 3 diagnostics per head: split-half stability |cos(a_even, a_odd)| of the "
+     "drift axes fitted on even and odd document ids (near 1 = stable, near 0 = noise) and position capture "
+     "R^2(t ~ x.a) / R^2(t ~ x) over the pooled Q+K cloud (1 = a carries all linearly decodable position); "
+     "dashed: the pass thresholds (options stability_min, capture_min)."),
     (r"geometry", r"roles", "PC roles across models (thesis Fig. 6.1): share of heads per PC0 class."),
     (r"geometry", r"rq_rk|r_q_a", "|r_q_a| vs |r_k_a| per model (thesis Fig. 6.2): position correlation of the "
      "query and key projections on the drift axis."),
@@ -212,8 +216,8 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
 )
 # the order figures are shown in, by name (others follow alphabetically)
 FIGURE_ORDER = ("ap_bias", "bias_decomposition", "profiles", "heatmap", "closed_vs_empirical", "components",
-                "decile_profiles", "pc0_taxonomy", "explained_variance", "depth_pc0", "ab_plane", "depth_rotation",
-                "pc_roles", "rq_rk_bars", "bias_distributions", "bias_vs_separation")
+                "decile_profiles", "pc0_taxonomy", "explained_variance", "depth_pc0", "diagnostics", "ab_plane",
+                "depth_rotation", "pc_roles", "rq_rk_bars", "bias_distributions", "bias_vs_separation")
 
 
 def caption_for(fig: Figure) -> str:

@@ -160,14 +160,18 @@ def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
                          k_doc: np.ndarray) -> tuple[float, int, int]:
     """SPEC 3 diagnostic (i): |cos(a_even, a_odd)| of the drift axes fitted on even and on odd document ids.
 
-    Each half's axis is its pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns
+    "Even" and "odd" is the parity of each document's rank among the head's sorted document ids, so the
+    halves stay balanced whatever the id scheme (the demo corpus's ids are all multiples of 10). Each
+    half's axis is its pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns
     (|cos|, rows in the even half, rows in the odd half); |cos| is NaN when a half has fewer than 3 rows,
     no position spread or no position covariance. Near 1: a stable axis; near 0: noise (for a random
     axis in d dimensions |cos| is about sqrt(2 / (pi d))).
     """
+    ids = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]))
+    q_rank, k_rank = np.searchsorted(ids, q_doc), np.searchsorted(ids, k_doc)
     axes, counts = [], []
     for parity in (0, 1):
-        mq, mk = np.asarray(q_doc) % 2 == parity, np.asarray(k_doc) % 2 == parity
+        mq, mk = q_rank % 2 == parity, k_rank % 2 == parity
         x = np.vstack([np.asarray(q, np.float64)[mq], np.asarray(k, np.float64)[mk]])
         t = np.concatenate([np.asarray(q_pos)[mq], np.asarray(k_pos)[mk]]).astype(np.float64)
         counts.append(len(t))

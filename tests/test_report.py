@@ -202,3 +202,48 @@ def test_report_is_requested_after_an_upstream_update(tmp_path: Path, monkeypatc
         instance.report_runless_asset_event(dg.AssetMaterialization("model_aliases"))
         second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
         assert second.get_requested_partitions(AssetKey("report_html")) == {None}
+
+
+def test_statistics_table_shows_n_method_and_exact_p_never_zero() -> None:
+    """SPEC 5 via the real statistics: Spearman rho = 1 at n = 3 is p = 1/3 exactly (printed, with its
+    6 permutations), and a Monte Carlo p at its resolution reads '< 1/permutations', never 0."""
+    from qk_core.stats import correlations
+
+    rows = []
+    for metric, (x, y) in {"ap_drop": ([1, 2, 3], [1, 2, 3]),
+                           "ap_overall": (list(range(12)), [v ** 3 for v in range(12)])}.items():
+        rows.append({"analysis": "across_models", "benchmark": "LongBench-Pro", "suite": "LongBench-Pro",
+                     "mode": "nonthinking", "metric": metric, "scope": "all", "value_basis": "preferred",
+                     "n_measured": len(x), "n_reference": 0, **correlations(x, y)})
+    stats = pd.DataFrame(rows)
+    page = render_report(ReportInputs(title="t", models=[], tables={"benchmark_stats": {None: stats}}, figures=[],
+                                      states=[], defined_assets=["benchmark_stats"]))
+    start = page.index("Correlations with the benchmark scores")
+    section = page[start:page.index("</table>", start)]
+    assert "exact, 6 permutations" in section and "0.333" in section
+    assert "&lt; 1/20000" in section and "MC, 20,000 permutations" in section
+    p_cells = re.findall(r'<td class="num">([^<]*)<span class="note">(?:exact|MC|t dist)', section)
+    assert len(p_cells) == 6 and all(c.strip() not in ("0", "0.000") for c in p_cells), p_cells
+    assert "<th>n</th>" in section and '<td class="num">3<span class="note">3 measured / 0 ref.</span>' in section
+
+
+def test_figures_open_full_size_and_tables_link_their_parquet_files() -> None:
+    df = pd.DataFrame({"layer": range(40), "q_head": range(40), "value": np.linspace(0, 1, 40)})
+    page = render_report(ReportInputs(
+        title="t", models=[], tables={"rotation_heads": {"m": df}},
+        figures=[Figure("figures/rotation/m/diagnostics.png", "diagnostics", "rotation_heads", "m", 1155, 440),
+                 Figure("figures/pca/m/pc0_taxonomy.png", "pc0_taxonomy", "pca_heads", "m", 700, 590)],
+        states=[], defined_assets=["rotation_heads", "pca_heads"],
+        links={"rotation_heads": {"m": "../assets/rotation_heads/m.parquet"}}))
+    assert '<a href="figures/rotation/m/diagnostics.png" target="_blank"' in page
+    assert 'class="fig wide"' in page and 'style="max-width:700px"' in page  # narrow ones are never upscaled
+    assert "first 10 of 40 rows" in page and 'href="../assets/rotation_heads/m.parquet"' in page
+    assert page.count("<tr>") < 20  # a long table is previewed, not dumped
+
+
+def test_empty_trajectory_profile_says_why() -> None:
+    from qk_core.plots.trajectory import fig_profiles
+
+    fig = fig_profiles(pd.DataFrame(columns=["model", "tau", "ap", "tau_norm", "revision", "window"]))
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any("No checkpoint profile" in t for t in texts)

@@ -194,6 +194,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
             context.log.warning(f"rotation {model}: skipped heads {skipped_summary(heads)} (status/reason columns)")
         figures = save_figures(store, f"rotation/{model}/{corpus}", {
             "ab_plane": plots.fig_plane_scatter(heads, points, model),
+            "diagnostics": plots.fig_rotation_diagnostics(heads, model, rot_opts.stability_min, rot_opts.capture_min),
             "depth_rotation": plots.fig_depth_heatmaps(
                 heads, [("abs_r_k_a", r"$|r_{k,a}|$", "abs"), ("bias_strength", "bias_strength (per token)", "signed")],
                 model, f"{model}: key drift and bias strength by depth"),

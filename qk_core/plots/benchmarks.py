@@ -58,7 +58,7 @@ def fig_scores_vs_metrics(jm: pd.DataFrame, stats: pd.DataFrame, *, metrics: lis
     """
     present = [m for m in metrics if ((jm["metric"] == m) & (jm["key"] == "")).any()]
     present.sort(key=lambda m: (m != "ap_drop", metrics.index(m)))
-    ncols = min(3, len(present) + 1)
+    ncols = min(2, len(present) + 1)  # two panels a row: legible at a laptop's report width
     nrows = int(np.ceil((len(present) + 1) / ncols))
     fig = Figure(figsize=(5.4 * ncols, 4.4 * nrows + 0.5), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()

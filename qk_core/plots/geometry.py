@@ -2,7 +2,8 @@
 
 Per model: :func:`fig_pca_taxonomy` (PC0 r_q vs r_k with the taxonomy lines, thesis Fig. A.1),
 :func:`fig_pca_explained_variance` (EVR and |r| per component), :func:`fig_depth_heatmaps` (layer x head
-maps of any per-head quantity), :func:`fig_plane_scatter` (Q and K rows in the {a, b} plane).
+maps of any per-head quantity), :func:`fig_plane_scatter` (Q and K rows in the {a, b} plane),
+:func:`fig_rotation_diagnostics` (SPEC 3 diagnostics with their thresholds).
 Across models: :func:`fig_pc_roles` (Fig. 6.1), :func:`fig_rq_rk_bars` (Fig. 6.2),
 :func:`fig_bias_distributions` (Fig. A.2), :func:`fig_bias_vs_separation` (Fig. A.3).
 
@@ -246,6 +247,35 @@ def fig_plane_scatter(heads: pd.DataFrame, points: Mapping[tuple[int, int], Mapp
 
 
 # ---- across models -----------------------------------------------------------------------------------
+
+
+def fig_rotation_diagnostics(heads: pd.DataFrame, model: str, stability_min: float,
+                             capture_min: float) -> Figure:
+    """SPEC 3 diagnostics per head: split-half |cos(a_even, a_odd)| and position capture
+    R^2(t ~ x.a) / R^2(t ~ x), histograms with their pass thresholds and the share of heads passing."""
+    ok = _ok(heads)
+    fig = Figure(figsize=(10.5, 4.0), layout="constrained")
+    axes = fig.subplots(1, 2)
+    panels = (("split_half_cos", "split-half stability |cos(a_even, a_odd)|", stability_min),
+              ("position_capture", "position capture R²(t ~ x·a) / R²(t ~ x)", capture_min))
+    for ax, (col, label, thr) in zip(axes, panels, strict=True):
+        vals = ok[col].to_numpy(float) if col in ok else np.zeros(0)
+        vals = vals[np.isfinite(vals)]
+        if not vals.size:
+            ax.text(0.5, 0.5, f"no head has {col}", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
+        ax.hist(vals, bins=np.linspace(0, 1, 26), color="#5b7fb0", edgecolor="white")
+        ax.axvline(thr, color="#c0392b", lw=1.6, ls="--", label=f"threshold {thr:g}")
+        share = float(np.mean(vals >= thr))
+        ax.set_title(f"{share:.0%} of {vals.size} heads pass (median {np.median(vals):.2f})", fontsize=10)
+        ax.set_xlabel(label)
+        ax.set_ylabel("heads")
+        ax.set_xlim(0, 1)
+        ax.legend(fontsize=9, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{model}: rotation diagnostics ({_skip_note(heads)})", fontsize=11)
+    return fig
 
 
 def model_order(models: Sequence[str], families: Mapping[str, str]) -> list[str]:
