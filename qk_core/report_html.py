@@ -40,7 +40,7 @@ from qk_core.report_tables import (
 
 TEMPLATES = Path(__file__).parent / "templates" / "report"
 #: figures at least this wide (pixels) take a whole row; narrower ones sit two per row on wide screens
-WIDE_FIGURE_PX = 760
+WIDE_FIGURE_PX = 900
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import pandas as pd
 from qk_core.metrics import COLUMNS as METRIC_COLUMNS
 from qk_core.stats import format_p
 
-PREVIEW_ROWS = 10  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
+PREVIEW_ROWS = 5  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
 PREVIEW_COLUMNS = 12
 
 
@@ -178,6 +178,9 @@ def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]
     df = pd.concat(frames_, ignore_index=True)
     models = [m for m in model_order if m in set(df["model"])] + sorted(set(df["model"]) - set(model_order))
     df = df.assign(key=df["key"].fillna("").astype(str))
+    # a model whose rows all count the same heads says n once, in its column header
+    same_n = {m: int(g["n_heads"].iloc[0]) for m, g in df.groupby("model") if g["n_heads"].nunique() == 1}
+    headers = [f"{m} (n = {same_n[m]} heads)" if m in same_n else m for m in models]
     plain: list[list[Cell]] = []
     keyed: list[list[Cell]] = []
     for (metric, key), sub in df.groupby(["metric", "key"], sort=False):
@@ -185,13 +188,13 @@ def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]
         cells = []
         for m in models:
             r = by_model.get(m)
-            cells.append(interval_cell(r["value"], r["lo"], r["hi"], note=f"n {int(r['n_heads'])}") if r
-                         else Cell())
+            note = "" if m in same_n else f"n {int(r['n_heads'])}" if r else ""
+            cells.append(interval_cell(r["value"], r["lo"], r["hi"], note=note) if r else Cell())
         label = [Cell(str(metric), bold=True)] + ([Cell(key)] if key else [])
         (keyed if key else plain).append([*label, Cell(str(sub["unit"].iloc[0])), *cells])
     caption = "model value = mean over heads [95% interval where defined]; n = heads contributing"
-    t_plain = Table(["metric", "unit", *models], plain, caption=caption) if plain else None
-    t_keyed = Table(["metric", "key", "unit", *models], keyed, caption=caption) if keyed else None
+    t_plain = Table(["metric", "unit", *headers], plain, caption=caption) if plain else None
+    t_keyed = Table(["metric", "key", "unit", *headers], keyed, caption=caption) if keyed else None
     return t_plain, t_keyed
 
 

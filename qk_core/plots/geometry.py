@@ -209,7 +209,7 @@ def fig_plane_scatter(heads: pd.DataFrame, points: Mapping[tuple[int, int], Mapp
                       model: str, n: int = 6) -> Figure:
     """Q and K rows of a few heads in the {a, b} plane (uncentred projections), coloured by position."""
     chosen = pick_plane_heads(heads, points, n)
-    cols = 3 if len(chosen) > 4 else max(len(chosen), 1)
+    cols = 2 if len(chosen) > 1 else 1  # two a row: legible at a laptop's report width
     rows = max(1, -(-len(chosen) // cols))
     fig = Figure(figsize=(4.1 * cols + 0.8, 3.7 * rows + 0.8), layout="constrained")
     tmax = max((float(np.max(np.concatenate([p["q_t"], p["k_t"]]))) for p in (points[k] for k in chosen)),
