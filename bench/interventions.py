@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--remeasure-docs", type=int, default=None)
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--interventions", default="ablate,debias", help="interventions of the probe")
     ap.add_argument("--capture-docs", type=int, default=None, help="capture only the first N corpus documents")
     args = ap.parse_args()
 
@@ -92,7 +93,8 @@ def main() -> None:
     times["rotation_plasticity_s"] = time.perf_counter() - t0
     opts = InterventionOptions(window=args.window, depths=args.depths, n_docs=args.n_docs,
                                k_fractions=args.k_fractions, random_sets=args.random_sets,
-                               remeasure_docs=args.remeasure_docs, bootstrap=args.bootstrap)
+                               remeasure_docs=args.remeasure_docs, bootstrap=args.bootstrap,
+                               interventions=tuple(args.interventions.split(",")))
     t0 = time.perf_counter()
     res = run_study(entry, corpus, storage, cap.prefix, pl.heads, rot, opts, popts, loaded,
                     corpus_name=entry.corpora[0])

@@ -117,8 +117,9 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
     yield Output(res.contrast, output_name="intervention_contrast", metadata={
         **common, "preview": _md(headline, 80),
         **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, title, res.options)})})
-    yield Output(res.head_sets, output_name="intervention_head_sets", metadata={**common, "preview": _md(
-        res.head_sets[res.head_sets["head_set"] != "random"], 60)})
+    hs = res.head_sets
+    yield Output(hs, output_name="intervention_head_sets", metadata={
+        **common, "preview": _md(hs[hs["head_set"] != "random"] if len(hs) else hs, 60)})
     yield Output(res.profiles, output_name="intervention_debias_profiles", metadata={
         **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(
         res.profiles, res.remeasured, title)})})

@@ -31,7 +31,8 @@ class InterventionOptions:
     interventions: ``ablate`` and / or ``debias``; ablation: ``zero`` or ``mean`` (per-prompt baseline mean).
     k_fractions: k = round(f x captured heads) per fraction; random_sets: random head sets per k.
     bootstrap: document bootstrap resamples; ci: central interval mass.
-    remeasure: recapture the `lowest` heads with and without `debias` and re-run SPEC 3 and 4;
+    remeasure: recapture the `lowest` heads with and without `debias` and re-run SPEC 3 and 4 (also when the
+    probe runs `ablate` only; head sets then hold heads with a drift axis only);
     remeasure_docs: documents of those recaptures (None: all of the corpus the capture read).
     """
 

@@ -198,7 +198,7 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
     log = log or _log
     window = int(opts.window or entry.window)
     axes = debias_axes(storage, capture_prefix, rotation_heads)
-    eligible = set(axes) if "debias" in opts.interventions else None
+    eligible = set(axes) if "debias" in opts.interventions or opts.remeasure else None
     ks = k_values(len(plasticity_heads), list(opts.k_fractions))
     sets = head_sets(plasticity_heads, ks, opts.random_sets, opts.seed, eligible)
     trials = build_trials(loaded.tokenizer, corpus, window, opts)
@@ -208,7 +208,7 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
     table = run_trials(loaded.model, loaded.backbone, loaded.tokenizer, trials, conds, opts, axes, loaded.device,
                        log)
     profiles, remeasured = [], []
-    if opts.remeasure and "debias" in opts.interventions:
+    if opts.remeasure:
         for s in sets:
             if s.name == "lowest":
                 log.info(f"{entry.key}: re-measuring plasticity of the {s.k} lowest heads under debias")
