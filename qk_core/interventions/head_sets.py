@@ -33,7 +33,9 @@ def ranked_heads(plasticity_heads: pd.DataFrame, eligible: set[tuple[int, int]] 
     df = plasticity_heads[["layer", "q_head", "ap_last20"]].copy()
     df = df[np.isfinite(df["ap_last20"].astype(float))]
     if eligible is not None:
-        df = df[[(int(la), int(h)) in eligible for la, h in zip(df["layer"], df["q_head"], strict=True)]]
+        keep = np.array([(int(la), int(h)) in eligible for la, h in zip(df["layer"], df["q_head"], strict=True)],
+                        dtype=bool)
+        df = df[keep]
     return df.sort_values(["ap_last20", "layer", "q_head"], kind="stable").reset_index(drop=True)
 
 
@@ -41,6 +43,10 @@ def head_sets(plasticity_heads: pd.DataFrame, ks: list[int], random_sets: int, s
               eligible: set[tuple[int, int]] | None = None) -> list[HeadSet]:
     """lowest, highest and ``random_sets`` random sets for each k (SPEC 11.2)."""
     ranked = ranked_heads(plasticity_heads, eligible)
+    if ranked.empty:
+        status = plasticity_heads["status"].value_counts().to_dict() if "status" in plasticity_heads else {}
+        raise ValueError(f"no head to rank: none has a finite AP_last20{' and a drift axis' if eligible else ''} "
+                         f"(plasticity status per head: {status})")
     pairs = [(int(la), int(h)) for la, h in zip(ranked["layer"], ranked["q_head"], strict=True)]
     by_layer: dict[int, list[tuple[int, int]]] = {}
     for p in pairs:
