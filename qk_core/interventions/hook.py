@@ -209,7 +209,7 @@ class InterventionSession:
     def _axis(self, layer: int, h: int, device: torch.device) -> torch.Tensor:
         key = (layer, h, device)
         if key not in self._axes:
-            a = np.asarray(self.intervention.axes[(layer, h)].a, dtype=np.float64)
+            a = np.array(self.intervention.axes[(layer, h)].a, dtype=np.float64)  # a writable copy
             self._axes[key] = torch.as_tensor(a, dtype=torch.float32, device=device)
         return self._axes[key]
 
