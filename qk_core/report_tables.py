@@ -23,8 +23,8 @@ import pandas as pd
 from qk_core.metrics import COLUMNS as METRIC_COLUMNS
 from qk_core.stats import format_p
 
-PREVIEW_ROWS = 5  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
-PREVIEW_COLUMNS = 12
+PREVIEW_ROWS = 3  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
+PREVIEW_COLUMNS = 8
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]
         for m in models:
             r = by_model.get(m)
             note = "" if m in same_n else f"n {int(r['n_heads'])}" if r else ""
-            cells.append(interval_cell(r["value"], r["lo"], r["hi"], note=note) if r else Cell())
+            cells.append(interval_cell(r["value"], r["lo"], r["hi"], note=note) if r else Cell(num=True))
         label = [Cell(str(metric), bold=True)] + ([Cell(key)] if key else [])
         (keyed if key else plain).append([*label, Cell(str(sub["unit"].iloc[0])), *cells])
     caption = "model value = mean over heads [95% interval where defined]; n = heads contributing"
@@ -230,8 +230,9 @@ DIAGNOSTICS_SUMMARY: tuple[tuple[str, str], ...] = (
 )
 
 
-def _short_suite(suite: str) -> str:
-    return re.split(r"\s*[(,]", str(suite), maxsplit=1)[0][:40]
+def _short_suite(suite: str, limit: int = 40) -> str:
+    text = re.split(r"\s*[(,]", str(suite), maxsplit=1)[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _scores_by_model(joins: pd.DataFrame | None) -> dict[str, dict[str, list[str]]]:
@@ -243,7 +244,7 @@ def _scores_by_model(joins: pd.DataFrame | None) -> dict[str, dict[str, list[str
         ["model", "benchmark", "mode", "score"]
     for rec in joins[cols].drop_duplicates().to_dict("records"):
         suite = rec.get("suite")
-        where = rec["mode"] + (f", {_short_suite(suite)}" if suite and suite != rec["benchmark"] else "")
+        where = rec["mode"] + (f", {_short_suite(suite, 16)}" if suite and suite != rec["benchmark"] else "")
         out.setdefault(rec["model"], {}).setdefault(rec["benchmark"], []).append(
             f"{fmt_num(float(rec['score']))} ({where})")
     return out
@@ -288,7 +289,7 @@ def summary_tables(report: pd.DataFrame, joins: pd.DataFrame | None,
                     n = f"n {int(rec['n_heads'])}" if finite(rec.get("n_heads")) and rec.get("n_heads") else ""
                     row.append(interval_cell(rec["value"], rec["lo"], rec["hi"], note=n))
                 else:
-                    row.append(Cell())
+                    row.append(Cell(num=True))
             if with_scores:
                 for b in benches:
                     lines = scores.get(model, {}).get(b, [])

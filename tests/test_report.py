@@ -237,7 +237,7 @@ def test_figures_open_full_size_and_tables_link_their_parquet_files() -> None:
         links={"rotation_heads": {"m": "../assets/rotation_heads/m.parquet"}}))
     assert '<a href="figures/rotation/m/diagnostics.png" target="_blank"' in page
     assert 'class="fig wide"' in page and 'style="max-width:700px"' in page  # narrow ones are never upscaled
-    assert "first 5 of 40 rows" in page and 'href="../assets/rotation_heads/m.parquet"' in page
+    assert "first 3 of 40 rows" in page and 'href="../assets/rotation_heads/m.parquet"' in page
     assert page.count("<tr>") < 20  # a long table is previewed, not dumped
 
 
