@@ -170,6 +170,8 @@ def test_verdicts_state_support_and_its_absence() -> None:
     sw.loc[sw["head_set"] == "random", "set_seed"] = 0
     v2 = verdicts(sw, rem.iloc[0:0], opts)
     assert v2.iloc[0]["verdict"] == "contradicted" and v2.iloc[0]["hi"] < 0
+    # one re-measured document gives a degenerate interval: no verdict
+    assert verdicts(tr, rem.assign(n_docs=1, lo=0.01, hi=0.01), opts).iloc[-1]["verdict"] == "not testable"
     # a baseline at chance cannot show a drop
     flat = tr.copy()
     flat.loc[flat["intervention"] == "baseline", "correct"] = False

@@ -42,7 +42,7 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
         pooled = contrast(far.assign(depth=-1.0), opts)
         for r in pooled[pooled["head_set"] == "lowest"].itertuples():
             call = _call(r.contrast_lo, r.contrast_hi)
-            if blo <= 1.0 / opts.candidates:
+            if blo <= 1.0 / opts.candidates or r.n_docs < 2:  # no drop to see, or no document to resample
                 call = "not testable"
             rows.append({
                 "hypothesis": "H1: low-plasticity heads matter more for distant retrieval than random heads",
@@ -57,14 +57,14 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
     if len(remeasured):
         d = remeasured[(remeasured["metric"] == "ap_last20") & (remeasured["condition"] == "difference")]
         for r in d.itertuples():
-            call = _call(r.lo, r.hi)
+            call = _call(r.lo, r.hi) if r.n_docs >= 2 else "not testable"  # one document: no interval
             rows.append({
                 "hypothesis": "H2: removing bias raises distant plasticity (AP_last20)", "intervention": "debias",
                 "k": int(r.k), "estimate": r.value, "lo": r.lo, "hi": r.hi, "unit": "AP (debias - baseline)",
                 "evidence": f"{int(r.n_heads)} lowest-AP_last20 heads recaptured on {int(r.n_docs)} documents",
                 "verdict": call,
                 "statement": (f"debias of the {int(r.k)} lowest heads changes their AP_last20 by {r.value:+.3f} "
-                              f"[{r.lo:+.3f}, {r.hi:+.3f}]: {call}."),
+                              f"[{r.lo:+.3f}, {r.hi:+.3f}] ({int(r.n_docs)} documents): {call}."),
             })
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -72,6 +72,7 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
 def _statement_h1(call: str, iv: str, k: int, est: float, lo: float, hi: float) -> str:
     what = {"supported": "the data support it", "contradicted": "the data contradict it",
             "inconclusive": "the data neither support nor contradict it (the interval includes 0)",
-            "not testable": "not testable here: the baseline is not above chance at distant depths"}[call]
+            "not testable": "not testable here: the baseline is not above chance at distant depths, or one "
+                            "document only (no interval)"}[call]
     return f"{iv} of the {k} lowest heads vs random heads at distant depths: contrast {est:+.2f} " \
            f"[{lo:+.2f}, {hi:+.2f}]; {what}."
