@@ -107,3 +107,30 @@ def test_killed_capture_resumes_missing_documents_only(setup: tuple[Path, Path])
 
     again = capture_model(reg.model("m"), corpus, storage, device="cpu")  # complete: nothing recomputed
     assert again.already_complete and again.captured_docs == []
+
+
+def test_capture_finalized_before_checksums_is_refinalized(tmp_path: Path) -> None:
+    """A complete capture whose complete.json has no checksums (older layout, document files kept) is
+    finalized again by the next run, without a forward, and then verifies; the head data are unchanged."""
+    tm.build_tiny_model("qwen3", tmp_path / "model")
+    tm.write_corpus_jsonl(tmp_path / "corpus.jsonl", tm.sample_texts(3, 80, seed=4), ids=[1, 2, 3])
+    reg_path = tm.write_registry(tmp_path / "registry.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp_path / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 4, "keep_doc_files": True}}}, tmp_path / "corpus.jsonl")
+    reg = load_registry(reg_path)
+    corpus = local_corpus(reg.corpus("tiny").params)
+    storage = Storage(tmp_path / "storage")
+    first = capture_model(reg.model("m"), corpus, storage, device="cpu")
+    assert len(storage.ls(f"{first.prefix}/docs")) == 3  # kept
+    h = first.manifest["heads"][0]
+    before = CaptureReader(storage, first.prefix).read_head(h["layer"], h["q_head"])
+    old = storage.read_json(f"{first.prefix}/complete.json")
+    storage.write_json(f"{first.prefix}/complete.json", {"n_docs": old["n_docs"], "rows": old["rows"]})
+    with pytest.raises(CaptureError, match="no file checksums"):
+        CaptureReader(storage, first.prefix)
+    seen: list[int] = []
+    again = capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e))
+    assert seen == [] and again.already_complete and again.verification["passed"]
+    after = CaptureReader(storage, first.prefix).read_head(h["layer"], h["q_head"])
+    np.testing.assert_array_equal(after.q, before.q)
+    np.testing.assert_array_equal(after.k_pos, before.k_pos)
