@@ -35,7 +35,6 @@ import io
 import json
 import os
 import resource
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -48,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qk_core.storage import Storage, StorageError
+from qk_core.temporaries import scratch_dir
 
 SCHEMA_VERSION = 1
 COMPLETE_VERSION = 2  # complete.json with checksums (1: row counts only, not verifiable)
@@ -251,7 +251,9 @@ class CaptureWriter:
         The group map is None for a document file without a group index (then it is read whole). A
         document file of another capture (a different fingerprint in its metadata) is an error.
         """
-        pf = self.storage.parquet_file(rel)
+        return self.storage.with_parquet_file(rel, lambda pf: self._doc_footer(rel, pf))
+
+    def _doc_footer(self, rel: str, pf: pq.ParquetFile) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
         meta = pf.schema_arrow.metadata or {}
         d = pf.schema_arrow.field("vec").type.list_size
         n_tokens = int(meta.get(b"n_tokens", b"-1"))
@@ -267,8 +269,15 @@ class CaptureWriter:
 
     def _split_doc(self, rel: str, groups: dict[str, tuple[int, int]] | None,
                    names: set[str]) -> dict[str, pa.Table]:
-        """Rows of the head files ``names`` held by one document file, read in one call (only their groups)."""
-        pf = self.storage.parquet_file(rel)
+        """Rows of the head files ``names`` held by one document file, read in one call (only their groups).
+
+        Read through :meth:`Storage.with_parquet_file`: a document file replaced on S3 meanwhile (a
+        redone document) is read again from its new version, never mixed.
+        """
+        return self.storage.with_parquet_file(rel, lambda pf: self._split_open_doc(pf, groups, names))
+
+    def _split_open_doc(self, pf: pq.ParquetFile, groups: dict[str, tuple[int, int]] | None,
+                        names: set[str]) -> dict[str, pa.Table]:
         if groups is None:  # no group index: read whole, split by key
             tbl = pf.read()
             keys = pd.DataFrame({"kind": tbl.column("kind").to_numpy(zero_copy_only=False),
@@ -368,7 +377,7 @@ class CaptureWriter:
         base = row_schema(d)
         schema = pa.schema([base.field(c) for c in HEAD_COLUMNS])
         row_bytes = 4 * d + 12
-        with tempfile.TemporaryDirectory(prefix=".tmp-finalize-") as spill_dir:
+        with scratch_dir("finalize-spill") as spill_dir:
             spills = {name: os.path.join(spill_dir, f"{i}.arrows") for i, name in enumerate(names)}
             with contextlib.ExitStack() as stack:
                 streams = {name: stack.enter_context(pa.ipc.new_stream(spills[name], schema)) for name in names}
@@ -402,7 +411,7 @@ class CaptureWriter:
             return records
 
     def _count_legacy(self, rel: str) -> dict[str, int]:
-        tbl = self.storage.parquet_file(rel).read(columns=["kind", "layer", "head"]).to_pandas()
+        tbl = self.storage.with_parquet_file(rel, lambda pf: pf.read(columns=["kind", "layer", "head"])).to_pandas()
         return {self._head_file(k, int(la), int(h)): int(n)
                 for (k, la, h), n in tbl.groupby(["kind", "layer", "head"]).size().items()}
 

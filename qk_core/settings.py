@@ -11,6 +11,8 @@
 |                     | ones are an error naming the file                            |                          |
 | QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (capture runs in   |
 |                     | that captures are sharded onto (qk_core.capture.sharded)     | the Dagster step)        |
+| QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
+|                     | on a dead one fails after a few of them (errors name the file)|                          |
 """
 
 from __future__ import annotations

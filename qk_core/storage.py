@@ -27,6 +27,14 @@ import pyarrow.parquet as pq
 from qk_core.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
 
 T = TypeVar("T")
+S3_ATTEMPTS = 3
+
+
+def s3_timeout_s() -> float:
+    """Seconds an S3 connect or read may wait for the endpoint (``QK_S3_TIMEOUT_S``, default 30)."""
+    from qk_core.settings import _int_env
+
+    return float(_int_env("QK_S3_TIMEOUT_S", 30))
 
 
 class StorageError(RuntimeError):
@@ -41,10 +49,16 @@ class Storage:
         self.s3_endpoint_url = s3_endpoint_url
         self.is_s3 = root.startswith("s3://")
         if self.is_s3:
-            opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
+            timeout = s3_timeout_s()
+            # Bounded waits (issue 14.8): an endpoint that accepts connections but never answers (a paused
+            # server) fails a call after ~ S3_ATTEMPTS x 2 x timeout seconds, not botocore's 60 s x 5 x 5.
+            opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True,
+                                    "config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
+                                                      "retries": {"max_attempts": 2, "mode": "standard"}}}
             if s3_endpoint_url:
                 opts["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
             self.fs = fsspec.filesystem("s3", **opts)
+            self.fs.retries = S3_ATTEMPTS  # s3fs's own retry loop around each call (default 5)
             self.root = root[len("s3://") :].rstrip("/")
         else:
             self.fs = fsspec.filesystem("file")

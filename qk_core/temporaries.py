@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
@@ -67,13 +70,37 @@ def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S, own_names_only:
         return removed
     now = time.time()
     for entry in entries:
-        if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
-            path = Path(entry.path)
+        if not entry.name.startswith(TMP_PREFIX):
+            continue
+        path = Path(entry.path)
+        if entry.is_file(follow_symlinks=False):
             if is_stale(path, now, max_age_s, own_names_only):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                     removed.append(path)
+        elif (entry.is_dir(follow_symlinks=False) and _NAME_RE.match(entry.name)
+              and is_stale(path, now, max_age_s, own_names_only=True)):
+            # a scratch folder of a writer (a finalize's spill files): only named ones, only when stale
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
+
+
+@contextlib.contextmanager
+def scratch_dir(purpose: str) -> Iterator[Path]:
+    """A private folder in the system temp folder, named like a temporary of this process.
+
+    It is removed when the block ends; one a killed process left behind is removed by the next
+    :func:`clean_folder` of the system temp folder (its writer is dead).
+    """
+    base = Path(tempfile.gettempdir())
+    clean_folder_once(base, own_names_only=True)
+    path = base / temp_name(purpose)
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def clean_folder_once(folder: Path, own_names_only: bool = False) -> None:
