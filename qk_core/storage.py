@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from qk_core.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
 
 T = TypeVar("T")
-S3_ATTEMPTS = 3
+S3_ATTEMPTS = 2
 
 
 def s3_timeout_s() -> float:
@@ -51,10 +51,11 @@ class Storage:
         if self.is_s3:
             timeout = s3_timeout_s()
             # Bounded waits (issue 14.8): an endpoint that accepts connections but never answers (a paused
-            # server) fails a call after ~ S3_ATTEMPTS x 2 x timeout seconds, not botocore's 60 s x 5 x 5.
+            # server) fails a call after a few timeouts (s3fs retries, botocore does not: their retries
+            # multiply), not after botocore's 60 s x 5 attempts x s3fs's 5 retries.
             opts: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True,
                                     "config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                                                      "retries": {"max_attempts": 2, "mode": "standard"}}}
+                                                      "retries": {"max_attempts": 1, "mode": "standard"}}}
             if s3_endpoint_url:
                 opts["client_kwargs"] = {"endpoint_url": s3_endpoint_url}
             self.fs = fsspec.filesystem("s3", **opts)
@@ -161,12 +162,27 @@ class Storage:
         try:
             yield Path(tmp)
             if self.is_s3:
-                self.fs.put_file(tmp, self.full(rel))
+                self._put(tmp, rel)
             else:
                 os.replace(tmp, self.full(rel))
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+    def _put(self, tmp: str, rel: str) -> None:
+        """Upload ``tmp`` as ``rel``; a failure or an endpoint that stops answering is an error naming it.
+
+        A paused endpoint can hold an upload's response forever whatever botocore's read timeout says,
+        so the whole upload is bounded too: the S3 timeout x (4 + size in MiB), i.e. never under ~34 KiB/s.
+        """
+        limit = s3_timeout_s() * (4 + os.path.getsize(tmp) / 2**20)
+        try:
+            self.fs.put_file(tmp, self.full(rel), timeout=limit)
+        except Exception as exc:  # botocore, aiohttp and fsspec errors share no base class
+            raise StorageError(f"{self.uri(rel)}: upload failed ({type(exc).__name__}: {exc})") from exc
+
+    def _s3_failure(self, rel: str, exc: Exception) -> StorageError:
+        return StorageError(f"{self.uri(rel)}: S3 request failed ({type(exc).__name__}: {exc})")
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         with self.atomic_local_file(rel) as tmp:
@@ -211,6 +227,10 @@ class Storage:
                 return f.read()
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
+        except Exception as exc:
+            if not self.is_s3 or isinstance(exc, StorageError):
+                raise
+            raise self._s3_failure(rel, exc) from exc
 
     def read_text(self, rel: str) -> str:
         data = self.read_bytes(rel)
