@@ -513,12 +513,12 @@ DAGSTER_CHILD = textwrap.dedent("""
     from qk_assets import partitions
     from qk_assets.assets import capture as capture_mod, corpus as corpus_mod
     from qk_assets.io_manager import ParquetIOManager
-    from qk_assets.resources import StorageResource, TorchDeviceResource
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
     instance = DagsterInstance.get()
     partitions.sync_instance(instance, partitions.registry())
     res = StorageResource(root=sys.argv[1], s3_endpoint_url=sys.argv[2])
     resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="cpu")}
+                 "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     runs = [materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
                         instance=instance),
