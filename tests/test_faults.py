@@ -318,7 +318,9 @@ def test_s3_server_killed(world: dict[str, Any], table: FaultTable, moto: MotoPr
 
 def test_file_replaced_during_finalize_s3(world: dict[str, Any], table: FaultTable, moto: MotoProcess) -> None:
     """A document file replaced on S3 between the finalize's footer read and its row-group read (a redone
-    document): the read is retried on the new version, never mixed, never an error."""
+    document): the rows come from one version, never mixed, never an error. (These small files are read
+    whole at the open, so this passes with or without the finalize's ETag-pinned retry; the retry
+    itself is tested on large files in tests/test_storage_concurrency.py.)"""
     row = table["file replaced during finalize (S3)"]
     src = Storage(f"s3://{BUCKET}/replaced", moto.endpoint)
     ref = world["ref_storage"]
@@ -348,7 +350,7 @@ def test_file_replaced_during_finalize_s3(world: dict[str, Any], table: FaultTab
     row.rows_lost = rows_lost(world["ref_rows"], capture_rows(src, prefix))
     row.outputs_intact = summary["verification"]["passed"] and verify_capture(src, prefix)["passed"]
     row.notes.append(f"{first_doc.rsplit('/', 1)[1]} replaced after {storage.opened[first_doc] - 1} open(s); "
-                     f"retried on the new version")
+                     f"rows from one version")
     assert row.tried and row.rows_lost == 0 and row.outputs_intact is True
 
 
