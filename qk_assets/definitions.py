@@ -12,6 +12,7 @@ from dagster import AssetKey, AssetsDefinition, Definitions, load_asset_checks_f
 
 from qk_assets import assets as assets_pkg
 from qk_assets.assets.registry import model_automation_sensor
+from qk_assets.automation import automation_sensor
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.partitions import model_corpus_partitions
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
@@ -31,6 +32,14 @@ def per_model_keys(assets: list[object]) -> list[AssetKey]:
                   key=lambda k: k.to_user_string())
 
 
+def derived_keys(assets: list[object]) -> list[AssetKey]:
+    """Every asset with an automation condition that is neither per (model, corpus) nor ``corpus``."""
+    skip = {*per_model_keys(assets), AssetKey("corpus")}
+    return sorted((spec.key for a in assets if isinstance(a, AssetsDefinition) and a.is_executable
+                   for spec in a.specs if spec.automation_condition is not None and spec.key not in skip),
+                  key=lambda k: k.to_user_string())
+
+
 def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or Settings.from_env()
     storage = StorageResource.from_settings(settings)
@@ -40,7 +49,7 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
         assets=assets,
         asset_checks=load_asset_checks_from_modules(modules),
         sensors=[*(s for m in modules for s in getattr(m, "SENSORS", [])),
-                 model_automation_sensor(per_model_keys(assets))],
+                 model_automation_sensor(per_model_keys(assets)), automation_sensor(derived_keys(assets))],
         jobs=[j for m in modules for j in getattr(m, "JOBS", [])],
         resources={
             "storage": storage,

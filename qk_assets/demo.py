@@ -12,17 +12,14 @@ materialisation shows up in ``make ui``. Assets are selected per partition set:
   holds the thesis's reference values and marks each checkpoint as missing);
 - unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
 
-Up-to-date rule (what a second ``make demo`` skips). An asset partition is recomputed when
-
-1. it has never been materialised, or
-2. its code version changed: the asset's code version (``qk_assets.versioning``: a hash of its module
-   and the own modules it imports) differs from the ``dagster/code_version`` of its latest
-   materialisation, or
-3. an upstream partition was materialised after it (event storage ids are monotonic), or
-4. its configuration changed: the fingerprint of its registry entry (model or corpus entry; for
-   unpartitioned assets the seed benchmark/reference files) differs from the ``qk/config`` tag of the run
-   that produced it (runs without the tag, e.g. launched from the UI, are trusted), or
-5. an upstream partition in this plan is recomputed (the rule propagates downstream).
+What to compute is Dagster's answer, not a rule of this module. Before planning, the demo adds the
+registry's partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` (registry
+edits become data versions), then asks Dagster, through the GraphQL API of a ``dagster-webserver`` it starts
+for the moment (``--dagster-url`` reuses a running one), for the status of every selected asset partition —
+the same status the UI shows: *missing*, *stale* with Dagster's causes (new code version — every asset's
+code version is a hash of its source, ``qk_assets.versioning`` —, new dependency data version, ...), or
+fresh. It recomputes the missing and stale ones, and what depends on them in the plan (their new values
+make the dependents stale once written). A second ``make demo`` finds everything fresh and says so.
 
 Runs follow the dependencies: each run holds the assets of one partition whose upstream work is done.
 A failed asset skips what depends on it; the report is built regardless (it marks what is missing).
@@ -30,11 +27,8 @@ A failed asset skips what depends on it; the report is built regardless (it mark
 
 import argparse
 import contextlib
-import dataclasses
 import fcntl
 import fnmatch
-import hashlib
-import json
 import os
 import sys
 import time
@@ -46,7 +40,6 @@ from typing import Any
 
 from dagster import (
     AssetKey,
-    AssetRecordsFilter,
     DagsterInstance,
     DagsterRunStatus,
     Definitions,
@@ -54,14 +47,12 @@ from dagster import (
     partition_loading_context,
 )
 
-from qk_assets.partitions import pair_key, split_key, sync_instance
+from qk_assets.dagster_api import DagsterAPI, partitions_of, webserver
+from qk_assets.partitions import pair_key, sync_instance
 from qk_core.registry import Registry
-from qk_core.settings import DATA_DIR
 from qk_core.storage import Storage
 
 DEMO_TAG = "qk/demo"
-CONFIG_TAG = "qk/config"
-CODE_VERSION_TAG = "dagster/code_version"
 REPORT_KEY = AssetKey("report_html")
 REGISTRY_ENTRY = AssetKey("registry_entry")
 REPORT_REL = "report/index.html"
@@ -133,104 +124,55 @@ def upstream_nodes(graph: AssetGraph, node: Node) -> list[Node]:
     return out
 
 
-# ---- configuration fingerprints (rule 4) ------------------------------------------------------
-def _digest(obj: object) -> str:
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def config_fingerprint(registry: Registry, partition: str | None, data_dir: Path = DATA_DIR) -> str:
-    """Hash of what configures one partition beyond the code: its registry entry or the seed files."""
-    if partition and "|" in partition:
-        model, corpus = split_key(partition)
-        if model in registry.models and corpus in registry.corpora:
-            return _digest([dataclasses.asdict(registry.model(model)), dataclasses.asdict(registry.corpus(corpus))])
-    if partition in registry.models:
-        return _digest(dataclasses.asdict(registry.model(partition)))
-    if partition in registry.corpora:
-        return _digest(dataclasses.asdict(registry.corpus(partition)))
-    if partition in registry.series:
-        s = registry.series[partition]
-        return _digest([dataclasses.asdict(registry.model(k)) for k in s.checkpoint_keys])
-    files = sorted(p for sub in ("benchmarks", "reference") for p in (data_dir / sub).glob("*") if p.is_file())
-    return _digest({str(p.relative_to(data_dir)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
-
-
-# ---- the up-to-date rule ----------------------------------------------------------------------
+# ---- what Dagster says is missing or stale ------------------------------------------------------
 @dataclass
 class Decision:
     node: Node
     reason: str  # "" when up to date
 
 
-class Planner:
-    """Applies the module's up-to-date rule to the selected nodes against one instance."""
+def dagster_reasons(api: DagsterAPI, nodes: list[Node]) -> dict[Node, str]:
+    """Dagster's own answer per node (the UI's status): missing, stale with its causes, or fresh ("")."""
+    status = api.stale_status(partitions_of(nodes))
+    out = {}
+    for node in nodes:
+        st = status.get(node)
+        if st is None or st.status == "MISSING":
+            out[node] = "missing (never materialised)"
+        elif st.status == "STALE":
+            out[node] = "stale: " + "; ".join(st.causes[:2]) + (" ..." if len(st.causes) > 2 else "")
+        else:
+            out[node] = ""
+    return out
 
-    def __init__(self, instance: DagsterInstance, graph: AssetGraph, registry: Registry) -> None:
-        self.instance, self.graph, self.registry = instance, graph, registry
-        self._latest: dict[Node, object] = {}
-        self._run_tags: dict[str, dict[str, str]] = {}
 
-    def latest(self, node: Node):  # -> EventLogRecord | None
-        if node not in self._latest:
-            key, pk = node
-            flt = AssetRecordsFilter(asset_key=key, asset_partitions=[pk] if pk else None)
-            recs = self.instance.fetch_materializations(flt, limit=1, ascending=False).records
-            self._latest[node] = recs[0] if recs else None
-        return self._latest[node]
+def siblings(graph: AssetGraph, key: AssetKey) -> list[AssetKey]:
+    """The other outputs of ``key``'s asset definition when it cannot materialise them separately."""
+    adef = graph.get(key).assets_def
+    if adef.can_subset:
+        return []
+    return sorted((k for k in adef.keys if k != key), key=lambda k: k.to_user_string())
 
-    def run_tags(self, run_id: str) -> dict[str, str]:
-        if run_id not in self._run_tags:
-            run = self.instance.get_run_by_id(run_id)
-            self._run_tags[run_id] = dict(run.tags) if run else {}
-        return self._run_tags[run_id]
 
-    def own_reason(self, node: Node) -> str:
-        """Rules 1-4 for one node ("" when it is up to date on its own)."""
-        key, pk = node
-        rec = self.latest(node)
-        if rec is None:
-            return "never materialised"
-        tags = rec.event_log_entry.tags or {}
-        mat = rec.asset_materialization
-        tags = {**tags, **(dict(mat.tags) if mat is not None and mat.tags else {})}
-        current = self.graph.get(key).code_version
-        if current and tags.get(CODE_VERSION_TAG) != current:
-            return f"code version {tags.get(CODE_VERSION_TAG, '?')[:8]} -> {current[:8]}"
-        for up in upstream_nodes(self.graph, node):
-            urec = self.latest(up)
-            if urec is not None and urec.storage_id > rec.storage_id:
-                return f"upstream {node_name(up)} is newer"
-        stored = self.run_tags(rec.run_id).get(CONFIG_TAG)
-        if stored is not None and stored != config_fingerprint(self.registry, pk):
-            return "configuration changed"
-        return ""
-
-    def decide(self, nodes: list[Node], force: bool = False) -> list[Decision]:
-        """Decisions in the order of ``nodes``, with rule 5 applied to a fixed point; the outputs of an
-        asset that cannot be subset (a multi-asset computed in one go) are recomputed together."""
-        reason = {n: "forced" if force else self.own_reason(n) for n in nodes}
-        changed = True
-        while changed:
-            changed = False
-            for node in nodes:
-                if reason[node]:
-                    continue
-                ups = [u for u in upstream_nodes(self.graph, node) if reason.get(u)]
-                mates = [m for m in ((k, node[1]) for k in self.siblings(node[0])) if reason.get(m)]
-                if ups:
-                    reason[node] = f"upstream {node_name(ups[0])} is recomputed"
-                elif mates:
-                    reason[node] = f"computed together with {node_name(mates[0])}"
-                changed = changed or bool(reason[node])
-        return [Decision(n, reason[n]) for n in nodes]
-
-    def siblings(self, key: AssetKey) -> list[AssetKey]:
-        """The other outputs of ``key``'s asset definition when it cannot materialise them separately."""
-        adef = self.graph.get(key).assets_def
-        if adef.can_subset:
-            return []
-        return sorted((k for k in adef.keys if k != key), key=lambda k: k.to_user_string())
+def decide(graph: AssetGraph, nodes: list[Node], own: dict[Node, str], force: bool = False) -> list[Decision]:
+    """Decisions in the order of ``nodes``: Dagster's missing / stale ones, and what depends on them in the
+    plan (recomputing an asset gives its dependents new inputs; Dagster marks them stale only afterwards);
+    the outputs of an asset that cannot be subset are recomputed together."""
+    reason = {n: "forced" if force else own.get(n, "") for n in nodes}
+    changed = True
+    while changed:
+        changed = False
+        for node in nodes:
+            if reason[node]:
+                continue
+            ups = [u for u in upstream_nodes(graph, node) if reason.get(u)]
+            mates = [m for m in ((k, node[1]) for k in siblings(graph, node[0])) if reason.get(m)]
+            if ups:
+                reason[node] = f"upstream {node_name(ups[0])} is recomputed"
+            elif mates:
+                reason[node] = f"computed together with {node_name(mates[0])}"
+            changed = changed or bool(reason[node])
+    return [Decision(n, reason[n]) for n in nodes]
 
 
 # ---- grouping into runs -----------------------------------------------------------------------
@@ -355,7 +297,7 @@ def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, s
 
 def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
               group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-              log_level: str = "INFO", verbose: bool = False, out=sys.stdout) -> int:
+              log_level: str = "INFO", verbose: bool = False, out=sys.stdout, api: DagsterAPI | None = None) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -370,15 +312,20 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
     if added:
         say("demo: partitions added from the registry: "
             + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
-    if not dry_run:
-        observe_registry_entries(defs, instance)
+    observe_registry_entries(defs, instance)  # registry edits reach Dagster's staleness as data versions
     nodes, notes = select_nodes(graph, registry, group, models, instance)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
         f"({', '.join(chosen)}); Dagster instance {instance.root_directory}; "
         f"storage {storage.url}")
     for note in notes:
         say(f"  note: {note}")
-    decisions = Planner(instance, graph, registry).decide(nodes, force=force)
+    if api is not None:
+        own = dagster_reasons(api, nodes)
+    else:
+        with webserver(log_path=Path(instance.root_directory or ".") / "demo-webserver.log") as web:
+            say(f"demo: asked Dagster (webserver {web.url}) what is missing or stale")
+            own = dagster_reasons(web, nodes)
+    decisions = decide(graph, nodes, own, force=force)
     todo = [d.node for d in decisions if d.reason]
     fresh = [d for d in decisions if not d.reason]
     if fresh and verbose:
@@ -413,7 +360,7 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
             label = step.partition or "unpartitioned"
             say(f"[run {i}] {label}: {', '.join(k.to_user_string() for k in keys)}")
             t0 = time.monotonic()
-            tags = {DEMO_TAG: "1", CONFIG_TAG: config_fingerprint(registry, step.partition)}
+            tags = {DEMO_TAG: "1"}
             done = run_step(defs, instance, Step(step.partition, keys), tags, log_level)
             done_any = True
             missing = [(k, step.partition) for k in keys if (k, step.partition) not in done]
@@ -440,6 +387,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
     parser.add_argument("--verbose", action="store_true", help="also list the up-to-date asset partitions")
     parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
+    parser.add_argument("--dagster-url", help="ask this running webserver (e.g. `make ui`'s http://127.0.0.1:3000; "
+                        "its code location is reloaded first) instead of starting one")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
 
@@ -448,7 +397,11 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     instance = DagsterInstance.get()
     storage = Storage.from_settings()
-    failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models,
+    api = None
+    if args.dagster_url:
+        api = DagsterAPI(args.dagster_url)
+        api.reload()
+    failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models, api=api,
                       dry_run=args.dry_run, verbose=args.verbose,
                       force=args.force, log_level=args.log_level)
     return 1 if failed else 0

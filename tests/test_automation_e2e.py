@@ -5,7 +5,8 @@ A real ``dagster dev`` (webserver + daemon, tests/servers.py) runs the project's
 (in-process, into the same instance: a previous session), so the file sensor's first tick finds
 nothing new. A per-length score file is then written into ``benchmarks/``: the file sensor
 materialises ``benchmark_scores``, the automation sensor the joins; the test polls the join asset's
-Parquet until it holds the new file's rows, and checks that only sensors launched runs.
+Parquet until it holds the new file's rows, and checks that only sensors launched runs and that no report
+version was built from joins or statistics older than the scores it follows.
 """
 
 from __future__ import annotations
@@ -49,6 +50,26 @@ def materialise_once(home: Path, root: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert job.execute_in_process(instance=instance, tags={SETUP_TAG: "1"}).success
 
 
+def report_versions(home: Path) -> list[tuple[int, int, int, int]]:
+    """For each report_html materialisation: its storage id and those of the latest benchmark_scores,
+    benchmark_joins and benchmark_stats materialisations before it (what the page was built from)."""
+    from dagster import AssetKey, AssetRecordsFilter, DagsterInstance
+
+    def ids(instance: DagsterInstance, name: str) -> list[int]:
+        recs = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(name)), limit=1000).records
+        return sorted(r.storage_id for r in recs)
+
+    with DagsterInstance.from_config(str(home)) as instance:
+        reports, scores, joins, stats = (ids(instance, n) for n in
+                                         ("report_html", "benchmark_scores", "benchmark_joins", "benchmark_stats"))
+    out = []
+    for rid in reports:
+        def last(xs: list[int], rid: int = rid) -> int:
+            return max((x for x in xs if x < rid), default=-1)
+        out.append((rid, last(scores), last(joins), last(stats)))
+    return out
+
+
 def test_dropped_benchmark_file_rematerialises_the_join(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "storage"
     root.mkdir()
@@ -89,6 +110,11 @@ def test_dropped_benchmark_file_rematerialises_the_join(tmp_path: Path, monkeypa
         # the runs were launched by the sensors, none by hand
         triggers = {r["tags"].get("dagster/sensor_name") for r in runs}
         assert None not in triggers, "a run was launched by hand"
-        assert {"benchmark_files_sensor", "benchmark_automation_sensor"} <= triggers, triggers
+        assert {"benchmark_files_sensor", "automation_sensor"} <= triggers, triggers
+        # every report version built after the drop shows joins and statistics at least as new as the scores
+        versions = report_versions(srv.home)
+        assert versions, "the report was not rebuilt after the drop"
+        for report_id, scores_id, joins_id, stats_id in versions:
+            assert joins_id > scores_id and stats_id > scores_id, (report_id, scores_id, joins_id, stats_id)
         print(f"servers ready; join with the dropped file after {t2 - t1:.0f}s")
     assert not srv.alive()

@@ -1,4 +1,5 @@
-"""The demo runner: partition selection, run grouping and the up-to-date rule, on a toy code location."""
+"""The demo runner on a toy code location (tests/demo_toy.py): partition selection, run grouping, failures,
+and its plan, which is Dagster's own staleness (asked through a real webserver over the toy workspace)."""
 
 
 import io
@@ -8,20 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
+import demo_toy
 import pytest
-from dagster import (
-    AssetExecutionContext,
-    AssetKey,
-    Definitions,
-    asset,
-    instance_for_test,
-    mem_io_manager,
-    partition_loading_context,
-)
+from dagster import AssetKey, DagsterInstance, instance_for_test, materialize, partition_loading_context
 
-from qk_assets.demo import REPORT_KEY, Planner, group_steps, run_demo, select_nodes
-from qk_assets.partitions import corpus_partitions, model_corpus_partitions, sync_instance
+from qk_assets.dagster_api import partitions_of, webserver
+from qk_assets.demo import REPORT_KEY, group_steps, run_demo, select_nodes
+from qk_assets.partitions import sync_instance
 from qk_core.registry import load_registry
 from qk_core.storage import Storage
 
@@ -54,66 +48,76 @@ corpus = "c"
 groups = ["study"]
 """
 
-CALLS: list[str] = []
-FAIL: set[str] = set()
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory: pytest.TempPathFactory):
+    """One webserver over the toy workspace and a sqlite instance, for the module."""
+    tmp = tmp_path_factory.mktemp("demo_toy")
+    home = tmp / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
+    toy = REPO / "tests" / "demo_toy.py"
+    (tmp / "workspace.yaml").write_text(f"load_from:\n  - python_file:\n      relative_path: {toy}\n"
+                                        f"      working_directory: {toy.parent}\n      attribute: defs\n")
+    versions = tmp / "versions.json"
+    versions.write_text("{}")
+    env = {"DAGSTER_HOME": str(home), "QK_TOY_VERSIONS": str(versions),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    with webserver(tmp / "workspace.yaml", env=env, log_path=tmp / "webserver.log") as api:
+        yield {"api": api, "home": home, "versions": versions, "tmp": tmp}
 
 
-def toy_defs(ana_version: str = "v1") -> Definitions:
-    """corpus_t[c] -> cap[m] -> ana[m] -> rep -> report_html (same shape as the real graph)."""
-    corpora, models = corpus_partitions(), model_corpus_partitions()
-
-    def record(context: AssetExecutionContext) -> pd.DataFrame:
-        name = context.assets_def.key.to_user_string()
-        label = name + (f"[{context.partition_key}]" if context.has_partition_key else "")
-        CALLS.append(label)
-        if label in FAIL:
-            raise RuntimeError(f"{label} fails on purpose")
-        return pd.DataFrame({"x": [1]})
-
-    @asset(partitions_def=corpora, code_version="c1")
-    def corpus_t(context: AssetExecutionContext) -> pd.DataFrame:
-        return record(context)
-
-    @asset(partitions_def=models, code_version="k1", deps=["corpus_t"])
-    def cap(context: AssetExecutionContext) -> pd.DataFrame:
-        return record(context)
-
-    @asset(partitions_def=models, code_version=ana_version, deps=[cap])
-    def ana(context: AssetExecutionContext) -> pd.DataFrame:
-        return record(context)
-
-    @asset(code_version="r1", deps=[ana])
-    def rep(context: AssetExecutionContext) -> pd.DataFrame:
-        return record(context)
-
-    @asset(name="report_html", code_version="h1", deps=[rep, ana])
-    def report(context: AssetExecutionContext) -> pd.DataFrame:
-        return record(context)
-
-    return Definitions(assets=[corpus_t, cap, ana, rep, report], resources={"io_manager": mem_io_manager})
+def set_versions(server: dict, **v: str) -> None:
+    """A code change: the toy's code versions, in this process and (after a reload) in the webserver."""
+    if json.loads(server["versions"].read_text()) != v:
+        server["versions"].write_text(json.dumps(v))
+        server["api"].reload()
 
 
 @pytest.fixture
-def env(tmp_path: Path):
+def env(toy_server: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("QK_TOY_VERSIONS", str(toy_server["versions"]))
+    monkeypatch.setenv("DAGSTER_HOME", str(toy_server["home"]))
+    set_versions(toy_server)
     reg_path = tmp_path / "registry.toml"
     reg_path.write_text(REGISTRY)
-    (tmp_path / "home").mkdir()
-    with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
-        CALLS.clear()
-        FAIL.clear()
+    with DagsterInstance.from_config(str(toy_server["home"])) as instance:
+        instance.wipe_assets(list(instance.get_asset_keys()))
+        demo_toy.CALLS.clear()
+        demo_toy.FAIL.clear()
         sync_instance(instance, load_registry(reg_path))
-        yield instance, reg_path, Storage(tmp_path / "storage")
+        yield instance, reg_path, Storage(tmp_path / "storage"), toy_server
 
 
-def demo(instance, defs, reg_path, storage, **kw) -> tuple[int, str]:
+CALLS, FAIL = demo_toy.CALLS, demo_toy.FAIL
+
+
+def demo(env, **kw) -> tuple[int, str]:
+    instance, reg_path, storage, server = env
     out = io.StringIO()
-    failed = run_demo(defs, instance, load_registry(reg_path), storage, log_level="ERROR", out=out, **kw)
+    failed = run_demo(demo_toy.build(), instance, load_registry(reg_path), storage, log_level="ERROR", out=out,
+                      api=server["api"], **kw)
     return failed, out.getvalue()
 
 
+def plan(text: str) -> dict[str, str]:
+    """The demo's plan: asset partition -> reason."""
+    return {ln.split()[1]: ln.split(None, 2)[2] for ln in text.splitlines() if ln.startswith("  run ")}
+
+
+def dagster_view(env) -> dict[str, str]:
+    """What Dagster (the webserver, i.e. the UI) says of every selected asset partition that is not fresh."""
+    instance, reg_path, _, server = env
+    graph = demo_toy.build().resolve_asset_graph()
+    with partition_loading_context(dynamic_partitions_store=instance):
+        nodes, _ = select_nodes(graph, load_registry(reg_path), "demo", instance=instance)
+    status = server["api"].stale_status(partitions_of(nodes))
+    return {k.to_user_string() + (f"[{p}]" if p else ""): s.status for (k, p), s in status.items()
+            if s.status != "FRESH"}
+
+
 def test_selection_and_run_grouping(env) -> None:
-    instance, reg_path, _ = env
-    graph = toy_defs().resolve_asset_graph()
+    instance, reg_path, _, _ = env
+    graph = demo_toy.build().resolve_asset_graph()
     nodes, notes = select_nodes(graph, load_registry(reg_path), "demo", instance=instance)
     names = {(k.to_user_string(), p) for k, p in nodes}
     assert ("cap", "c|m3") not in names  # not a demo model
@@ -122,64 +126,54 @@ def test_selection_and_run_grouping(env) -> None:
     only_m2 = {(k.to_user_string(), p)
                for k, p in select_nodes(graph, load_registry(reg_path), "demo", ["m2"], instance)[0]}
     assert ("cap", "c|m2") in only_m2 and not any(p == "c|m1" for _, p in only_m2)
+    toy = [n for n in nodes if n[0].to_user_string() not in ("x", "y")]
     with partition_loading_context(dynamic_partitions_store=instance):
-        steps = list(group_steps(graph, list(nodes), ["c", "c|m1", "c|m2", None]))
+        steps = list(group_steps(graph, list(toy), ["c", "c|m1", "c|m2", None]))
     assert [(s.partition, sorted(k.to_user_string() for k in s.keys)) for s in steps] == [
         ("c", ["corpus_t"]), ("c|m1", ["ana", "cap"]), ("c|m2", ["ana", "cap"]), (None, ["rep", "report_html"])]
 
 
-def test_second_demo_recomputes_nothing_and_rules_fire(env) -> None:
-    instance, reg_path, storage = env
-    defs = toy_defs()
-    failed, out = demo(instance, defs, reg_path, storage)
+def test_plan_is_dagsters_staleness(env) -> None:
+    """Missing first; then nothing (and Dagster agrees); a code change: Dagster's stale asset and what
+    follows it; a run made outside the demo (as from the UI): Dagster and the plan agree."""
+    failed, out = demo(env)
     assert failed == 0, out
-    assert sorted(CALLS) == sorted(["corpus_t[c]", "cap[c|m1]", "cap[c|m2]", "ana[c|m1]", "ana[c|m2]", "rep",
-                                    "report_html"])
-    assert "cap[c|m3]" not in CALLS
+    assert sorted(c for c in CALLS if c != "xy") == sorted(
+        ["corpus_t[c]", "cap[c|m1]", "cap[c|m2]", "ana[c|m1]", "ana[c|m2]", "rep", "report_html"])
+    assert all("missing" in r for r in plan(out).values())
 
     CALLS.clear()
-    failed, out = demo(instance, defs, reg_path, storage)
+    failed, out = demo(env)
     assert failed == 0 and CALLS == [], out
-    assert "everything is up to date" in out
+    assert "everything is up to date" in out and dagster_view(env) == {}
 
-    # rule 2: a new code version of ana recomputes ana and what follows it, not cap
+    # a new code version of ana: Dagster marks ana stale; the plan is that plus what depends on it
+    set_versions(env[3], ana="v2")
+    seen = dagster_view(env)
+    assert seen == {"ana[c|m1]": "STALE", "ana[c|m2]": "STALE"}
+    _, out = demo(env, dry_run=True)
+    p = plan(out)
+    assert {k for k, r in p.items() if r.startswith("stale")} == set(seen)
+    assert "has a new code version" in p["ana[c|m1]"]
+    assert set(p) - set(seen) == {"rep", "report_html"} and "is recomputed" in p["rep"]
     CALLS.clear()
-    failed, out = demo(instance, toy_defs(ana_version="v2"), reg_path, storage)
-    assert failed == 0, out
-    assert sorted(CALLS) == ["ana[c|m1]", "ana[c|m2]", "rep", "report_html"]
-    assert "code version" in out
+    failed, out = demo(env)
+    assert failed == 0 and sorted(CALLS) == ["ana[c|m1]", "ana[c|m2]", "rep", "report_html"], out
 
-    # rule 4: a changed registry entry of m1 recomputes only m1's chain
-    reg_path.write_text(reg_path.read_text().replace('source = { local = "w1" }\nwindow = 64',
-                                                     'source = { local = "w1" }\nwindow = 128'))
-    assert load_registry(reg_path).model("m1").window == 128
+    # a run outside the demo (same code, same inputs): Dagster shows everything fresh, the demo agrees
+    defs = demo_toy.build()
+    materialize([defs.get_assets_def(AssetKey("ana")), defs.get_assets_def(AssetKey("cap"))], selection=["ana"],
+                partition_key="c|m2", instance=env[0])
+    assert dagster_view(env) == {}
     CALLS.clear()
-    failed, out = demo(instance, toy_defs(ana_version="v2"), reg_path, storage)
-    assert failed == 0, out
-    assert sorted(CALLS) == ["ana[c|m1]", "cap[c|m1]", "rep", "report_html"]
-    assert "configuration changed" in out
-
-    # rule 3: an upstream materialised outside the demo (e.g. from the UI) makes its dependents stale
-    from dagster import materialize
-
-    defs2 = toy_defs(ana_version="v2")
-    graph = defs2.resolve_asset_graph()
-    materialize([defs2.get_assets_def(AssetKey("ana")), defs2.get_assets_def(AssetKey("cap"))],
-                selection=["ana"], partition_key="c|m2", instance=instance)
-    CALLS.clear()
-    with partition_loading_context(dynamic_partitions_store=instance):
-        decisions = Planner(instance, graph, load_registry(reg_path)).decide(select_nodes(
-            graph, load_registry(reg_path), "demo", instance=instance)[0])
-    redo = {(k.to_user_string(), p): r for (k, p), r in ((d.node, d.reason) for d in decisions) if r}
-    assert set(redo) == {("rep", None), ("report_html", None)}
-    assert "ana[c|m2] is newer" in redo[("rep", None)]
+    failed, out = demo(env)
+    assert failed == 0 and CALLS == [] and "everything is up to date" in out, out
 
 
 def test_failure_skips_dependents_but_builds_the_report(env) -> None:
-    instance, reg_path, storage = env
     FAIL.add("cap[c|m2]")
-    failed, out = demo(instance, toy_defs(), reg_path, storage)
-    assert failed >= 2  # cap[m2] failed, ana[m2] skipped, rep skipped
+    failed, out = demo(env)
+    assert failed >= 2  # cap[c|m2] failed, ana[c|m2] skipped, rep skipped
     assert "cap[c|m2]" in CALLS and "ana[c|m2]" not in CALLS and "rep" not in CALLS
     assert "ana[c|m1]" in CALLS
     assert "report_html" in CALLS  # the report runs regardless and marks what is missing
@@ -187,17 +181,26 @@ def test_failure_skips_dependents_but_builds_the_report(env) -> None:
     # the next demo retries exactly what failed or was skipped
     FAIL.clear()
     CALLS.clear()
-    failed, out = demo(instance, toy_defs(), reg_path, storage)
+    failed, out = demo(env)
     assert failed == 0, out
     assert sorted(CALLS) == ["ana[c|m2]", "cap[c|m2]", "rep", "report_html"]
 
 
 def test_failure_beside_the_report_does_not_skip_it(env) -> None:
-    instance, reg_path, storage = env
     FAIL.add("rep")
-    failed, out = demo(instance, toy_defs(), reg_path, storage)
+    failed, out = demo(env)
     assert failed == 1 and "FAILED: rep" in out
-    assert CALLS[-2:] == ["rep", "report_html"]
+    assert [c for c in CALLS if c != "xy"][-2:] == ["rep", "report_html"]
+
+
+def test_outputs_of_an_unsplittable_multi_asset_are_recomputed_together(env) -> None:
+    assert demo(env)[0] == 0
+    set_versions(env[3], x="2")  # only x has a new code version; y is computed with it
+    assert dagster_view(env) == {"x": "STALE"}
+    CALLS.clear()
+    failed, out = demo(env)
+    assert failed == 0 and CALLS == ["xy"], out
+    assert "computed together with x" in out
 
 
 def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
@@ -240,29 +243,9 @@ def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypat
 
     versioned = versioning.with_code_versions([corpus_module.corpus], [corpus_module])
     assert versioned[0].specs_by_key[AssetKey("corpus")].code_version == before
-    declared = toy_defs().get_assets_def(AssetKey("ana"))
-    kept = versioning.with_code_versions([declared], [sys.modules[__name__]])
+    declared = demo_toy.build({"ana": "v1"}).get_assets_def(AssetKey("ana"))
+    kept = versioning.with_code_versions([declared], [demo_toy])
     assert kept[0].specs_by_key[AssetKey("ana")].code_version == "v1"
-
-
-def test_outputs_of_an_unsplittable_multi_asset_are_recomputed_together(env) -> None:
-    from dagster import AssetMaterialization, AssetOut, Output, multi_asset
-
-    instance, reg_path, storage = env
-
-    @multi_asset(outs={"x": AssetOut(code_version="1"), "y": AssetOut(code_version="1")}, can_subset=False)
-    def xy():
-        CALLS.append("xy")
-        yield Output(pd.DataFrame({"v": [1]}), output_name="x")
-        yield Output(pd.DataFrame({"v": [2]}), output_name="y")
-
-    defs = Definitions(assets=[xy], resources={"io_manager": mem_io_manager})
-    assert demo(instance, defs, reg_path, storage)[0] == 0 and CALLS == ["xy"]
-    instance.report_runless_asset_event(AssetMaterialization("x"))  # x changed outside (no code version)
-    CALLS.clear()
-    failed, out = demo(instance, defs, reg_path, storage)
-    assert failed == 0 and CALLS == ["xy"], out
-    assert "computed together with x" in out
 
 
 def test_runs_of_an_interrupted_demo_are_failed_and_free_the_gpu_slot(tmp_path: Path) -> None:

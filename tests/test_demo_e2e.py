@@ -99,3 +99,43 @@ def test_second_demo_computes_nothing(demo_run: dict) -> None:
     out = demo_run["second"]
     assert "everything is up to date; nothing to compute" in out
     assert "[run " not in out
+
+
+def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> None:
+    """Editing one model's entry: Dagster (the UI's status, asked here through a webserver of our own) marks
+    that model's capture stale through its registry_entry data version, and the demo plans exactly that
+    plus what depends on it."""
+    from dagster import AssetKey
+
+    from qk_assets.dagster_api import webserver
+
+    env = demo_run["env"]
+    reg = Path(env["QK_REGISTRY"])
+    text = reg.read_text()
+    reg.write_text(text.replace('"bootstrap": 20', '"bootstrap": 21', 1) if '"bootstrap": 20' in text
+                   else text.replace("bootstrap = 20", "bootstrap = 21", 1))
+    try:
+        plan = demo(env, "--dry-run").stdout
+        runs = {ln.split()[1]: ln.split(None, 2)[2] for ln in plan.splitlines() if ln.startswith("  run ")}
+        stale = {k for k, r in runs.items() if r.startswith(("stale", "missing"))}
+        assert stale == {"qk_capture[tiny|tiny-llama]"}, runs
+        assert "registry_entry[tiny|tiny-llama]" in runs["qk_capture[tiny|tiny-llama]"]
+        assert {"plasticity_metrics[tiny|tiny-llama]", "model_report", "report_html"} <= set(runs)
+        assert not any("tiny-qwen" in k for k in runs)
+        keys = {AssetKey(k.split("[")[0]): [k.split("[")[1].rstrip("]")] if "[" in k else [None] for k in runs}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with webserver() as web:
+                status = web.stale_status(keys)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        ui_stale = {key.to_user_string() + (f"[{p}]" if p else "") for (key, p), s in status.items()
+                    if s.status != "FRESH"}
+        assert ui_stale == stale
+    finally:
+        reg.write_text(text)

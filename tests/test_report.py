@@ -186,14 +186,14 @@ def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequ
 
 def test_report_is_requested_after_an_upstream_update(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real code location: once the report exists, a new upstream materialisation makes the
-    automation condition request it (the daemon's report_automation_sensor then runs it)."""
+    automation condition request it (the daemon's automation_sensor then runs it)."""
     import dagster as dg
 
     from qk_assets.definitions import build_definitions
 
     monkeypatch.setenv("QK_STORAGE_ROOT", str(tmp_path / "storage"))
     defs = build_definitions()
-    assert any(s.name == "report_automation_sensor" for s in defs.sensors)
+    assert any(s.name == "automation_sensor" for s in defs.sensors)
     job = defs.resolve_implicit_job_def_def_for_assets([AssetKey("report_html")])
     with dg.instance_for_test() as instance:
         assert job.execute_in_process(instance=instance, asset_selection=[AssetKey("report_html")]).success

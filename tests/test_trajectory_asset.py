@@ -222,14 +222,23 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
     assert got == {"tser"}
 
 
-def test_automation_sensor_targets_the_trajectory() -> None:
+def test_one_automation_sensor_holds_every_derived_asset() -> None:
+    """The trajectory, the cross-model figures, the joins, statistics and the report: one sensor, so one
+    tick requests them together (the report in the same run as what it shows)."""
     from qk_assets import defs
 
-    sensor = defs.resolve_sensor_def("trajectory_automation_sensor")
+    sensor = defs.resolve_sensor_def("automation_sensor")
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     graph = defs.resolve_asset_graph()
-    assert sensor.asset_selection.resolve(graph) == {dg.AssetKey("trajectory"), dg.AssetKey("trajectory_profiles")}
-    assert graph.get(dg.AssetKey("trajectory")).automation_condition is not None
+    names = {k.to_user_string() for k in sensor.asset_selection.resolve(graph)}
+    assert {"trajectory", "trajectory_profiles", "geometry_figures", "plasticity_deciles", "model_report",
+            "benchmark_joins", "benchmark_stats", "report_html"} <= names
+    assert not names & {"qk_capture", "corpus", "plasticity_metrics"}
+    for name in names:
+        assert graph.get(dg.AssetKey(name)).automation_condition is not None, name
+    others = [s for s in defs.sensors if s.name != "automation_sensor" and getattr(s, "asset_selection", None)]
+    for s in others:  # no other sensor evaluates them (that is how a half-updated report was published)
+        assert not names & {k.to_user_string() for k in s.asset_selection.resolve(graph)}, s.name
 
 
 def test_series_without_any_capture_shows_the_thesis_reference(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ the alias file, line and field; the previous join stays materialised.
 
 Automation, no clicking: ``benchmark_files_sensor`` hashes every file of ``benchmarks/`` and
 ``reference/`` (local or S3) and materialises the source assets a new, changed or removed file feeds;
-``benchmark_automation_sensor`` then runs ``model_report`` and the joins through their automation
+``automation_sensor`` (qk_assets.automation) then runs ``model_report`` and the joins through their automation
 conditions (eager: as soon as an input updates). Both sensors are on by default. Without a cursor
 (first start) the file sensor compares against the hashes recorded on the latest source
 materialisations, so restarting the daemon recomputes nothing that is up to date.
@@ -25,7 +25,6 @@ from dagster import (
     AssetKey,
     AssetSelection,
     AutomationCondition,
-    AutomationConditionSensorDefinition,
     Config,
     DagsterInstance,
     DefaultSensorStatus,
@@ -206,13 +205,4 @@ def benchmark_files_sensor(context: SensorEvaluationContext, storage: StorageRes
     return RunRequest(asset_selection=[AssetKey(t) for t in targets],
                       tags={"qk/trigger": "benchmark-files", "qk/changed": json.dumps(changed)[:1000]})
 
-
-benchmark_automation_sensor = AutomationConditionSensorDefinition(
-    "benchmark_automation_sensor",
-    target=AssetSelection.keys(*AUTOMATED),
-    minimum_interval_seconds=SENSOR_INTERVAL_S,
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Runs the model report, the benchmark joins and the statistics as soon as an input updates.",
-)
-
-SENSORS = [benchmark_files_sensor, benchmark_automation_sensor]
+SENSORS = [benchmark_files_sensor]

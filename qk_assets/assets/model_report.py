@@ -7,7 +7,7 @@ published values (``reference_metrics``). Both kinds of row are kept, labelled b
 (measured | reference); the joins apply the precedence (measured over reference).
 
 Re-materialises by itself whenever any metric partition or the reference values change
-(:data:`REPORT_CONDITION`, evaluated by ``benchmark_automation_sensor``).
+(:data:`REPORT_CONDITION`, evaluated by ``automation_sensor``).
 """
 
 import pandas as pd

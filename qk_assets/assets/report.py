@@ -5,7 +5,8 @@ provenance of their latest materialisations from the Dagster instance), copies t
 page and calls :func:`qk_core.report_html.render_report`. It depends on every other asset of the code
 location by key, so it is stale whenever any of them is recomputed; assets that are missing (not yet
 materialised, or not yet defined) appear in the page as "not yet computed". With the daemon running
-(``make ui``), ``report_automation_sensor`` rebuilds the page after upstream updates.
+(``make ui``), ``automation_sensor`` rebuilds the page after upstream updates, in the same run as the
+joins, statistics and cross-model figures it shows (:mod:`qk_assets.automation`).
 """
 
 import importlib
@@ -21,10 +22,7 @@ from dagster import (
     AssetKey,
     AssetRecordsFilter,
     AssetsDefinition,
-    AssetSelection,
     AutomationCondition,
-    AutomationConditionSensorDefinition,
-    DefaultSensorStatus,
     MetadataValue,
     PartitionsDefinition,
     TableMetadataValue,
@@ -232,14 +230,3 @@ def _prune_stale_figures(st: Storage, keep: set[str]) -> None:
     for rel in st.ls(f"{REPORT_DIR}/figures", recursive=True):
         if rel.endswith(".png") and rel not in keep:
             st.delete(rel)
-
-
-report_automation_sensor = AutomationConditionSensorDefinition(
-    "report_automation_sensor",
-    target=AssetSelection.assets("report_html"),
-    minimum_interval_seconds=30,
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Rebuilds the static report after its inputs change (with `make ui`, i.e. the daemon, running).",
-)
-
-SENSORS = [report_automation_sensor]

@@ -17,8 +17,6 @@ from dagster import (
     AssetOut,
     AssetSelection,
     AutomationCondition,
-    AutomationConditionSensorDefinition,
-    DefaultSensorStatus,
     MetadataValue,
     Output,
     multi_asset,
@@ -157,14 +155,3 @@ def _figures(table: pd.DataFrame, profiles: pd.DataFrame, series: str) -> dict:
     from qk_core.plots.trajectory import trajectory_figures  # matplotlib only when the asset runs
 
     return trajectory_figures(table, profiles, series)
-
-
-# Evaluates TRAJECTORY_CONDITION (needs the daemon, which `make ui` starts); on by default.
-trajectory_automation_sensor = AutomationConditionSensorDefinition(
-    "trajectory_automation_sensor",
-    target=AssetSelection.assets("trajectory", "trajectory_profiles"),
-    minimum_interval_seconds=60,
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Re-materialises the trajectory of a series when any of its checkpoints' metrics change.",
-)
-SENSORS = [trajectory_automation_sensor]
