@@ -43,7 +43,10 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         models[key] = {"family": family, "source": {"local": str(tmp / key)}, "window": 64, "bucket": 8,
                        "dtype": "float32", "groups": ["demo"], "capture": {"heads": 6, "per_bucket": 2},
                        "analysis": {"plasticity": {"bootstrap": 20, "pairs_per_bucket": 64,
-                                                   "min_queries_per_bucket": 4}}}
+                                                   "min_queries_per_bucket": 4},
+                                    # a probe window that fits the needle prompt of SPEC 11 (bytes as tokens)
+                                    "interventions": {"window": 256, "n_docs": 2, "depths": [0.5], "candidates": 4,
+                                                      "random_sets": 1, "bootstrap": 20, "remeasure": False}}}
     corpus = write_corpus_jsonl(tmp / "corpus.jsonl", sample_texts(8, 120, seed=5))
     write_registry(tmp / "registry.toml", models, corpus)
     # the shipped alias table names the study models; this registry's models get their own (a user's

@@ -102,7 +102,8 @@ def backfill_cli(env: dict[str, str], url: str, *args: str) -> subprocess.Comple
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_registry_grows_partitions_and_a_series_backfills_alone(tmp_path: Path) -> None:
+def test_registry_grows_partitions_and_a_series_backfills_alone(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from dagster import DagsterInstance
 
     build_tiny_model("llama", tmp_path / "a", seed=0)
@@ -120,6 +121,7 @@ def test_registry_grows_partitions_and_a_series_backfills_alone(tmp_path: Path) 
         srv.wait_ready(timeout=PHASE_TIMEOUT_S)
         set_sensor(srv, "model_automation_sensor", True)
         home = srv.home
+        monkeypatch.setenv("DAGSTER_HOME", str(home))  # the instance config reads it
         # automation applies to partitions added after its first evaluation (Dagster's on_missing / eager)
         wait_for(lambda: len(tick_messages(srv, "model_automation_sensor")) > 0, 120, interval=2,
                  what="the automation sensor's first tick", on_timeout=srv.log_tail)
