@@ -32,7 +32,7 @@ WEBSERVER = Path(sys.executable).parent / "dagster-webserver"
 
 _LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries { name loadStatus
   locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
-_CAUSE = "reason category dependency { path } dependencyPartitionKey"
+_CAUSE = "key { path } partitionKey reason category dependency { path } dependencyPartitionKey"
 _STALE = ("query($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) { assetKey { path } "
           f"staleStatus staleCauses {{ {_CAUSE} }} }} }}")
 _STALE_PARTS = ("query($keys: [AssetKeyInput!], $parts: [String!]) { "
@@ -124,11 +124,14 @@ class DagsterAPI:
 
 
 def _cause(c: dict) -> str:
-    dep = c.get("dependency")
-    if not dep:
-        return c["reason"]
-    name = "/".join(dep["path"]) + (f"[{c['dependencyPartitionKey']}]" if c.get("dependencyPartitionKey") else "")
-    return f"{c['reason']} ({name})"
+    """Dagster's root cause as the UI words it: ``<asset>[<partition>] <reason>`` (the asset that changed)."""
+    def name(path: list[str], part: str | None) -> str:
+        return "/".join(path) + (f"[{part}]" if part else "")
+
+    text = f"{name(c['key']['path'], c.get('partitionKey'))} {c['reason']}"
+    if c.get("dependency"):
+        text += f" ({name(c['dependency']['path'], c.get('dependencyPartitionKey'))})"
+    return text
 
 
 def _free_port() -> int:

@@ -28,7 +28,7 @@ from tiny_models import build_tiny_model, build_tiny_series, sample_texts, write
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-PHASE_TIMEOUT_S = 600
+PHASE_TIMEOUT_S = 1200
 REVS = ["s1-step-10", "s1-step-20", "lc-step-5"]
 TICKS = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLocationName: "qk_assets:defs",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on Sensor { sensorState {
@@ -48,7 +48,9 @@ bucket = 8
 dtype = "float32"
 corpora = ["tiny"]
 capture = {{ heads = 4, per_bucket = 2 }}
-analysis = {{ plasticity = {{ bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }} }}
+analysis = {{ plasticity = {{ bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }},
+             interventions = {{ window = 256, n_docs = 2, depths = [0.5], candidates = 4, random_sets = 1,
+                                bootstrap = 10, remeasure = false }} }}
 """
 
 
@@ -67,7 +69,9 @@ bucket = 8
 dtype = "float32"
 corpora = ["tiny2"]
 capture = {{ heads = 4, per_bucket = 2 }}
-analysis = {{ plasticity = {{ bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }} }}
+analysis = {{ plasticity = {{ bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }},
+             interventions = {{ window = 256, n_docs = 2, depths = [0.5], candidates = 4, random_sets = 1,
+                                bootstrap = 10, remeasure = false }} }}
 checkpoints = [
 {ckpts}
 ]
