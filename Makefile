@@ -8,7 +8,7 @@ export DAGSTER_HOME := $(if $(DAGSTER_POSTGRES_URL),$(CURDIR)/dagster_home/postg
 HOST ?= 127.0.0.1
 PORT ?= 3000
 
-.PHONY: setup demo test ui lint bench bench-gpu browser clean
+.PHONY: setup demo test ui lint bench bench-gpu browser postgres clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml requirements.lock requirements-models.txt
 demo: setup
 	$(BIN)/python -m qk_assets.demo $(ARGS)
 
-test: setup browser
+test: setup browser postgres
 	$(BIN)/ruff check qk_core qk_assets tests bench
 	$(BIN)/python -m pytest
 
@@ -49,6 +49,13 @@ browser:
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium not installed: browser tests will be skipped"; }
+
+# PostgreSQL server binaries for the Ray / Dagster end-to-end test (Debian package; installed when we are root).
+postgres:
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) || \
+	  echo "postgresql not installed: the Ray end-to-end test will fail naming it"; }
 
 clean:
 	rm -rf $(VENV) .cache

@@ -153,19 +153,19 @@ class DagsterServers:
             self.process.wait(timeout=10)
 
 
-def prepare_home(base: Path) -> Path:
-    """``<base>/dagster_home`` with a copy of the project's instance config."""
+def prepare_home(base: Path, instance_config: Path | None = None) -> Path:
+    """``<base>/dagster_home`` with a copy of the project's instance config (or of ``instance_config``)."""
     home = base / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(instance_config or REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     return home
 
 
 @contextmanager
 def dagster_servers(base: Path, env: dict[str, str] | None = None, *, workspace: Path | None = None,
-                    port: int | None = None) -> Iterator[DagsterServers]:
+                    port: int | None = None, instance_config: Path | None = None) -> Iterator[DagsterServers]:
     """Run ``dagster dev`` (webserver + daemon) on 127.0.0.1 for the duration of the block."""
-    home = prepare_home(base)
+    home = prepare_home(base, instance_config)
     port = port or free_port()
     log_path = home / "servers.log"
     full_env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_TELEMETRY_DISABLED": "1",

@@ -23,6 +23,7 @@ import pytest
 import tiny_models as tm
 from ray_cluster import RayCluster, cmdline, descendants, start_cluster, wait_nodes
 from s3 import moto_s3  # noqa: F401  (session fixture)
+from servers import wait_for
 
 from qk_core.capture import capture_model
 from qk_core.capture.sharded import capture_sharded, shard_documents
@@ -153,6 +154,88 @@ def test_dagster_capture_runs_on_the_cluster(lab: dict, monkeypatch: pytest.Monk
             ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
     storage = Storage(root, lab["s3"].endpoint)
     assert assert_bit_identical(lab["ref_storage"], storage, lab["ref"].prefix) > N_DOCS
+
+
+BACKFILL = """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
+  __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message }
+  ... on PartitionKeysNotFoundError { message } ... on InvalidSubsetError { message } } }"""
+
+
+def _backfill(srv: Any, asset: str, partition: str, timeout: float = 400) -> dict:
+    """Launch a one-partition backfill through the webserver; wait for its run (launched by the daemon)."""
+    params = {"partitionNames": [partition], "assetSelection": [{"path": [asset]}], "fromFailure": False}
+
+    def launch() -> str | None:
+        out = srv.graphql(BACKFILL, {"p": params})["launchPartitionBackfill"]
+        return out.get("backfillId")  # None while the sensor has not added the partition yet
+
+    backfill = wait_for(launch, 120, interval=3, what=f"a backfill of {asset}[{partition}]",
+                        on_timeout=srv.log_tail)
+
+    def finished() -> dict | None:
+        runs = [r for r in srv.runs() if r["tags"].get("dagster/backfill") == backfill]
+        done = [r for r in runs if r["status"] in ("SUCCESS", "FAILURE", "CANCELED")]
+        return done[0] if done else None
+
+    return wait_for(finished, timeout, interval=2, what=f"the run of {asset}[{partition}]", on_timeout=srv.log_tail)
+
+
+def _corpus_in_process(lab: dict, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corpus partition written to ``root`` in this process (cheaper than one more daemon-launched run)."""
+    from dagster import DagsterInstance, materialize
+
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.partitions import registry, sync_instance
+    from qk_assets.resources import StorageResource
+
+    monkeypatch.setenv("QK_REGISTRY", str(lab["registry"]))
+    corpus_mod, _ = _reload_assets()
+    try:
+        instance = DagsterInstance.ephemeral()
+        sync_instance(instance, registry())
+        store = StorageResource(root=root, s3_endpoint_url=lab["s3"].endpoint)
+        assert materialize([corpus_mod.corpus], partition_key="tiny", instance=instance,
+                           resources={"storage": store, "io_manager": ParquetIOManager(storage=store)}).success
+    finally:
+        monkeypatch.undo()
+        _reload_assets()
+
+
+def test_run_from_the_webserver_executes_on_the_cluster(lab: dict, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """dagster dev (webserver + daemon) on a real PostgreSQL instance; a backfill's capture run shards onto Ray."""
+    from postgres import postgres_server
+    from servers import dagster_servers
+
+    cluster: RayCluster = lab["cluster"]
+    root = lab["s3"].root("e2e")
+    _corpus_in_process(lab, root, monkeypatch)
+    try:
+        pg = postgres_server()
+        url = pg.__enter__()
+    except RuntimeError as exc:
+        pytest.fail(f"PostgreSQL could not be started: {exc}")
+    try:
+        env = {"DAGSTER_POSTGRES_URL": url, "QK_REGISTRY": str(lab["registry"]), "QK_STORAGE_ROOT": root,
+               "QK_S3_ENDPOINT_URL": lab["s3"].endpoint, "QK_DEVICE": "cpu",
+               "QK_RAY_ADDRESS": f"ray://127.0.0.1:{cluster.client_port}",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        with dagster_servers(tmp_path, env, instance_config=REPO / "dagster_home" / "postgres" / "dagster.yaml") as srv:
+            srv.wait_ready(timeout=300, daemons=("SENSOR", "BACKFILL"))
+            run = _backfill(srv, "qk_capture", "tiny|t-llama")
+            assert run["status"] == "SUCCESS", srv.log_tail()
+        from dagster import DagsterInstance
+
+        os.environ["DAGSTER_POSTGRES_URL"] = url
+        try:
+            with DagsterInstance.from_config(str(REPO / "dagster_home" / "postgres")) as instance:
+                logs = " ".join(e.user_message for e in instance.all_logs(run["run_id"]))
+        finally:
+            os.environ.pop("DAGSTER_POSTGRES_URL", None)
+        assert "sharded capture of 16 documents over 2 Ray tasks" in logs
+    finally:
+        pg.__exit__(None, None, None)
+    assert assert_bit_identical(lab["ref_storage"], Storage(root, lab["s3"].endpoint), lab["ref"].prefix) > N_DOCS
 
 
 def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int, int]:
