@@ -107,7 +107,6 @@ class DagsterAPI:
     def launch_backfill(self, partitions: dict[AssetKey, list[str]], tags: dict[str, str] | None = None) -> str:
         """Launch one asset backfill of exactly these asset partitions; returns its id."""
         params = {
-            "assetSelection": [{"path": k.path} for k in partitions],
             "partitionsByAssets": [{"assetKey": {"path": k.path},
                                     "partitions": {"ranges": [{"start": p, "end": p} for p in parts]}}
                                    for k, parts in partitions.items()],
