@@ -46,7 +46,9 @@ sync_instance(inst, registry())
 every = defs.resolve_implicit_global_asset_job_def()
 traj = [dg.AssetKey("trajectory"), dg.AssetKey("trajectory_profiles")]
 assert every.execute_in_process(partition_key="tiny", asset_selection=[dg.AssetKey("corpus")], instance=inst).success
-per_model = per_model_keys(defs.assets)
+# the capture and its analyses; the intervention study (SPEC 11) is left out: its needle prompt does not fit
+# these checkpoints' 64-token windows, and the trajectory does not read it
+per_model = [k for k in per_model_keys(defs.assets) if not k.path[-1].startswith("intervention_")]
 selected = sorted(k.to_user_string() for k in per_model)
 
 
