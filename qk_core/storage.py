@@ -251,7 +251,12 @@ class Storage:
             return False
         from s3fs.utils import FileExpired  # s3fs is loaded anyway once an S3 root is used
 
-        return isinstance(exc, FileExpired) or isinstance(exc.__cause__, FileExpired)
+        seen: BaseException | None = exc
+        while seen is not None:  # Arrow re-raises a FileExpired from inside a read as a plain OSError: match its text
+            if isinstance(seen, FileExpired) or ("Etag" in str(seen) and "no longer exists" in str(seen)):
+                return True
+            seen = seen.__cause__
+        return False
 
     def parquet_file(self, rel: str, ranged: bool = False) -> pq.ParquetFile:
         """Open ``rel`` for row-group/column access without reading it whole.
