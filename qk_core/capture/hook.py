@@ -80,13 +80,17 @@ def _make_capture_fn(backend: str) -> Callable[..., Any]:
 
 def ensure_registered(backend: str) -> str:
     """Register the capture function (and the backend's mask builder) for ``backend``; return its name."""
+    return register_wrapper(capture_impl_name(backend), backend, _make_capture_fn)
+
+
+def register_wrapper(name: str, inner: str, make_fn: Callable[[str], Callable]) -> str:
+    """Register ``make_fn(inner)`` as attention function ``name``, with ``inner``'s mask builder (once)."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    name = capture_impl_name(backend)
     if name not in _REGISTERED:
-        AttentionInterface.register(name, _make_capture_fn(backend))
-        mask_fn = AttentionMaskInterface._global_mapping.get(backend)
+        AttentionInterface.register(name, make_fn(inner))
+        mask_fn = AttentionMaskInterface._global_mapping.get(inner)
         if mask_fn is not None:
             AttentionMaskInterface.register(name, mask_fn)
         _REGISTERED.add(name)

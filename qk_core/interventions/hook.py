@@ -27,11 +27,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from qk_core.capture.hook import _backend_fn, _impl_name
+from qk_core.capture.hook import _backend_fn, _impl_name, register_wrapper
 
 PREFIX = "qkinterv_"
 _ACTIVE: ContextVar[InterventionSession | None] = ContextVar("qk_intervention_session", default=None)
-_REGISTERED: set[str] = set()
 
 Kind = Literal["none", "ablate", "debias"]
 
@@ -141,17 +140,7 @@ def _make_fn(inner: str) -> Callable[..., Any]:
 
 def ensure_registered(inner: str) -> str:
     """Register the intervention function wrapping ``inner`` (and ``inner``'s mask builder); return its name."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    name = intervention_impl_name(inner)
-    if name not in _REGISTERED:
-        AttentionInterface.register(name, _make_fn(inner))
-        mask_fn = AttentionMaskInterface._global_mapping.get(inner)
-        if mask_fn is not None:
-            AttentionMaskInterface.register(name, mask_fn)
-        _REGISTERED.add(name)
-    return name
+    return register_wrapper(intervention_impl_name(inner), inner, _make_fn)
 
 
 class InterventionSession:
