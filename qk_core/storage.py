@@ -15,7 +15,9 @@ import contextlib
 import io
 import json
 import os
+import random
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -217,7 +219,13 @@ class Storage:
     # points to); on S3 a whole-object read is one GET (one object version), and a ranged reader is
     # pinned to the ETag it opened (s3fs sends If-Match), so a replacement makes it fail with
     # FileExpired instead of mixing versions; such reads are retried on the new version.
-    REPLACED_RETRIES = 8
+    REPLACED_RETRIES = 12
+
+    @staticmethod
+    def _backoff(attempt: int) -> None:
+        """Wait a jittered, growing moment before retrying a read whose object was replaced: a writer
+        replacing the file in a tight loop would otherwise keep winning the race (about 3 s at most)."""
+        time.sleep(random.uniform(0.5, 1.0) * min(0.5, 0.005 * 2**attempt))
 
     def read_bytes(self, rel: str) -> bytes:
         try:
@@ -275,6 +283,7 @@ class Storage:
                 raise StorageError(f"{self.uri(rel)}: no such file") from exc
             except (pa.ArrowInvalid, OSError) as exc:
                 if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
+                    self._backoff(attempt)
                     continue
                 raise StorageError(f"{self.uri(rel)}: not a readable Parquet file ({exc})") from exc
         raise AssertionError("unreachable")
@@ -286,6 +295,7 @@ class Storage:
                 return fn(self.parquet_file(rel, ranged=ranged))
             except (pa.ArrowInvalid, OSError) as exc:
                 if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
+                    self._backoff(attempt)
                     continue
                 if isinstance(exc, StorageError):
                     raise
