@@ -75,6 +75,10 @@ class RayClusterResource(RayResource):
     def connect(self, context):  # type: ignore[no-untyped-def]
         return super().connect(context) if self.enabled else None
 
+    def on_connect(self, context):  # type: ignore[no-untyped-def]
+        if self.enabled:  # without a cluster nothing connected: say nothing
+            super().on_connect(context)
+
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "RayClusterResource":
         settings = settings or Settings.from_env()

@@ -10,7 +10,7 @@ a fraction of the same-position pair-difference energy E|delta|^2.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import scipy.linalg
 
+from qk_core.blas import blas_threads
 from qk_core.capture_store import HeadData
 from qk_core.metrics import metric_row, metrics_frame, options_json
 from qk_core.options_schema import STRICT_TABLE, Bool, PosInt, UnitFloat
@@ -29,6 +30,7 @@ from qk_core.pca import (
     PooledMoments,
     first_int,
     head_columns,
+    iter_capture_heads,
     kind_moments,
     options_from_dict,
     pca_head,
@@ -38,6 +40,7 @@ from qk_core.pca import (
     run_options,
     validate_head,
 )
+from qk_core.storage import Storage
 from qk_core.summaries import layer_and_model_summary, ok_mask
 
 SEPARATION_AXES = ("centroid", "eigen")
@@ -442,6 +445,25 @@ def run_rotation(model: str, heads: Iterable[HeadItem], options: RotationOptions
     """
     out = run_geometry(model, heads, None, options or RotationOptions(), keep_points)
     return out["rotation"]
+
+
+def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca_options: PCAOptions | None,
+                        rotation_options: RotationOptions | None, keep_points: int = 400, blas: int | None = 1,
+                        progress: Callable[[int, int], None] | None = None) -> dict[str, tuple]:
+    """:func:`run_geometry` over the heads a ``qk_capture`` table lists, read from ``storage`` one at a time:
+    self-contained, so it can run as one task on any worker that reaches the storage root
+    (:func:`qk_core.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
+    items = iter_capture_heads(storage, capture)
+    if progress is not None:
+        items = _counted(items, len(capture), progress)
+    with blas_threads(blas):
+        return run_geometry(model, items, pca_options, rotation_options, keep_points=keep_points)
+
+
+def _counted(items: Iterable[HeadItem], total: int, progress: Callable[[int, int], None]) -> Iterator[HeadItem]:
+    for i, item in enumerate(items, 1):
+        progress(i, total)
+        yield item
 
 
 def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions | None,

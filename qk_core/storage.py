@@ -78,6 +78,10 @@ class Storage:
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
+    def __reduce__(self) -> tuple:
+        """Pickled (e.g. into a Ray task) as its root and endpoint URL only: never a session or credentials."""
+        return (Storage, (self.url, self.s3_endpoint_url))
+
     # ---- paths -------------------------------------------------------------------------------
     def full(self, rel: str) -> str:
         """The backend path of ``rel`` (no scheme for S3, as fsspec expects)."""

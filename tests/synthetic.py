@@ -259,7 +259,7 @@ def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]],
 
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import model_corpus_partitions
-    from qk_assets.resources import StorageResource
+    from qk_assets.resources import RayClusterResource, StorageResource
     from qk_core.storage import Storage
 
     storage = Storage(root)
@@ -272,4 +272,5 @@ def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]],
         raise AssertionError("the upstream is read from storage, never recomputed here")
 
     res = StorageResource(root=str(root))
-    return storage, {"storage": res, "io_manager": ParquetIOManager(storage=res)}, capture_stand_in
+    return storage, {"storage": res, "io_manager": ParquetIOManager(storage=res), "ray": RayClusterResource()}, \
+        capture_stand_in

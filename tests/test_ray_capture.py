@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pandas as pd
 import pytest
 import tiny_models as tm
 from ray_cluster import RayCluster, cmdline, descendants, start_cluster, wait_nodes
@@ -107,12 +108,12 @@ def test_sharded_capture_equals_single_worker(lab: dict) -> None:
     assert again.already_complete
 
 
-def _reload_assets() -> tuple[ModuleType, ModuleType]:
+def _reload_assets(*more: str) -> tuple[ModuleType, ...]:
     from qk_assets import partitions
 
     partitions.registry.cache_clear()
-    return (importlib.reload(importlib.import_module("qk_assets.assets.corpus")),
-            importlib.reload(importlib.import_module("qk_assets.assets.capture")))
+    return tuple(importlib.reload(importlib.import_module(f"qk_assets.assets.{name}"))
+                 for name in ("corpus", "capture", *more))
 
 
 def test_dagster_capture_runs_on_the_cluster(lab: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,6 +155,70 @@ def test_dagster_capture_runs_on_the_cluster(lab: dict, monkeypatch: pytest.Monk
             ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
     storage = Storage(root, lab["s3"].endpoint)
     assert assert_bit_identical(lab["ref_storage"], storage, lab["ref"].prefix) > N_DOCS
+
+
+def test_analyses_run_as_cpu_tasks_on_the_cluster(lab: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Geometry and plasticity with the Ray resource set: each runs as one CPU task (no GPU) on a cluster node,
+    reading the capture from S3, and returns the same tables as the same analysis run in this process."""
+    import ray
+    from dagster import AssetKey, DagsterInstance, materialize
+
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+    from qk_core.plasticity import analyse_capture
+    from qk_core.rotation import geometry_of_capture
+
+    cluster: RayCluster = lab["cluster"]
+    root = lab["s3"].root("analyses")
+    monkeypatch.setenv("QK_REGISTRY", str(lab["registry"]))
+    corpus_mod, capture_mod, geometry_mod, plasticity_mod = _reload_assets("geometry", "plasticity")
+    from qk_assets.partitions import registry, sync_instance
+
+    instance = DagsterInstance.ephemeral()
+    sync_instance(instance, registry())
+    ray.shutdown()  # the steps connect by themselves, through the Ray Client server of the head
+    key = "tiny|t-llama"
+    try:
+        store = StorageResource(root=root, s3_endpoint_url=lab["s3"].endpoint)
+        resources = {"storage": store, "io_manager": ParquetIOManager(storage=store),
+                     "device": TorchDeviceResource(device="cpu"),
+                     "ray": RayClusterResource(address=f"ray://127.0.0.1:{cluster.client_port}")}
+        assets = [corpus_mod.corpus, capture_mod.qk_capture, geometry_mod.geometry, plasticity_mod.plasticity]
+        assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
+                           instance=instance).success
+        assert materialize(assets, selection=[AssetKey("qk_capture")], partition_key=key, resources=resources,
+                           instance=instance).success
+        selection = [AssetKey("rotation_heads"), *plasticity_mod.plasticity.keys]
+        result = materialize(assets, selection=selection, partition_key=key, resources=resources,
+                             instance=instance)
+        assert result.success
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+        placed = [m for m in logs if " heads on Ray node " in m]
+        assert len(placed) == 2, logs  # geometry and plasticity, each one task on a node of the cluster
+        rotation = result.output_for_node("geometry", "rotation_heads")
+        plast = result.output_for_node("plasticity", "plasticity_heads")
+        metrics = result.output_for_node("plasticity", "plasticity_metrics")
+        opts = plasticity_mod.plasticity_options("t-llama")  # the options the assets used (tiny registry)
+        rot_opts = geometry_mod.resolve_options("t-llama", geometry_mod.GeometryConfig())[1]
+    finally:
+        monkeypatch.undo()
+        _reload_assets("geometry", "plasticity")
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    node_ids = {n["NodeID"][:12] for n in ray.nodes() if n["Alive"]}
+    assert all(m.split(" heads on Ray node ")[1].split()[0] in node_ids for m in placed)
+    # the same analyses in this process (no task) over the same stored capture: identical tables
+    ray.shutdown()
+    try:
+        storage = Storage(root, lab["s3"].endpoint)  # the capture the cluster wrote, read here
+        heads = sorted((int(r.layer), int(r.q_head)) for r in lab["ref"].heads.itertuples())
+        local = analyse_capture("t-llama", storage, lab["ref"].prefix, heads, opts)
+        geo = geometry_of_capture("t-llama", storage, lab["ref"].heads, None, rot_opts)
+    finally:
+        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    pd.testing.assert_frame_equal(plast.reset_index(drop=True), local.heads.reset_index(drop=True))
+    pd.testing.assert_frame_equal(metrics.reset_index(drop=True), local.metrics.reset_index(drop=True))
+    pd.testing.assert_frame_equal(rotation.reset_index(drop=True), geo["rotation"][0].reset_index(drop=True))
 
 
 BACKFILL = """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {

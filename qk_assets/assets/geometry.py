@@ -29,10 +29,10 @@ from dagster import (
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
-from qk_assets.resources import StorageResource
-from qk_core.blas import blas_threads
-from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions, iter_capture_heads
-from qk_core.rotation import ROTATION_UNITS, RotationOptions, run_geometry
+from qk_assets.resources import RayClusterResource, StorageResource
+from qk_core.cluster import on_cpu_worker
+from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions
+from qk_core.rotation import ROTATION_UNITS, RotationOptions, geometry_of_capture
 from qk_core.summaries import missing_heads, skipped_summary
 
 GROUP = "geometry"
@@ -82,13 +82,12 @@ def resolve_options(model_key: str, config: GeometryConfig) -> tuple[PCAOptions,
     return PCAOptions.from_dict(picked["pca"]), RotationOptions.from_dict(picked["rotation"])
 
 
-def logged(context: AssetExecutionContext, items, total: int, label: str):
-    """Pass items through, logging progress every ~10 %."""
-    step = max(1, total // 10)
-    for i, item in enumerate(items, 1):
-        if i % step == 0 or i == total:
+def progress_logger(context: AssetExecutionContext, label: str):
+    """A ``progress(i, total)`` callback logging every ~10 % of the heads."""
+    def progress(i: int, total: int) -> None:
+        if i % max(1, total // 10) == 0 or i == total:
             context.log.info(f"{label}: {i}/{total} heads")
-        yield item
+    return progress
 
 
 def units_table(units: dict[str, str]) -> MetadataValue:
@@ -150,17 +149,21 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
     can_subset=True,
 )
 def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: StorageResource,
-             qk_capture: pd.DataFrame):
+             ray: RayClusterResource, qk_capture: pd.DataFrame):
     """Combined Q+K PCA and planar rotation of every sampled head of one model, with figures (SPEC 2, 3, 7)."""
     model, corpus = split_key(context.partition_key)
     selected = set(context.selected_output_names)
     pca_opts, rot_opts = resolve_options(model, config)
     do_pca, do_rot = bool(selected & set(PCA_OUTS)), bool(selected & set(ROTATION_OUTS))
     store = storage.get()
-    items = logged(context, iter_capture_heads(store, qk_capture), len(qk_capture), f"geometry {model} on {corpus}")
-    with blas_threads(config.blas_threads):
-        out = run_geometry(model, items, pca_opts if do_pca else None, rot_opts if do_rot else None,
-                           keep_points=config.plane_points)
+    label = f"geometry {model} on {corpus}"
+    placed = on_cpu_worker(  # a CPU task on the Ray cluster when connected (issue 12), else here
+        geometry_of_capture, model, store, qk_capture, pca_opts if do_pca else None, rot_opts if do_rot else None,
+        keep_points=config.plane_points, blas=config.blas_threads,
+        progress=None if ray.enabled else progress_logger(context, label), cluster=ray.enabled,
+        name=f"qk_geometry:{model}:{corpus}")
+    context.log.info(f"{label}: {len(qk_capture)} heads on {placed.where}")
+    out = placed.value
     from qk_core.plots import geometry as plots  # matplotlib only when the asset runs
 
     if do_pca:

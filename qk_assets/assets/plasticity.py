@@ -43,9 +43,10 @@ from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
-from qk_assets.resources import StorageResource
+from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.capture_store import CaptureError, CaptureReader
-from qk_core.plasticity import PlasticityOptions, analyse_model
+from qk_core.cluster import on_cpu_worker
+from qk_core.plasticity import PlasticityOptions, analyse_capture
 
 GROUP = "plasticity"
 # every output: eager (new partitions and upstream updates; model_automation_sensor)
@@ -109,7 +110,7 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
     can_subset=False,
 )
 def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage: StorageResource,
-               qk_capture: pd.DataFrame):
+               ray: RayClusterResource, qk_capture: pd.DataFrame):
     """Attention plasticity of every sampled head of one model (SPEC 4), with figures (SPEC 7)."""
     model, corpus = split_key(context.partition_key)
     overrides = {k: v for k, v in config.model_dump().items() if v is not None}
@@ -122,7 +123,6 @@ def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage
         raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
     reader = CaptureReader(store, prefixes[0])
     L, B = reader.window, reader.bucket
-    doc_ids = reader.doc_tokens()["example_id"].to_numpy()
     heads = [(int(r.layer), int(r.q_head)) for r in qk_capture.sort_values(["layer", "q_head"]).itertuples()]
     step = max(1, len(heads) // 10)
 
@@ -130,7 +130,11 @@ def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage
         if (i + 1) % step == 0 or i + 1 == len(heads):
             context.log.info(f"plasticity {model}: {i + 1}/{len(heads)} heads")
 
-    result = analyse_model(model, heads, reader.read_head, doc_ids, L, B, opts, progress=progress)
+    placed = on_cpu_worker(  # a CPU task on the Ray cluster when connected (issue 12), else here
+        analyse_capture, model, store, prefixes[0], heads, opts, progress=None if ray.enabled else progress,
+        cluster=ray.enabled, name=f"qk_plasticity:{model}:{corpus}")
+    context.log.info(f"plasticity {model} on {corpus}: {len(heads)} heads on {placed.where}")
+    result = placed.value
     record = result.options
     h = result.heads
     skipped = h.loc[h["status"] != "ok", "status"].value_counts().to_dict() if len(h) else {}

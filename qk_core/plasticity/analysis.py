@@ -26,7 +26,7 @@ import pandas as pd
 from scipy import stats
 
 from qk_core.blas import blas_threads as limit_blas
-from qk_core.capture_store import CaptureError, HeadData
+from qk_core.capture_store import CaptureError, CaptureReader, HeadData
 from qk_core.metrics import metric_row, metrics_frame
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.bootstrap import (
@@ -40,7 +40,7 @@ from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.options import PlasticityOptions, n_buckets
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_query_model
-from qk_core.storage import StorageError
+from qk_core.storage import Storage, StorageError
 from qk_core.summaries import require_complete
 
 FIRST_BUCKET = "first_bucket"
@@ -458,3 +458,12 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
             rows.append(metric_row(model_key, METRIC_NAMES.get(col, col), heads_df[col], unit=unit,
                                    options=record, lo=lo, hi=hi))
     return metrics_frame(rows)
+
+
+def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[tuple[int, int]],
+                    opts: PlasticityOptions, progress: Callable[[int, HeadResult], None] | None = None) -> ModelResult:
+    """:func:`analyse_model` over the capture stored at ``prefix``: self-contained (reader opened here), so
+    it can run as one task on any worker that reaches the storage root (:func:`qk_core.cluster.on_cpu_worker`)."""
+    reader = CaptureReader(storage, prefix)
+    doc_ids = reader.doc_tokens()["example_id"].to_numpy()
+    return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress)
