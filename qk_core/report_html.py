@@ -27,6 +27,7 @@ from qk_core.report_tables import (
     Cell,
     Entries,
     Table,
+    cross_corpus_tables,
     fmt_time,
     is_metrics_frame,
     metadata_entries,
@@ -143,6 +144,12 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "mu_Q^a * alpha_K > 0 means recency. Two diagnostics per head can fail: split-half stability "
                 "|cos(a_even, a_odd)| of the axes fitted on even and odd documents, and position capture "
                 "R^2(t ~ x.a) / R^2(t ~ x); their thresholds are in the options.", (r"^rotation",)),
+    SectionSpec("corpora", "Model or text? One model on several corpora", "SPEC 10",
+                "Each model with two or more corpora is captured and analysed on each; its plasticity and "
+                "positional bias are compared between the corpora, documents resampled within each corpus. A "
+                "difference whose 95% interval excludes 0 is the text's; one that covers 0 within a small "
+                "fraction of the value is the model's; otherwise the data cannot tell. Per head: are the same "
+                "heads plastic (and biased) on every corpus?", (r"^cross_corpus",), "cross_corpus.html.j2"),
     SectionSpec("across", "Across models", "SPEC 7",
                 "Figures that compare the models with each other and with the thesis's reference models.",
                 (r"^geometry", r"across", r"cross_model", r"^figures")),
@@ -197,6 +204,12 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
      "drift axes fitted on even and odd document ids (near 1 = stable, near 0 = noise) and position capture "
      "R^2(t ~ x.a) / R^2(t ~ x) over the pooled Q+K cloud (1 = a carries all linearly decodable position); "
      "dashed: the pass thresholds (options stability_min, capture_min)."),
+    (r"^cross_corpus", r"profiles", "Mean plasticity profile over heads on each corpus (AP against the query "
+     "position tau in tokens), bands: 95% document bootstrap within the corpus (SPEC 10)."),
+    (r"^cross_corpus", r"differences", "AP_overall, AP_drop (AP) and bias_strength (per token) per corpus and the "
+     "between-corpus differences (diamonds) with 95% intervals; the verdict under each difference (SPEC 10)."),
+    (r"^cross_corpus", r"heads", "Per-head AP_overall and bias_strength on the first corpus (x) against each other "
+     "corpus (y), with Spearman rho over heads, p and n; dashed: equal values (SPEC 10)."),
     (r"geometry", r"roles", "PC roles across models (thesis Fig. 6.1): share of heads per PC0 class."),
     (r"geometry", r"rq_rk|r_q_a", "|r_q_a| vs |r_k_a| per model (thesis Fig. 6.2): position correlation of the "
      "query and key projections on the drift axis."),
@@ -353,6 +366,11 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
         if asset == "model_report" and None in present and is_metrics_frame(present[None]):
             joins = inputs.tables.get("benchmark_joins", {}).get(None)
             view.lead += summary_tables(present[None], joins, model_order)
+        elif sec.id == "corpora" and asset == "cross_corpus_verdicts":
+            for p in _part_order(present, model_order):
+                view.lead += cross_corpus_tables(
+                    str(p), inputs.tables.get("cross_corpus_metrics", {}).get(p),
+                    inputs.tables.get("cross_corpus_correlations", {}).get(p), present[p])
         elif asset == "benchmark_stats" and None in present:
             table = stats_table(present[None])
             if table is not None:
@@ -366,7 +384,7 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
             df = present[p]
             label = f"{asset}[{p}]" if p else asset
             total = int(df.attrs.get("total_rows", len(df)))
-            if total <= 12 and len(df.columns) <= 12 and sec.id != "models" and asset not in (
+            if total <= 12 and len(df.columns) <= 12 and sec.id not in ("models", "corpora") and asset not in (
                     "model_report", "benchmark_stats"):
                 view.small_tables.append((label, preview_table(df, links.get(p, ""))))
             else:

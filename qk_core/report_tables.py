@@ -352,6 +352,56 @@ def stats_table(stats: pd.DataFrame) -> Table | None:
         "never mixed."))
 
 
+# ---- one model on several corpora (SPEC 10) -----------------------------------------------------
+def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: pd.DataFrame | None,
+                        verdicts: pd.DataFrame | None) -> list[tuple[str, Table]]:
+    """(title, table) for one model: the statements with their verdicts, the model values per corpus beside
+    the differences (value [95% interval]), and the per-head correlations with n and exact / MC p."""
+    out: list[tuple[str, Table]] = []
+    if verdicts is not None and {"scope", "metric", "verdict", "statement"} <= set(verdicts.columns) and len(verdicts):
+        rows = [[Cell(str(r["scope"])), Cell(str(r["metric"]), bold=True), Cell(str(r["verdict"]), bold=True),
+                 Cell(str(r["statement"]))] for r in verdicts.to_dict("records")]
+        out.append((f"{model}: how much is the model's and how much the text's",
+                    Table(["scope", "metric", "verdict", "statement"], rows, cls="wrap", caption=(
+                        "model value: 'text' = the difference's 95% interval excludes 0; 'model' = it covers 0 and "
+                        "stays within the options' same_within of the value; 'cannot tell' otherwise. per head: "
+                        "Spearman rho over the heads with a value on both corpora; shares of the per-head "
+                        "variance over heads and corpora (which head / which corpus / the rest)."))))
+    if metrics is not None and len(metrics) and {"kind", "corpus", "metric", "value", "lo", "hi"} <= set(metrics):
+        corpora = list(dict.fromkeys(metrics.loc[metrics["kind"] == "corpus", "corpus"]))
+        diffs = metrics[metrics["kind"] == "difference"]
+        pairs = list(dict.fromkeys(zip(diffs["corpus"], diffs["reference"], strict=True)))
+        rows = []
+        for metric, sub in metrics.groupby("metric", sort=False):
+            row = [Cell(str(metric), bold=True), Cell(str(sub["unit"].iloc[0]))]
+            for c in corpora:
+                r = sub[(sub["kind"] == "corpus") & (sub["corpus"] == c)]
+                row.append(interval_cell(r["value"].iloc[0], r["lo"].iloc[0], r["hi"].iloc[0],
+                                         note=f"n {int(r['n_heads'].iloc[0])} heads, {int(r['n_docs'].iloc[0])} docs")
+                           if len(r) else Cell(num=True))
+            for c, ref in pairs:
+                r = sub[(sub["kind"] == "difference") & (sub["corpus"] == c) & (sub["reference"] == ref)]
+                row.append(interval_cell(r["value"].iloc[0], r["lo"].iloc[0], r["hi"].iloc[0],
+                                         note=str(r["verdict"].iloc[0])) if len(r) else Cell(num=True))
+            rows.append(row)
+        out.append((f"{model}: model values per corpus and differences", Table(
+            ["metric", "unit", *corpora, *(f"{c} - {ref}" for c, ref in pairs)], rows, caption=(
+                "mean over heads [95% document-bootstrap interval]; differences: documents resampled within each "
+                "corpus, independently"))))
+    if correlations is not None and len(correlations) and "spearman_rho" in correlations:
+        rows = []
+        for r in correlations.to_dict("records"):
+            p = format_p(r["spearman_p"], str(r["spearman_method"]), int(r["spearman_permutations"] or 0))
+            rows.append([Cell(str(r["metric"]), bold=True), Cell(f"{r['reference']} vs {r['corpus']}"),
+                         Cell(str(int(r["n_heads"])), num=True), Cell(fmt_num(r["spearman_rho"]), num=True),
+                         Cell(p, note=str(r["spearman_method"])), Cell(fmt_num(r["share_head"]), num=True),
+                         Cell(fmt_num(r["share_corpus"]), num=True), Cell(fmt_num(r["share_rest"]), num=True)])
+        out.append((f"{model}: the same heads on every corpus?", Table(
+            ["metric", "corpora", "n heads", "Spearman ρ", "p", "share: head", "share: corpus", "share: rest"], rows,
+            caption="share = fraction of the two-way sum of squares over heads x corpora")))
+    return out
+
+
 # ---- registry entries -------------------------------------------------------------------------
 def _sampler(cap: dict[str, Any]) -> str:
     name = str(cap.get("position_sampler", ""))

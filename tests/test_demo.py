@@ -213,10 +213,14 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("  run ")]
-    assert "corpus[sotu-demo]" in lines
+    assert "corpus[sotu-demo]" in lines and "corpus[code-demo]" in lines
     parts = {ln.split("[", 1)[1].rstrip("]") for ln in lines if "[" in ln}
-    assert parts <= {"sotu-demo", "sotu-demo|smollm2-135m", "sotu-demo|gemma3-270m",
-                     *load_registry(REPO / "data" / "registry.toml").series}
+    demo_models = {"smollm2-135m", "gemma3-270m"}
+    # both demo models on both corpora (SPEC 10), their cross-corpus comparison, and the series
+    assert parts <= {"sotu-demo", "code-demo", *(f"{c}|{m}" for c in ("sotu-demo", "code-demo") for m in demo_models),
+                     *demo_models, *load_registry(REPO / "data" / "registry.toml").series}
+    assert {f"cross_corpus_metrics[{m}]" for m in demo_models} <= set(lines)
+    assert {f"intervention_trials[code-demo|{m}]" for m in demo_models} <= set(lines)  # empty: not run there
     assert not (tmp_path / "storage" / "assets").exists()  # dry run: nothing written
     assert json.dumps(lines)  # plan printed
     assert REPORT_KEY.to_user_string() in proc.stdout or "report_html" not in proc.stdout

@@ -1,10 +1,10 @@
 """``make demo`` end to end on the real code location, with two tiny local models as the demo group.
 
 ``python -m qk_assets.demo`` runs in a fresh process against a temporary registry (two tiny models of
-different families in the ``demo`` group, a local corpus), storage root and Dagster instance: every stage
-(corpus, capture, PCA, rotation, plasticity, benchmarks, model report, joins, cross-model figures)
-materialises, the report is built with every figure resolving in Chromium, and a second run computes
-nothing.
+different families in the ``demo`` group, each on two local corpora), storage root and Dagster instance:
+every stage (corpora, captures, PCA, rotation, plasticity, the cross-corpus comparison, benchmarks, model
+report, joins, cross-model figures) materialises, the report is built with every figure resolving in
+Chromium, and a second run computes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from chromium import probe_images
 from tiny_models import build_tiny_model, sample_texts, write_corpus_jsonl, write_registry
@@ -25,6 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = {"tiny-llama": "llama", "tiny-qwen": "qwen3"}
 PER_MODEL = ("qk_capture", "pca_heads", "pca_metrics", "rotation_heads", "rotation_metrics", "plasticity_heads",
              "plasticity_profiles", "plasticity_metrics")
+CORPORA = ("tiny", "tiny-code")  # SPEC 10: every model on two corpora; the intervention study on the first only
+CROSS = ("cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_profiles", "cross_corpus_verdicts")
 
 
 def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -42,13 +45,16 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         build_tiny_model(family, tmp / key, seed=i)
         models[key] = {"family": family, "source": {"local": str(tmp / key)}, "window": 64, "bucket": 8,
                        "dtype": "float32", "groups": ["demo"], "capture": {"heads": 6, "per_bucket": 2},
+                       "corpora": list(CORPORA),
                        "analysis": {"plasticity": {"bootstrap": 20, "pairs_per_bucket": 64,
                                                    "min_queries_per_bucket": 4},
                                     # a probe window that fits the needle prompt of SPEC 11 (bytes as tokens)
                                     "interventions": {"window": 256, "n_docs": 2, "depths": [0.5], "candidates": 4,
-                                                      "random_sets": 1, "bootstrap": 20, "remeasure": False}}}
+                                                      "random_sets": 1, "bootstrap": 20, "remeasure": False,
+                                                      "corpora": [CORPORA[0]]}}}
     corpus = write_corpus_jsonl(tmp / "corpus.jsonl", sample_texts(8, 120, seed=5))
-    write_registry(tmp / "registry.toml", models, corpus)
+    second = write_corpus_jsonl(tmp / "corpus2.jsonl", sample_texts(6, 100, seed=11))
+    write_registry(tmp / "registry.toml", models, corpus, extra_corpora={CORPORA[1]: second})
     # the shipped alias table names the study models; this registry's models get their own (a user's
     # file of that name is never overwritten by the seeds)
     (tmp / "storage" / "benchmarks").mkdir(parents=True)
@@ -71,14 +77,24 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> 
     assert "0 asset partition(s) failed or skipped" in out
     for key in MODELS:
         for asset in PER_MODEL:
-            assert (storage / "assets" / asset / key / "tiny.parquet").is_file(), (asset, key)
+            for corpus in CORPORA:
+                assert (storage / "assets" / asset / key / f"{corpus}.parquet").is_file(), (asset, key, corpus)
+        for asset in CROSS:
+            assert (storage / "assets" / asset / f"{key}.parquet").is_file(), (asset, key)
+        verdicts = pd.read_parquet(storage / "assets" / "cross_corpus_verdicts" / f"{key}.parquet")
+        assert set(verdicts["scope"]) == {"model value", "per head"}, verdicts
+        # the intervention study ran on the first corpus only; on the second its outputs say why
+        not_run = pd.read_parquet(storage / "assets" / "intervention_verdicts" / key / f"{CORPORA[1]}.parquet")
+        assert not_run["verdict"].tolist() == ["not run"] and "analysis.interventions.corpora" in \
+            not_run["statement"].iloc[0]
     for asset in ("model_report", "benchmark_scores", "benchmark_joins", "benchmark_stats", "geometry_figures",
                   "report_html"):
         assert (storage / "assets" / asset / "_all.parquet").is_file(), asset
     # one run per partition set, in dependency order: corpus, each model, unpartitioned, then the report
     runs = re.findall(r"^\[run \d+\] (\S+): (.*)$", out, re.M)
     starts = [part for part, what in runs if not what.startswith(("ok", "FAILED"))]
-    assert starts[0] == "tiny" and starts[1:3] == [f"tiny|{m}" for m in MODELS] and starts[-1] == "unpartitioned"
+    assert starts[:2] == list(CORPORA) and starts[-1] == "unpartitioned"
+    assert starts[2:6] == [f"{c}|{m}" for m in MODELS for c in CORPORA] and starts[6:8] == list(MODELS)
     assert [what for part, what in runs if not what.startswith(("ok", "FAILED"))][-1] == "report_html"
     assert f"report: {(storage / 'report' / 'index.html').as_uri()}" in out
 
@@ -88,7 +104,8 @@ def test_report_shows_figures_of_every_stage(demo_run: dict) -> None:
     text = page.read_text()
     srcs = re.findall(r'<img src="([^"]+)"', text)
     stages = {s.split("/")[1] for s in srcs}
-    assert {"pca", "rotation", "plasticity", "geometry"} <= stages, stages
+    assert {"pca", "rotation", "plasticity", "geometry", "cross_corpus"} <= stages, stages
+    assert 'id="corpora"' in text and "how much is the model's and how much the text's" in text
     for key in MODELS:
         assert any(f"/{key}/" in s for s in srcs), key
     assert '<div class="missing">' not in text.split('id="trajectory"')[0]  # every demo stage is there
@@ -121,9 +138,10 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
         plan = demo(env, "--dry-run").stdout
         runs = {ln.split()[1]: ln.split(None, 2)[2] for ln in plan.splitlines() if ln.startswith("  run ")}
         stale = {k for k, r in runs.items() if r.startswith(("stale", "missing"))}
-        assert stale == {"qk_capture[tiny|tiny-llama]"}, runs
+        assert stale == {f"qk_capture[{c}|tiny-llama]" for c in CORPORA}, runs
         assert "registry_entry[tiny|tiny-llama]" in runs["qk_capture[tiny|tiny-llama]"]
-        assert {"plasticity_metrics[tiny|tiny-llama]", "model_report", "report_html"} <= set(runs)
+        assert {"plasticity_metrics[tiny|tiny-llama]", "cross_corpus_metrics[tiny-llama]", "model_report",
+                "report_html"} <= set(runs)
         assert not any("tiny-qwen" in k for k in runs)
         keys = {AssetKey(k.split("[")[0]): [k.split("[")[1].rstrip("]")] if "[" in k else [None] for k in runs}
         old = {k: os.environ.get(k) for k in env}

@@ -110,6 +110,9 @@ MODEL = '[models.m]\nfamily="llama"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\n
         ('descripton="typo"\n', "m", "descripton", "unknown"),
         ('tokenizer={hub="a/b", revison="x"}\n', "m", "tokenizer.revison", "unknown"),
         ('source={hub="a/b", local="x"}\n', "m", "source", "exactly one"),
+        ('analysis={interventions={corpora=["zz"]}}\n', "m", "analysis.interventions.corpora",
+         "not one of the model's corpora"),
+        ('analysis={interventions={corpora="c"}}\n', "m", "analysis.interventions.corpora", "valid tuple"),
     ],
 )
 def test_schema_rejects_wrong_types_ranges_and_unknown_keys(tmp_path: Path, extra: str, entry: str, field: str,

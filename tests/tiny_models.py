@@ -155,8 +155,9 @@ def sample_texts(n: int, n_chars: int, seed: int = 0) -> list[str]:
 
 
 def write_registry(path: str | Path, models: dict[str, dict[str, Any]], corpus_file: str | Path,
-                   corpus_name: str = "tiny") -> Path:
-    """A registry TOML with one ``local_file`` corpus and the given model tables (values TOML-encoded)."""
+                   corpus_name: str = "tiny", extra_corpora: dict[str, str | Path] | None = None) -> Path:
+    """A registry TOML with one ``local_file`` corpus (plus ``extra_corpora``: name -> file, for models that list
+    several in their ``corpora``) and the given model tables (values TOML-encoded)."""
     def val(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -168,8 +169,9 @@ def write_registry(path: str | Path, models: dict[str, dict[str, Any]], corpus_f
             return "[" + ", ".join(val(x) for x in v) + "]"
         return str(v)
 
-    lines = [f'[corpora.{corpus_name}]', 'kind = "local_file"', f"path = {json.dumps(str(corpus_file))}",
-             "n_docs = 1000", ""]
+    lines = []
+    for name, file in {corpus_name: corpus_file, **(extra_corpora or {})}.items():
+        lines += [f'[corpora.{name}]', 'kind = "local_file"', f"path = {json.dumps(str(file))}", "n_docs = 1000", ""]
     for key, fields in models.items():
         lines.append(f'[models."{key}"]')
         lines += [f"{k} = {val(v)}" for k, v in {"corpus": corpus_name, **fields}.items()]

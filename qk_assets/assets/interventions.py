@@ -18,6 +18,8 @@ device resource (pool ``gpu``), reads the pair's corpus (the haystacks), its cap
 
 Options: :class:`qk_core.interventions.options.InterventionOptions` defaults < the registry entry's
 ``analysis.interventions`` table < the run config (the demo models' registry entries hold reduced settings).
+On a corpus its ``corpora`` option leaves out (SPEC 10: the demo runs the study on its prose corpus only)
+the outputs are empty - the verdicts say why in one row - and no model is loaded.
 """
 
 import pandas as pd
@@ -92,6 +94,9 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
             f"lists {list(entry.corpora)})"))
     overrides = {k: v for k, v in config.model_dump().items() if v is not None}
     opts = InterventionOptions.from_analysis(entry.analysis, **overrides)
+    if not opts.runs_on(corpus_name):
+        yield from _not_run(model, corpus_name, opts)
+        return
     popts = PlasticityOptions.from_analysis(entry.analysis)
     prefixes = sorted(set(qk_capture["capture_prefix"].astype(str))) if len(qk_capture) else []
     if len(prefixes) != 1:
@@ -128,3 +133,24 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
     yield Output(res.verdicts, output_name="intervention_verdicts", metadata={
         **common, "statements": MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
                                                            for r in res.verdicts.itertuples()) or "(none)")})
+
+
+OUTPUTS = ("intervention_trials", "intervention_summary", "intervention_contrast", "intervention_head_sets",
+           "intervention_debias_profiles", "intervention_debias_metrics", "intervention_verdicts")
+
+
+def _not_run(model: str, corpus_name: str, opts) -> list[Output]:
+    """Empty outputs for a corpus the registry leaves out of the study (``analysis.interventions.corpora``)."""
+    from qk_core.interventions.study import TRIAL_COLUMNS
+    from qk_core.interventions.verdict import COLUMNS
+
+    why = (f"not run on corpus '{corpus_name}': {registry().path}, model '{model}', field "
+           f"'analysis.interventions.corpora' lists {list(opts.corpora or ())}")
+    nan = float("nan")
+    verdict = pd.DataFrame([{"hypothesis": "", "intervention": "", "k": 0, "estimate": nan, "lo": nan, "hi": nan,
+                             "unit": "", "evidence": "", "verdict": "not run", "statement": why}], columns=COLUMNS)
+    meta = {"model": model, "corpus": corpus_name, "not_run": why}
+    empty = pd.DataFrame({"note": pd.Series([], dtype="string")})
+    return [Output(pd.DataFrame(columns=TRIAL_COLUMNS) if name == "intervention_trials" else
+                   verdict if name == "intervention_verdicts" else empty, output_name=name, metadata=meta)
+            for name in OUTPUTS]

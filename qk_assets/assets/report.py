@@ -39,13 +39,14 @@ from qk_core.storage import Storage
 REPORT_DIR = "report"
 PAGE = f"{REPORT_DIR}/index.html"
 MAX_READ_ROWS = 20_000  # larger tables are shown by their first rows only (they stay whole in storage)
-# The assets SPEC sections 1-7 and 11 call for; any other asset of the code location is included as well.
+# The assets SPEC sections 1-7, 10 and 11 call for; any other asset of the code location is included as well.
 EXPECTED = [
     "corpus", "qk_capture", "pca_heads", "pca_layers", "pca_metrics", "rotation_heads", "rotation_layers",
     "rotation_metrics", "geometry_figures", "plasticity_heads", "plasticity_profiles", "plasticity_pairs",
     "plasticity_heatmap", "plasticity_metrics", "model_report", "benchmark_scores", "model_aliases",
     "reference_metrics", "benchmark_joins", "benchmark_stats", "trajectory",
     "intervention_summary", "intervention_contrast", "intervention_verdicts", "intervention_debias_metrics",
+    "cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_verdicts",
 ]
 
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, UnitFloat, validate_options
+from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, Str, UnitFloat, validate_options
 
 DEFAULT_DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
@@ -34,6 +34,8 @@ class InterventionOptions:
     remeasure: recapture the `lowest` heads with and without `debias` and re-run SPEC 3 and 4 (also when the
     probe runs `ablate` only; head sets then hold heads with a drift axis only);
     remeasure_docs: documents of those recaptures (None: all of the corpus the capture read).
+    corpora: the model's corpora the study runs on (SPEC 10; None: every one); on any other corpus the
+    study's outputs are empty and say why (:meth:`runs_on`).
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -53,9 +55,12 @@ class InterventionOptions:
     ci: UnitFloat = 0.95
     remeasure: Bool = True
     remeasure_docs: PosInt | None = None
+    corpora: tuple[Str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+        if self.corpora is not None:
+            object.__setattr__(self, "corpora", tuple(self.corpora))
         object.__setattr__(self, "interventions", tuple(self.interventions))
         object.__setattr__(self, "k_fractions", tuple(float(f) for f in self.k_fractions))
         where = "analysis.interventions"
@@ -73,6 +78,10 @@ class InterventionOptions:
             raise InterventionOptionsError(f"{where}.window: at least 64 tokens, got {self.window}")
         if not 0.0 < self.ci < 1.0:
             raise InterventionOptionsError(f"{where}.ci: must lie in (0, 1), got {self.ci}")
+
+    def runs_on(self, corpus: str) -> bool:
+        """Whether the study runs on ``corpus`` (``corpora`` unset: on every corpus of the model)."""
+        return self.corpora is None or corpus in self.corpora
 
     @classmethod
     def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> InterventionOptions:

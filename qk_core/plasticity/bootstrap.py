@@ -16,9 +16,13 @@ import numpy as np
 BOOTSTRAP_STREAM = 0xB0_07  # separates the bootstrap generator from the pair generators
 
 
-def doc_weights(n_docs: int, n_resamples: int, seed: int) -> np.ndarray:
-    """(R, D) multiplicities of D documents in R resamples with replacement (rows sum to D)."""
-    rng = np.random.default_rng([int(seed), BOOTSTRAP_STREAM])
+def doc_weights(n_docs: int, n_resamples: int, seed: int, stream: int = 0) -> np.ndarray:
+    """(R, D) multiplicities of D documents in R resamples with replacement (rows sum to D).
+
+    ``stream`` > 0 draws resamples independent of stream 0's for the same (seed, D): SPEC 10 resamples each
+    corpus of a model independently (:mod:`qk_core.cross_corpus`); stream 0 is what every analysis uses.
+    """
+    rng = np.random.default_rng([int(seed), BOOTSTRAP_STREAM, *([int(stream)] if stream else [])])
     if n_resamples <= 0 or n_docs <= 0:
         return np.zeros((0, max(n_docs, 0)))
     draws = rng.integers(0, n_docs, size=(n_resamples, n_docs))

@@ -1,0 +1,152 @@
+"""Is the geometry the model's or the text's? The cross-corpus asset per model (SPEC 10).
+
+Partitioned by the ``model`` dimension alone. For a model whose registry entry lists two or more corpora it
+reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_heads`` and
+``plasticity_pairs`` from the storage root and calls :func:`qk_core.cross_corpus.compare_corpora`. Outputs:
+
+- ``cross_corpus_metrics``: AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the
+  difference of every corpus to the first one with a bootstrap interval (documents resampled within each
+  corpus), its verdict and a statement with the numbers; figure: values and differences;
+- ``cross_corpus_correlations``: Spearman rho (exact / Monte Carlo p, n) over heads of per-head AP_overall and
+  bias_strength between corpora, and the shares of their variance that are the head's (the model's), the
+  corpus's (the text's) and the rest; figure: per-head scatter;
+- ``cross_corpus_profiles``: the mean plasticity profile over heads per corpus with its band; figure: the
+  profiles on one axis;
+- ``cross_corpus_heads``: per head and corpus: AP_overall, AP_drop, bias_strength;
+- ``cross_corpus_verdicts``: every statement, one row each (the report shows these).
+
+Dependencies map a model to its (model, corpus) partitions (``MultiToSingleDimensionPartitionMapping`` on
+the ``model`` dimension, built in), so an update of any of them re-runs this model's comparison
+(``automation_sensor``). The grid also holds corpora the model is not captured on; the asset reads the
+registry's corpora itself and reports one without results as missing instead of failing. A model with one
+corpus gets empty tables and a verdict row saying so. Bootstrap resamples, seed and interval mass are the
+model's plasticity options (registry ``analysis.plasticity``).
+"""
+
+import pandas as pd
+from dagster import (
+    AssetExecutionContext,
+    AssetOut,
+    AssetSelection,
+    AutomationCondition,
+    MetadataValue,
+    Output,
+    multi_asset,
+)
+
+from qk_assets.figures import save_figures
+from qk_assets.io_manager import asset_rel
+from qk_assets.metadata import table_value
+from qk_assets.partitions import model_partitions, pair_key, registry
+from qk_assets.resources import StorageResource
+from qk_core.capture_store import CaptureError, CaptureReader
+from qk_core.cross_corpus import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
+from qk_core.plasticity import PlasticityOptions
+from qk_core.storage import Storage, StorageError
+
+GROUP = "cross_corpus"
+CAPTURE = "qk_capture"
+UPSTREAM = (CAPTURE, "rotation_heads", "plasticity_pairs")
+
+# After any of the model's (model, corpus) analyses change, once nothing upstream runs; a new capture alone
+# does not trigger it (its analyses will), and a corpus without results does not block it.
+CONDITION = (
+    AutomationCondition.any_deps_updated().ignore(AssetSelection.assets(CAPTURE)).since_last_handled()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("after the model's analyses update (tolerates corpora without results)")
+OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": CONDITION}
+
+
+def _read(storage: Storage, asset: str, model: str, corpus: str, columns: list[str] | None = None
+          ) -> pd.DataFrame | None:
+    rel = asset_rel([asset], str(pair_key(model, corpus)))
+    if not storage.exists(rel):
+        return None
+    return storage.read_parquet(rel, columns=columns).to_pandas()
+
+
+def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs | None, str]:
+    """One (model, corpus) pair's inputs, or None and why they are missing."""
+    capture = _read(storage, CAPTURE, model, corpus)
+    rotation = _read(storage, "rotation_heads", model, corpus, ["layer", "q_head", "status", "bias_strength"])
+    pairs = _read(storage, "plasticity_pairs", model, corpus, PAIR_COLUMNS)
+    absent = [n for n, v in ((CAPTURE, capture), ("rotation_heads", rotation), ("plasticity_pairs", pairs))
+              if v is None]
+    if absent:
+        return None, f"{', '.join(absent)} not materialised for {pair_key(model, corpus)}"
+    prefixes = sorted(set(capture["capture_prefix"].astype(str))) if len(capture) else []
+    if len(prefixes) != 1:
+        return None, f"qk_capture[{pair_key(model, corpus)}] points at {len(prefixes)} captures {prefixes}"
+    try:
+        reader = CaptureReader(storage, prefixes[0])
+        doc_ids = reader.doc_tokens()["example_id"].to_numpy()
+    except (CaptureError, StorageError) as exc:
+        return None, f"capture {prefixes[0]} cannot be read ({exc})"
+    return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head), ""
+
+
+@multi_asset(
+    outs={
+        "cross_corpus_metrics": AssetOut(**OUT, description=(
+            "AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the between-corpus differences "
+            "with bootstrap intervals (documents resampled within each corpus), verdicts and statements (SPEC 10).")),
+        "cross_corpus_correlations": AssetOut(**OUT, description=(
+            "Spearman rho over heads (exact / Monte Carlo p, n) of per-head AP_overall and bias_strength between "
+            "corpora; shares of their variance that are the head's, the corpus's and the rest (SPEC 10).")),
+        "cross_corpus_profiles": AssetOut(**OUT, description=(
+            "Mean plasticity profile over heads per corpus with its 95% document-bootstrap band (SPEC 10, 4.4).")),
+        "cross_corpus_heads": AssetOut(**OUT, description=(
+            "Per head and corpus: AP_overall, AP_drop (SPEC 4.5), bias_strength (SPEC 3).")),
+        "cross_corpus_verdicts": AssetOut(**OUT, description=(
+            "How much of each metric is the model's and how much the text's, stated with the numbers (SPEC 10).")),
+    },
+    # a model -> its (model, corpus) partitions: Dagster infers MultiToSingleDimensionPartitionMapping on the
+    # shared `model` dimension (built in; tests/test_cross_corpus_asset.py checks the mapping)
+    deps=list(UPSTREAM),
+    partitions_def=model_partitions(),
+    can_subset=False,
+)
+def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
+    """SPEC 10 for one model: its corpora compared (values, differences, per-head correlations, figures)."""
+    model = context.partition_key
+    entry = registry().model(model)
+    store = storage.get()
+    inputs, missing = [], {}
+    for corpus in entry.corpora if len(entry.corpora) >= 2 else ():  # one corpus: nothing to read or compare
+        inp, why = load_corpus(store, model, corpus)
+        if inp is None:
+            missing[corpus] = why
+            context.log.warning(f"cross_corpus {model}: {corpus}: {why}")
+        else:
+            inputs.append(inp)
+    popts = PlasticityOptions.from_analysis(entry.analysis)
+    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci)
+    res = compare_corpora(model, inputs, opts, missing)
+    figures = _figures(res, model)
+    folder = f"cross_corpus/{model}"
+    common = {"corpora": ", ".join(entry.corpora), "options": MetadataValue.json(res.options),
+              "missing": MetadataValue.json(missing)}
+    statements = MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
+                                            for r in res.verdicts.itertuples()) or "(none)")
+    yield Output(res.metrics, output_name="cross_corpus_metrics", metadata={
+        **common, "statements": statements,
+        "preview": table_value(res.metrics[["kind", "corpus", "metric", "value", "lo", "hi", "n_heads", "n_docs",
+                                            "verdict"]], max_rows=30),
+        **save_figures(store, folder, {"differences": figures["differences"]})})
+    yield Output(res.correlations, output_name="cross_corpus_correlations", metadata={
+        **common, "preview": table_value(res.correlations[["metric", "corpus", "n_heads", "spearman_rho", "spearman_p",
+                                                           "spearman_method", "share_head", "share_corpus",
+                                                           "verdict"]], max_rows=20),
+        **save_figures(store, folder, {"heads": figures["heads"]})})
+    yield Output(res.profiles, output_name="cross_corpus_profiles", metadata={
+        **common, **save_figures(store, folder, {"profiles": figures["profiles"]})})
+    yield Output(res.heads, output_name="cross_corpus_heads", metadata={**common, "rows": len(res.heads)})
+    yield Output(res.verdicts, output_name="cross_corpus_verdicts", metadata={**common, "statements": statements})
+
+
+def _figures(res, model: str) -> dict:
+    from qk_core.plots.cross_corpus import fig_differences, fig_heads, fig_profiles  # matplotlib when it runs
+
+    return {"profiles": fig_profiles(res.profiles, model), "differences": fig_differences(res.metrics, model),
+            "heads": fig_heads(res.heads, res.correlations, model)}

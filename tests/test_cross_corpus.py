@@ -1,0 +1,200 @@
+"""SPEC 10 on planted data: one model "captured" on two synthetic corpora.
+
+Every head's geometry is planted (tests/synthetic.py): the same axes and parameters on both corpora, with
+different documents, positions and noise. With the same geometry the between-corpus differences' intervals
+cover 0; with the key drift doubled on the second corpus the bias_strength difference recovers the planted
+size (the noise-free SPEC 3 value of :func:`synthetic.expected_rotation`) and AP_overall falls. The real
+SPEC 3 and SPEC 4 code produces every input; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_cloud, random_axes, stratified_positions
+
+from qk_core.capture_store import HeadData
+from qk_core.cross_corpus import (
+    CorpusInputs,
+    CrossCorpusOptions,
+    bias_from_moments,
+    compare_corpora,
+    doc_moments,
+    variance_shares,
+)
+from qk_core.plasticity import PlasticityOptions, analyse_model
+from qk_core.rotation import analyse_rotation, run_rotation
+
+D, L, B, PER_BUCKET = 16, 1024, 64, 4
+HEADS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+POPTS = PlasticityOptions(pairs_per_bucket=96, bootstrap=200, min_queries_per_bucket=8)
+
+
+def spec(i: int, drift: float = 1.0) -> HeadSpec:
+    """Head i: query offset along a (mu_Q^a) and key drift (alpha_K) that differ between heads."""
+    return HeadSpec(q=CloudSpec(m_a=0.8 + 0.4 * i, slope=0.4 / L, m_b=0.6, sigma=1.0),
+                    k=CloudSpec(slope=drift * (0.8 + 0.3 * i) / L, m_b=-0.6, sigma=1.0))
+
+
+def planted_corpus(name: str, seed: int, n_docs: int, drift: float = 1.0) -> tuple[CorpusInputs, dict, dict]:
+    """(inputs, heads, plasticity metrics by name) of one synthetic corpus; geometry per head fixed by i."""
+    doc_tokens = {1000 * seed + i: L - 29 * i for i in range(n_docs)}
+    doc, pos = stratified_positions(doc_tokens, B, PER_BUCKET, seed)
+    heads = {}
+    for i, (layer, qh) in enumerate(HEADS):
+        axes = random_axes(D, 100 + i)  # the same axes on every corpus
+        rng = np.random.default_rng([seed, i])
+        s = spec(i, drift)
+        q, k = plant_cloud(s.q, axes, pos, rng), plant_cloud(s.k, axes, pos, rng)
+        heads[(layer, qh)] = HeadData(layer, qh, qh, q, pos.copy(), doc.copy(), k, pos.copy(), doc.copy(), L, B)
+    doc_ids = np.array(sorted(doc_tokens), dtype=np.int64)
+    res = analyse_model("planted", HEADS, lambda la, h: heads[(la, h)], doc_ids, L, B, POPTS, workers=1)
+    rot, _, _, _ = run_rotation("planted", [({"layer": la, "q_head": h}, heads[(la, h)]) for la, h in HEADS])
+    metrics = res.metrics.set_index("metric")
+    inp = CorpusInputs(name, doc_ids, res.pairs, rot, L, B, lambda la, h: heads[(la, h)])
+    return inp, heads, {m: metrics.loc[m] for m in ("ap_overall", "ap_drop")}
+
+
+@pytest.fixture(scope="module")
+def corpora() -> dict:
+    return {"prose": planted_corpus("prose", 1, 12), "code": planted_corpus("code", 2, 10),
+            "code-drift": planted_corpus("code-drift", 2, 10, drift=2.0)}
+
+
+def _row(res, kind: str, metric: str, corpus: str) -> pd.Series:
+    m = res.metrics
+    return m[(m["kind"] == kind) & (m["metric"] == metric) & (m["corpus"] == corpus)].iloc[0]
+
+
+def test_same_geometry_gives_differences_whose_intervals_cover_zero(corpora: dict) -> None:
+    res = compare_corpora("planted", [corpora["prose"][0], corpora["code"][0]], CrossCorpusOptions())
+    for metric in ("ap_overall", "ap_drop", "bias_strength"):
+        d = _row(res, "difference", metric, "code")
+        assert d["lo"] < 0 < d["hi"], (metric, d.to_dict())
+        assert d["verdict"] in ("model", "cannot tell") and "difference" in d["statement"]
+        # the difference is the difference of the per-corpus model values
+        assert d["value"] == pytest.approx(_row(res, "corpus", metric, "code")["value"]
+                                           - _row(res, "corpus", metric, "prose")["value"])
+    # the same heads stand out on both corpora: the planted per-head bias and drift differ between heads
+    corr = res.correlations.set_index("metric")
+    assert corr.loc["bias_strength", "spearman_rho"] > 0.8
+    assert corr.loc["bias_strength", "spearman_method"] == "exact"  # n = 6 heads: all 720 orderings
+    assert corr.loc["bias_strength", "spearman_permutations"] == 720 and corr.loc["bias_strength", "n_heads"] == 6
+    assert corr.loc["bias_strength", "share_head"] > 0.8  # the model's, not the text's
+    assert set(res.verdicts["scope"]) == {"model value", "per head"}
+
+
+def test_planted_drift_difference_is_recovered_in_sign_and_size(corpora: dict) -> None:
+    prose, _, _ = corpora["prose"]
+    drift, _, _ = corpora["code-drift"]
+    res = compare_corpora("planted", [prose, drift], CrossCorpusOptions())
+    # planted: alpha_K doubles on the second corpus, so bias_strength = mu_Q^a * alpha_K doubles (SPEC 3)
+    expected = {}
+    for name, (_, hd, _) in (("prose", corpora["prose"]), ("drift", corpora["code-drift"])):
+        expected[name] = np.mean([expected_rotation(spec(i, 2.0 if name == "drift" else 1.0),
+                                                    hd[h].q_pos, hd[h].k_pos, D, L)["bias_strength"]
+                                  for i, h in enumerate(HEADS)])
+    planted = expected["drift"] - expected["prose"]
+    d = _row(res, "difference", "bias_strength", "code-drift")
+    assert planted > 0 and d["lo"] > 0 and d["verdict"] == "text"
+    assert d["lo"] <= planted <= d["hi"], (planted, d.to_dict())
+    assert d["value"] == pytest.approx(planted, rel=0.15)
+    # more key drift makes key order more positional: plasticity falls (SPEC 4), clearly
+    ap = _row(res, "difference", "ap_overall", "code-drift")
+    assert ap["hi"] < 0 and ap["verdict"] == "text" and "the text moves it" in ap["statement"]
+
+
+def test_reference_corpus_reproduces_its_plasticity_intervals(corpora: dict) -> None:
+    """Stream 0 is the plasticity asset's own resampling: same values and intervals (float32 pairs aside);
+    the second corpus has the same point values and independent resamples."""
+    (prose, _, pm), (code, _, cm) = corpora["prose"], corpora["code"]
+    res = compare_corpora("planted", [prose, code], CrossCorpusOptions(bootstrap=POPTS.bootstrap, seed=POPTS.seed))
+    for metric in ("ap_overall", "ap_drop"):
+        ref = _row(res, "corpus", metric, "prose")
+        assert ref["value"] == pytest.approx(pm[metric]["value"], abs=1e-6)
+        assert (ref["lo"], ref["hi"]) == pytest.approx((pm[metric]["lo"], pm[metric]["hi"]), abs=1e-6)
+        assert _row(res, "corpus", metric, "code")["value"] == pytest.approx(cm[metric]["value"], abs=1e-6)
+    bias = _row(res, "corpus", "bias_strength", "prose")["value"]
+    assert bias == pytest.approx(prose.rotation_heads["bias_strength"].mean(), rel=1e-9)
+    assert set(res.profiles["corpus"]) == {"prose", "code"} and res.profiles["ap"].notna().any()
+
+
+def test_weighted_moments_are_spec3_on_the_resampled_rows(corpora: dict) -> None:
+    """bias_strength from per-document sums equals SPEC 3 (analyse_rotation) on the rows themselves, and with
+    multiplicities w_d on the rows with each document repeated w_d times (brute force)."""
+    inp, heads, _ = corpora["prose"]
+    hd = heads[(1, 0)]
+    ids = inp.doc_ids
+    Mq, Mk = doc_moments(hd.q, hd.q_pos, hd.q_doc, ids), doc_moments(hd.k, hd.k_pos, hd.k_doc, ids)
+    ones = np.ones((1, len(ids)))
+    rot = analyse_rotation(hd.q, hd.q_pos, hd.q_doc, hd.k, hd.k_pos, hd.k_doc, window=L)
+    assert bias_from_moments(ones @ Mq, ones @ Mk)[0] == pytest.approx(rot.bias_strength, rel=1e-9)
+    w = np.random.default_rng(3).integers(0, 3, size=len(ids))
+    w[0] = 2
+    reps = np.repeat(np.arange(len(ids)), w)
+
+    def rows(x, pos, doc):
+        parts = [np.flatnonzero(doc == ids[d]) for d in reps]
+        idx = np.concatenate(parts)
+        new_doc = np.concatenate([np.full(len(p), n) for n, p in enumerate(parts)])  # each copy its own doc
+        return x[idx], pos[idx], new_doc
+
+    q, qp, qd = rows(hd.q, hd.q_pos, hd.q_doc)
+    k, kp, kd = rows(hd.k, hd.k_pos, hd.k_doc)
+    brute = analyse_rotation(q, qp, qd, k, kp, kd, window=L).bias_strength
+    assert bias_from_moments(w[None, :] @ Mq, w[None, :] @ Mk)[0] == pytest.approx(brute, rel=1e-9)
+
+
+def test_variance_shares_of_a_head_plus_corpus_table() -> None:
+    head = np.array([0.1, 0.3, 0.5, 0.9])
+    x = head[:, None] + np.array([0.0, 0.2])[None, :]  # every head shifted by the same 0.2: no reordering
+    s_head, s_corpus, s_rest = variance_shares(x)
+    ss_head = 2 * ((head - head.mean()) ** 2).sum()
+    ss_corpus = 4 * 2 * 0.1 ** 2
+    assert (s_head, s_corpus, s_rest) == pytest.approx((ss_head / (ss_head + ss_corpus),
+                                                        ss_corpus / (ss_head + ss_corpus), 0.0), abs=1e-12)
+    swapped = np.column_stack([head, head[::-1]])  # the text reverses the head order
+    assert variance_shares(swapped)[2] > 0.9
+
+
+def test_one_corpus_or_missing_results_are_reported_not_compared(corpora: dict) -> None:
+    prose = corpora["prose"][0]
+    res = compare_corpora("planted", [prose], missing={"code": "plasticity_pairs not materialised"})
+    assert res.metrics.empty and res.correlations.empty
+    assert res.verdicts["verdict"].tolist() == ["not compared"]
+    assert "plasticity_pairs not materialised" in res.verdicts["statement"].iloc[0]
+    other = replace(corpora["code"][0], L=2 * L)
+    with pytest.raises(ValueError, match="different \\(L, B\\)"):
+        compare_corpora("planted", [prose, other])
+
+
+def test_figures_draw_every_corpus(corpora: dict) -> None:
+    from qk_core.plots.cross_corpus import fig_differences, fig_heads, fig_profiles
+
+    res = compare_corpora("planted", [corpora["prose"][0], corpora["code"][0]])
+    for fig in (fig_profiles(res.profiles, "planted"), fig_differences(res.metrics, "planted"),
+                fig_heads(res.heads, res.correlations, "planted")):
+        assert fig.axes and any(ax.has_data() for ax in fig.axes)
+
+
+def test_report_section_states_every_verdict_with_its_numbers(corpora: dict) -> None:
+    import markupsafe
+
+    from qk_core.report_html import ReportInputs, render_report
+
+    res = compare_corpora("planted", [corpora["prose"][0], corpora["code-drift"][0]])
+    tables = {"cross_corpus_metrics": {"planted": res.metrics},
+              "cross_corpus_correlations": {"planted": res.correlations},
+              "cross_corpus_verdicts": {"planted": res.verdicts}}
+    page = render_report(ReportInputs(title="t", models=[], tables=tables, figures=[], states=[],
+                                      defined_assets=list(tables)))
+    section = page.split('id="corpora"', 1)[1].split("</section>", 1)[0]
+    assert "planted: how much is the model&#39;s and how much the text&#39;s" in section
+    for statement in res.verdicts["statement"]:
+        assert str(markupsafe.escape(statement)) in section
+    d = _row(res, "difference", "bias_strength", "code-drift")
+    assert f'<span class="ci">[{d["lo"]:.4g}, {d["hi"]:.4g}]</span>' in section  # the difference's interval
+    assert "code-drift - prose" in section and "Spearman" in section
