@@ -32,7 +32,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from qk_assets.assets.plasticity import plasticity
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import CORPUS_DIM, MODEL_DIM, model_corpus_partitions, pair_key
-    from qk_assets.resources import StorageResource
+    from qk_assets.resources import RayClusterResource, StorageResource
     from qk_core.storage import Storage
 
     root = tmp_path_factory.mktemp("cross_corpus") / "storage"
@@ -48,7 +48,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
         raise AssertionError("read from storage, never recomputed here")
 
     res = StorageResource(root=str(root))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res)}
+    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res), "ray": RayClusterResource()}
     inst = DagsterInstance.ephemeral()
     inst.add_dynamic_partitions(MODEL_DIM, [MODEL, "qwen3-8b"])
     inst.add_dynamic_partitions(CORPUS_DIM, [*CORPORA, "longbench-pro"])
