@@ -35,6 +35,7 @@ import io
 import json
 import os
 import resource
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -446,6 +447,8 @@ class CaptureReader:
     against ``complete.json`` before parsing it. Failures are :class:`CaptureError` naming the file.
     """
 
+    K_RECENT = 2
+
     def __init__(self, storage: Storage, prefix: str) -> None:
         self.storage = storage
         self.prefix = prefix.rstrip("/")
@@ -464,6 +467,9 @@ class CaptureReader:
         self.files: dict[str, dict[str, Any]] = files
         self.manifest: dict[str, Any] = json.loads(self._verified_bytes("manifest.json"))
         self._check_owner()
+        # the last K heads read (read-only arrays): query heads of one KV head (GQA) come one after another
+        self._k_recent: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._k_lock = threading.Lock()
 
     def _check_owner(self) -> None:
         uri = self.storage.uri(f"{self.prefix}/manifest.json")
@@ -539,5 +545,25 @@ class CaptureReader:
             raise CaptureError(f"{self.storage.uri(self.prefix)}: head L{layer} H{q_head} was not sampled")
         kv = int(match[0]["kv_head"])
         q, qp, qd = self._read("q", layer, q_head)
-        k, kp, kd = self._read("k", layer, kv)
+        k, kp, kd = self._read_k(layer, kv)
         return HeadData(layer, q_head, kv, q, qp, qd, k, kp, kd, self.window, self.bucket)
+
+    def _read_k(self, layer: int, kv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """K rows of (layer, kv), verified when first read; the last ``K_RECENT`` K heads are kept.
+
+        Safe from several threads; the arrays are read-only views of the Parquet buffers, so query heads
+        sharing a KV head may share them.
+        """
+        key = (int(layer), int(kv))
+        with self._k_lock:
+            hit = self._k_recent.get(key)
+        if hit is not None:
+            return hit
+        got = self._read("k", layer, kv)
+        for arr in got:
+            arr.flags.writeable = False
+        with self._k_lock:
+            self._k_recent[key] = got
+            while len(self._k_recent) > self.K_RECENT:
+                self._k_recent.pop(next(iter(self._k_recent)))
+        return got

@@ -121,3 +121,26 @@ def test_pair_records_are_complete_and_compact(runs: dict) -> None:
     assert isinstance(p["model"].dtype, pd.CategoricalDtype)
     per_row = p.memory_usage(deep=True, index=False).sum() / len(p)
     assert per_row <= 52.5, f"{per_row:.1f} bytes per pair record in memory"
+
+
+def test_pair_records_are_stored_compactly_and_read_back_unchanged(runs: dict, tmp_path) -> None:
+    """The IO manager's options: dictionaries for few-valued floats (tau, empirical PP: shares of a bucket's
+    queries), byte-stream-split for the others, smaller than pyarrow's defaults, values unchanged."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qk_assets.io_manager import parquet_write_options
+
+    big = runs[1].pairs
+    tbl = pa.Table.from_pandas(big, preserve_index=False)
+    opts = parquet_write_options(tbl)
+    assert set(opts["use_byte_stream_split"]) == {"delta_1", "z", "pp"}
+    assert {"tau_tokens", "pp_empirical", "t_i", "example_id"} <= set(opts["use_dictionary"])
+    pq.write_table(tbl, tmp_path / "stored.parquet", **opts)
+    pq.write_table(tbl, tmp_path / "default.parquet")
+    stored, default = (tmp_path / "stored.parquet").stat().st_size, (tmp_path / "default.parquet").stat().st_size
+    assert stored < 0.9 * default, (stored, default)
+    md = pq.ParquetFile(tmp_path / "stored.parquet").metadata.row_group(0)
+    enc = {md.column(i).path_in_schema: md.column(i).encodings for i in range(md.num_columns)}
+    assert "BYTE_STREAM_SPLIT" in enc["z"] and "RLE_DICTIONARY" in enc["pp_empirical"]
+    pd.testing.assert_frame_equal(pq.read_table(tmp_path / "stored.parquet").to_pandas(), big, check_exact=True)

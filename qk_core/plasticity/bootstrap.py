@@ -49,10 +49,27 @@ def resampled_profiles(W: np.ndarray, S: np.ndarray, N: np.ndarray) -> np.ndarra
 
 
 def percentile_interval(samples: np.ndarray, ci: float = 0.95, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval over ``axis`` ignoring NaN resamples (all-NaN -> NaN)."""
+    """Percentile interval over ``axis`` ignoring NaN resamples (all-NaN -> NaN).
+
+    numpy's default (linear) percentile of the non-NaN values, computed for every column at once from one
+    sort (NaN sorts last) instead of ``np.nanpercentile``'s loop over columns.
+    """
     a = (1.0 - ci) / 2.0
-    samples = np.asarray(samples, dtype=np.float64)
-    finite = np.isfinite(samples).any(axis=axis)
-    safe = np.where(np.isfinite(samples).any(axis=axis, keepdims=True), samples, 0.0)
-    lo, hi = np.nanpercentile(safe, [100 * a, 100 * (1 - a)], axis=axis)
-    return np.where(finite, lo, np.nan), np.where(finite, hi, np.nan)
+    x = np.moveaxis(np.asarray(samples, dtype=np.float64), axis, 0)
+    if x.shape[0] == 0:
+        return np.full(x.shape[1:], np.nan), np.full(x.shape[1:], np.nan)
+    srt = np.sort(x, axis=0)
+    n = (~np.isnan(x)).sum(axis=0)
+    out = []
+    for q in (a, 1.0 - a):
+        pos = q * np.maximum(n - 1, 0)
+        below = np.floor(pos).astype(np.int64)
+        above = np.minimum(below + 1, np.maximum(n - 1, 0))
+        frac = pos - below
+        lo_v = np.take_along_axis(srt, below[None, ...], axis=0)[0]
+        hi_v = np.take_along_axis(srt, above[None, ...], axis=0)[0]
+        diff = hi_v - lo_v
+        with np.errstate(invalid="ignore"):  # numpy's lerp: exact at both ends
+            val = np.where(frac >= 0.5, hi_v - diff * (1.0 - frac), lo_v + diff * frac)
+        out.append(np.where(n > 0, val, np.nan))
+    return out[0], out[1]

@@ -157,6 +157,21 @@ class QueryModel:
 def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: str = "full",
                     min_queries: int = 10) -> QueryModel:
     """Fit the SPEC 4.1 query model to queries q (n, d) at raw token positions t (n,)."""
+    t = np.asarray(t, dtype=np.float64)
+    J = -(-int(L) // int(B))
+    bucket = np.clip(np.floor_divide(t, B).astype(np.int64), 0, J - 1)
+    order = np.argsort(bucket, kind="stable")
+    return fit_sorted_queries(np.asarray(q)[order], t[order], np.bincount(bucket, minlength=J), L, B, covariance,
+                              min_queries)
+
+
+def fit_sorted_queries(q: np.ndarray, t: np.ndarray, counts: np.ndarray, L: int, B: int, covariance: str = "full",
+                       min_queries: int = 10) -> QueryModel:
+    """:func:`fit_query_model` of queries already sorted by bucket: bucket b holds ``counts[b]`` rows.
+
+    One float64 copy of the queries; every other step works on one bucket's rows at a time, so the
+    detrended queries are never held in full (``resid1`` is in the given, bucket-sorted, row order).
+    """
     if covariance not in COVARIANCES:
         raise ValueError(f"covariance must be one of {COVARIANCES}")
     Q = np.asarray(q, dtype=np.float64)
@@ -168,12 +183,19 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     stt = float(tc @ tc)
     if stt <= 0.0:
         raise QueryModelError("every query sits at one position: the slope on position is undefined")
+    J = len(counts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    blocks = [(b, int(starts[b]), int(starts[b + 1])) for b in range(J) if counts[b]]
     qbar = Q.mean(axis=0)
-    Qc = Q - qbar
-    beta = (tc @ Qc) / stt
+    # OLS of every coordinate on t from centred cross products, accumulated bucket by bucket
+    xty = np.zeros(d)
+    sst = np.zeros(d)
+    for _, s, e in blocks:
+        Qc = Q[s:e] - qbar
+        xty += tc[s:e] @ Qc
+        sst += np.einsum("ij,ij->j", Qc, Qc)
+    beta = xty / stt
     alpha = qbar - beta * t.mean()
-    R = Qc - np.outer(tc, beta)  # detrended queries: q - alpha - beta t
-    sst = np.einsum("ij,ij->j", Qc, Qc)
     ssr = beta * beta * stt
     scale = max(float(sst.max()), 1e-300)
     r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
@@ -186,42 +208,46 @@ def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: st
     bhat = H[0]  # first row of H = beta/|beta| (H symmetric), or e1
     alpha_pos = float(bhat @ alpha)
     beta_pos = float(bhat @ beta)
-    resid1 = R @ bhat
-    sigma_pos2 = float(resid1 @ resid1) / max(n - 2, 1)
 
-    J = -(-int(L) // int(B))
-    bucket = np.clip(np.floor_divide(t, B).astype(np.int64), 0, J - 1)
-    order = np.argsort(bucket, kind="stable")
-    counts = np.bincount(bucket, minlength=J)
-    starts = np.concatenate([[0], np.cumsum(counts)])
     tau = (np.arange(J) + 0.5) * B
     mean = np.full((J, d), np.nan)
     cov = np.full((J, d, d), np.nan) if covariance == "full" else np.full((J, d), np.nan)
     shrink = np.full(J, np.nan)
     status = [OK] * J
-    # a bucket's covariance is degenerate when its total variance is ~0 next to the head's residual scale
-    floor = 1e-10 * max(float(np.einsum("ij,ij->", R, R)) / R.size, 1e-300)
+    level = np.full(J, np.nan)  # a bucket's mean variance, compared with the head's residual scale below
+    resid1 = np.empty(n)
+    rss = 0.0
     orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for b in range(J):
+    for b, s, e in blocks:
+        R = Q[s:e] - qbar
+        R -= np.multiply.outer(tc[s:e], beta)  # detrended queries: q - alpha - beta t
+        resid1[s:e] = R @ bhat
+        rss += float(np.einsum("ij,ij->", R, R))
         if counts[b] < min_queries:
-            status[b] = TOO_FEW_QUERIES
             continue
-        idx = order[starts[b]:starts[b + 1]]
-        mu = reflect_rows(Q[idx].mean(axis=0), u, h)
+        mu = reflect_rows(Q[s:e].mean(axis=0), u, h)
         mu[0] = alpha_pos + beta_pos * tau[b]
         mean[b] = mu
         if covariance == "full":
             # Ledoit-Wolf is rotation equivariant: shrink in the original basis, rotate the result
-            S_o, s = ledoit_wolf(R[idx])
-            ok = float(np.trace(S_o)) / d > floor and bool(np.all(np.isfinite(S_o)))
-            cov[b], shrink[b] = reflect_both(S_o, u, h), s
+            S_o, shrink[b] = ledoit_wolf(R)
+            level[b] = float(np.trace(S_o)) / d if np.all(np.isfinite(S_o)) else np.nan
+            cov[b] = reflect_both(S_o, u, h)
             orig[b] = (reflect_rows(mu, u, h), S_o)
         else:
-            var = reflect_rows(Q[idx], u, h).var(axis=0, ddof=1)
-            var[0] = sigma_pos2
-            ok = float(var.sum()) / d > floor and bool(np.all(np.isfinite(var)))
-            cov[b] = var
-        if not ok:
+            cov[b] = reflect_rows(Q[s:e], u, h).var(axis=0, ddof=1)  # coordinate 1: sigma_pos^2, set below
+    sigma_pos2 = float(resid1 @ resid1) / max(n - 2, 1)
+    if covariance == "diagonal":
+        for b, _, _ in blocks:
+            if counts[b] >= min_queries:
+                cov[b, 0] = sigma_pos2
+                level[b] = float(cov[b].sum()) / d if np.all(np.isfinite(cov[b])) else np.nan
+    # a bucket's covariance is degenerate when its total variance is ~0 next to the head's residual scale
+    floor = 1e-10 * max(rss / Q.size, 1e-300)
+    for b in range(J):
+        if counts[b] < min_queries:
+            status[b] = TOO_FEW_QUERIES
+        elif not level[b] > floor:  # NaN (non-finite covariance) is degenerate too
             status[b] = DEGENERATE_COVARIANCE
     return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2, resid1,
                       r2, counts, status, mean, cov, shrink, orig)
