@@ -6,6 +6,7 @@ cache (also under each intervention); intervals against textbook values and brut
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import tiny_models as tm
 import torch
 
-from qk_core.interventions.head_sets import head_sets, k_values
+from qk_core.interventions.head_sets import HEADSET_STREAM, head_sets, k_values, matched_draw
 from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.interventions.model import backbone_of
 from qk_core.interventions.options import InterventionOptions
@@ -109,6 +110,54 @@ def test_head_sets_rank_and_match_layers() -> None:
         assert sorted(la for la, _ in s.heads) == sorted(la for la, _ in low.heads)
         assert (0, 3) not in s.heads  # NaN AP_last20 is never drawn
     assert rnd[0].heads == head_sets(df, ks, 3, 0)[2 + 3 + 2].heads  # seeded
+
+
+def gemma_like_heads(low: dict[tuple[int, int], float]) -> pd.DataFrame:
+    """3 full-attention layers x 4 query heads (Gemma 3 270M); ``low`` plants the lowest AP_last20 values."""
+    return pd.DataFrame([{"layer": la, "q_head": h, "ap_last20": low.get((la, h), 0.5 + 0.01 * (la + h))}
+                         for la in (5, 11, 17) for h in range(4)])
+
+
+def test_random_sets_are_not_the_lowest_set_when_another_matched_set_exists() -> None:
+    df = gemma_like_heads({(5, 0): 0.1, (5, 1): 0.2, (5, 3): 0.3})  # the 3 lowest heads all in layer 5
+    sets = head_sets(df, [3], random_sets=40, seed=0)
+    low = next(s for s in sets if s.name == "lowest")
+    assert low.heads == ((5, 0), (5, 1), (5, 3))
+    # brute force: the sets with lowest's layer distribution are the 4 triples of layer 5's heads
+    matched = {tuple(sorted(c)) for c in itertools.combinations([(5, h) for h in range(4)], 3)}
+    by_layer = {5: [(5, h) for h in range(4)]}
+    plain = [matched_draw(np.random.default_rng([0, HEADSET_STREAM, 3, r]), {5: 3}, by_layer) for r in range(40)]
+    assert low.heads in plain  # a plain matched draw does hit the lowest set (what happened on Gemma)
+    rnd = [s for s in sets if s.name == "random"]
+    assert {s.heads for s in rnd} == matched - {low.heads}  # never lowest; 40 draws reach the other 3
+    assert all(s.overlap_lowest == 2 and s.matched_sets == 4 and not s.equals_lowest for s in rnd)
+    assert [s.heads for s in rnd if s.heads != low.heads] == [s.heads for s in rnd]
+    high = next(s for s in sets if s.name == "highest")
+    assert high.overlap_lowest == len(set(high.heads) & set(low.heads)) == 0
+    # the 4 lowest fill layer 5: the only matched set is lowest itself, and the set says so
+    full = head_sets(gemma_like_heads({(5, h): 0.1 * (h + 1) for h in range(4)}), [4], random_sets=2, seed=0)
+    for s in (s for s in full if s.name == "random"):
+        assert s.heads == tuple((5, h) for h in range(4)) and s.equals_lowest and s.matched_sets == 1
+
+
+def test_verdict_reports_random_sets_that_overlap_lowest() -> None:
+    from qk_core.interventions.study import HEAD_SET_COLUMNS
+    from qk_core.interventions.verdict import verdicts
+
+    opts = InterventionOptions(bootstrap=300)
+    tr = planted_trials()
+    tr.loc[tr["depth"] == 0.9, "depth"] = 0.3
+
+    def table(overlaps: list[int]) -> pd.DataFrame:  # k = 2: lowest + one row per random set and head
+        rows = [["lowest", 0, 2, 5, h, 0.1, 2, 0] for h in (0, 1)]
+        rows += [["random", s, 2, 5, h, 0.5, ov, 6] for s, ov in enumerate(overlaps) for h in (0, 1)]
+        return pd.DataFrame(rows, columns=HEAD_SET_COLUMNS)
+
+    v = verdicts(tr, tr.iloc[0:0], opts, table([1, 0])).iloc[0]
+    assert v["verdict"] == "supported"  # as without the table: partial overlap is reported, not a veto
+    assert "share 0.5 of 2 heads with the lowest set" in v["statement"] and "share 0.5" in v["evidence"]
+    same = verdicts(tr, tr.iloc[0:0], opts, table([2, 2])).iloc[0]
+    assert same["verdict"] == "not testable" and "is the lowest set itself" in same["statement"]
 
 
 def test_intervals() -> None:

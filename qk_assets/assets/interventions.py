@@ -10,7 +10,8 @@ device resource (pool ``gpu``), reads the pair's corpus (the haystacks), its cap
   (intervention, head set, k, depth), chance 1/K; figure: accuracy vs depth;
 - ``intervention_contrast``: drop(S) - drop(random) per (intervention, k, depth), S = lowest / highest, with
   document-bootstrap intervals; figure: contrast vs depth;
-- ``intervention_head_sets``: the heads of every set with their AP_last20;
+- ``intervention_head_sets``: the heads of every set with their AP_last20 and how many heads each set shares
+  with `lowest` (a random set equals `lowest` only when no other set has its layer distribution);
 - ``intervention_debias_profiles`` / ``intervention_debias_metrics``: the `lowest` heads recaptured without
   and with `debias`, SPEC 3 and 4 re-run: AP profiles, AP headline and bias_strength with paired intervals;
   figure: AP profile with and without debias;
@@ -123,8 +124,11 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
         **common, "preview": _md(headline, 80),
         **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, title, res.options)})})
     hs = res.head_sets
+    rnd = hs[hs["head_set"] == "random"].groupby(["k", "set_seed"])["overlap_lowest"].first().reset_index() \
+        if len(hs) else hs
     yield Output(hs, output_name="intervention_head_sets", metadata={
-        **common, "preview": _md(hs[hs["head_set"] != "random"] if len(hs) else hs, 60)})
+        **common, "preview": _md(hs[hs["head_set"] != "random"] if len(hs) else hs, 60),
+        "random_overlap_with_lowest": _md(rnd, 40)})
     yield Output(res.profiles, output_name="intervention_debias_profiles", metadata={
         **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(
         res.profiles, res.remeasured, title)})})

@@ -26,6 +26,7 @@ from qk_core.plasticity.bootstrap import doc_weights, percentile_interval
 _log = logging.getLogger(__name__)
 TRIAL_COLUMNS = ["doc_id", "depth", "depth_tokens", "repeat", "n_tokens", "snapped", "intervention", "head_set",
                  "set_seed", "k", "correct", "rank", "margin", "logp_correct", "seconds"]
+HEAD_SET_COLUMNS = ["head_set", "set_seed", "k", "layer", "q_head", "ap_last20", "overlap_lowest", "matched_sets"]
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class StudyResult:
     trials: pd.DataFrame  # one row per (trial, condition), TRIAL_COLUMNS
     summary: pd.DataFrame  # accuracy + margin per (intervention, head_set, k, depth) with intervals
     contrast: pd.DataFrame  # drop(S) - drop(random) per (intervention, k, depth, S)
-    head_sets: pd.DataFrame  # head_set, set_seed, k, layer, q_head, ap_last20
+    head_sets: pd.DataFrame  # head_set, set_seed, k, layer, q_head, ap_last20, overlap_lowest, matched_sets
     profiles: pd.DataFrame  # AP profiles of the debiased heads, baseline and debias
     remeasured: pd.DataFrame  # AP headline + bias_strength, baseline / debias / difference
     verdicts: pd.DataFrame  # what the data support (qk_core.interventions.verdict)
@@ -181,7 +182,9 @@ def head_set_table(sets: list[HeadSet], plasticity_heads: pd.DataFrame) -> pd.Da
     ap = {(int(la), int(h)): float(v) for la, h, v in
           zip(plasticity_heads["layer"], plasticity_heads["q_head"], plasticity_heads["ap_last20"], strict=True)}
     return pd.DataFrame([{"head_set": s.name, "set_seed": s.seed, "k": s.k, "layer": la, "q_head": h,
-                          "ap_last20": ap.get((la, h), np.nan)} for s in sets for la, h in s.heads])
+                          "ap_last20": ap.get((la, h), np.nan), "overlap_lowest": s.overlap_lowest,
+                          "matched_sets": s.matched_sets} for s in sets for la, h in s.heads],
+                        columns=HEAD_SET_COLUMNS)
 
 
 def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: str, plasticity_heads: pd.DataFrame,
@@ -220,9 +223,9 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
 
     record = opts.record(window)
     remeasured_df = pd.concat(remeasured, ignore_index=True) if remeasured else pd.DataFrame()
+    set_table = head_set_table(sets, plasticity_heads)
     return StudyResult(
-        trials=table, summary=summarise(table, opts), contrast=contrast(table, opts),
-        head_sets=head_set_table(sets, plasticity_heads),
+        trials=table, summary=summarise(table, opts), contrast=contrast(table, opts), head_sets=set_table,
         profiles=pd.concat(profiles, ignore_index=True) if profiles else pd.DataFrame(),
-        remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts),
+        remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts, set_table),
         options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"))

@@ -4,7 +4,9 @@ H1 "low-plasticity heads matter more for distant retrieval than random heads": t
 drop(lowest) - drop(random) pooled over the distant depths (needle in the first half of the prompt, far
 from the question), per intervention and k. Supported when its 95% interval lies above 0, contradicted
 when below, inconclusive otherwise; not testable when the baseline is not above chance there (a drop
-cannot be seen).
+cannot be seen) or when every random set is the `lowest` set itself (a matched layer distribution leaves
+no other choice; the contrast is then zero by construction). How many heads the random sets share with
+`lowest` is stated with every H1 verdict (shared heads pull the contrast towards zero).
 H2 "removing bias raises distant plasticity": AP_last20 of the debiased heads, debias - baseline (paired
 document bootstrap). Supported when the interval lies above 0, contradicted below, inconclusive otherwise.
 """
@@ -27,7 +29,32 @@ def _call(lo: float, hi: float) -> str:
     return "supported" if lo > 0 else "contradicted" if hi < 0 else "inconclusive"
 
 
-def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionOptions) -> pd.DataFrame:
+def random_overlap(head_sets: pd.DataFrame | None, k: int) -> tuple[int, int, float] | None:
+    """(random sets, of them equal to `lowest`, mean heads shared with `lowest`) for one k; None: unknown."""
+    if head_sets is None or head_sets.empty or "overlap_lowest" not in head_sets:
+        return None
+    rnd = head_sets[(head_sets["head_set"] == "random") & (head_sets["k"] == k)]
+    if rnd.empty:
+        return None
+    per_set = rnd.groupby("set_seed")["overlap_lowest"].first()
+    return len(per_set), int((per_set >= k).sum()), float(per_set.mean())
+
+
+def _overlap_note(ov: tuple[int, int, float] | None, k: int) -> str:
+    if ov is None:
+        return ""
+    n, same, mean = ov
+    if same == n:
+        return (f"every random set ({n}) is the lowest set itself: the {k} lowest heads fill their layers, so no "
+                "other set has their layer distribution")
+    note = f"the {n} random set(s) share {mean:.1f} of {k} heads with the lowest set on average"
+    return note + (f", {same} of them all {k}" if same else "")
+
+
+def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionOptions,
+             head_sets: pd.DataFrame | None = None) -> pd.DataFrame:
+    """H1 per (intervention, k) and H2 per k; ``head_sets`` (the study's head set table) adds the overlap of
+    the random sets with `lowest` to H1."""
     from qk_core.interventions.study import contrast
 
     rows = []
@@ -42,17 +69,26 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
         pooled = contrast(far.assign(depth=-1.0), opts)
         for r in pooled[pooled["head_set"] == "lowest"].itertuples():
             call = _call(r.contrast_lo, r.contrast_hi)
+            ov = random_overlap(head_sets, int(r.k))
+            note = _overlap_note(ov, int(r.k))
+            why = "no finite interval"
             if blo <= 1.0 / opts.candidates or r.n_docs < 2:  # no drop to see, or no document to resample
                 call = "not testable"
+                why = ("the baseline is not above chance at distant depths" if blo <= 1.0 / opts.candidates
+                       else "one document only (no interval)")
+            if ov is not None and ov[1] == ov[0]:  # every random set is `lowest`: contrast 0 by construction
+                call, why = "not testable", note
             rows.append({
                 "hypothesis": "H1: low-plasticity heads matter more for distant retrieval than random heads",
                 "intervention": r.intervention, "k": int(r.k), "estimate": r.contrast, "lo": r.contrast_lo,
                 "hi": r.contrast_hi, "unit": "accuracy (drop(lowest) - drop(random))",
                 "evidence": (f"depths {depths}: baseline accuracy {acc:.2f} (Wilson lower {blo:.2f}, chance "
                              f"{1 / opts.candidates:.2f}, {n} trials), drop(lowest) {r.drop:+.2f}, "
-                             f"drop(random) {r.drop_random:+.2f}, {r.n_docs} documents"),
+                             f"drop(random) {r.drop_random:+.2f}, {r.n_docs} documents"
+                             + (f"; {note}" if note else "")),
                 "verdict": call,
-                "statement": _statement_h1(call, r.intervention, int(r.k), r.contrast, r.contrast_lo, r.contrast_hi),
+                "statement": _statement_h1(call, r.intervention, int(r.k), r.contrast, r.contrast_lo, r.contrast_hi,
+                                           why if call == "not testable" else note),
             })
     if len(remeasured):
         d = remeasured[(remeasured["metric"] == "ap_last20") & (remeasured["condition"] == "difference")]
@@ -69,10 +105,10 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _statement_h1(call: str, iv: str, k: int, est: float, lo: float, hi: float) -> str:
+def _statement_h1(call: str, iv: str, k: int, est: float, lo: float, hi: float, note: str = "") -> str:
     what = {"supported": "the data support it", "contradicted": "the data contradict it",
             "inconclusive": "the data neither support nor contradict it (the interval includes 0)",
-            "not testable": "not testable here: the baseline is not above chance at distant depths, or one "
-                            "document only (no interval)"}[call]
+            "not testable": f"not testable here: {note}"}[call]
+    tail = f" ({note})" if note and call != "not testable" else ""
     return f"{iv} of the {k} lowest heads vs random heads at distant depths: contrast {est:+.2f} " \
-           f"[{lo:+.2f}, {hi:+.2f}]; {what}."
+           f"[{lo:+.2f}, {hi:+.2f}]; {what}{tail}."
