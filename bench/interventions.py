@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -103,19 +104,24 @@ def main() -> None:
     n_conds = int(res.trials.groupby(["intervention", "head_set", "set_seed", "k"]).ngroups)
     by_cond = res.trials.groupby("intervention")["seconds"].median().to_dict()
     load = os.getloadavg()
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    hs = res.head_sets
+    overlap = hs[hs["head_set"] == "random"].groupby(["k", "set_seed"])[["overlap_lowest", "matched_sets"]] \
+        .first().reset_index()
     base = res.summary[res.summary["head_set"] == "baseline"][
         ["depth", "depth_tokens", "n_trials", "accuracy", "accuracy_lo", "accuracy_hi", "chance", "margin",
          "margin_lo", "margin_hi"]]
     result = {
         "model": args.model, "command": " ".join(sys.argv), "machine": platform.machine(),
-        "torch_threads": args.threads, "load_average_1_5_15": [round(x, 2) for x in load],
+        "torch_threads": args.threads, "load_average_1_5_15": [round(x, 2) for x in load], "uptime": uptime,
         "note": "the machine was shared with other helpers' work; load averages are at the end of the run",
         "options": res.options, "heads_captured": len(cap.heads), "trials": n_trials, "conditions": n_conds,
         "seconds_per_forward_median": float(res.trials["seconds"].median()),
         "seconds_per_forward_by_intervention": {k: round(float(v), 3) for k, v in by_cond.items()},
         "seconds_per_trial_all_conditions": times["study_s"] / max(n_trials, 1), **times,
         "baseline_by_depth": base.to_dict("records"),
-        "contrast": res.contrast.to_dict("records"),
+        "contrast": res.contrast.to_dict("records"), "random_sets_overlap_with_lowest": overlap.to_dict("records"),
+        "summary": res.summary.to_dict("records"),
         "debias_remeasured": res.remeasured.drop(columns=["head_set"]).to_dict("records"),
         "verdicts": res.verdicts[["hypothesis", "intervention", "k", "estimate", "lo", "hi", "verdict",
                                   "statement"]].to_dict("records"),
@@ -125,7 +131,7 @@ def main() -> None:
     (out / f"interventions_{args.model}.json").write_text(json.dumps(result, indent=1, default=float))
     md = [f"# Intervention study on {args.model} (real weights, CPU)", "", f"Command: `{result['command']}`", "",
           f"Load averages at the end (1, 5, 15 min): {result['load_average_1_5_15']} on {os.cpu_count()} cores "
-          "(shared machine).", "",
+          f"(shared machine); `uptime`: `{uptime}`.", "",
           f"{n_trials} trials x {n_conds} conditions; {len(cap.heads)} captured heads; options: "
           f"`{json.dumps(res.options)}`", "",
           f"- seconds per forward (prompt + K cached continuations), median: "
@@ -136,6 +142,8 @@ def main() -> None:
           "## Baseline accuracy by depth (Wilson 95%; chance 1/K)", "", md_table(base), "",
           "## Contrast drop(S) - drop(random) (document bootstrap 95%)", "",
           md_table(res.contrast.drop(columns=["n_docs"])), "",
+          "Random sets: heads shared with `lowest` (of k) and the number of sets with `lowest`'s layer "
+          "distribution:", "", md_table(overlap), "",
           "## Plasticity of the lowest heads re-measured under debias", "",
           md_table(res.remeasured[["k", "condition", "metric", "value", "lo", "hi", "n_heads", "n_docs"]]), "",
           "## Verdicts", "", *[f"- **{r.verdict}**: {r.statement}" for r in res.verdicts.itertuples()], ""]

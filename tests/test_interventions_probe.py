@@ -66,14 +66,14 @@ def full_logprobs(model: Any, trial: Any, cands: list[list[int]]) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("fam", ["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("fam", tm.FAMILIES)
 def test_cached_scores_equal_full_forward(fam: str) -> None:
     model = tm.tiny_model(fam)
     bb = backbone_of(model)
     tok = tm.byte_tokenizer()
     trial = build_trial(tok, 1, prose(30), 0.3, window=200, K=4, seed=1)
     cands = candidate_ids(tok, trial.codes)
-    layer = 2 if fam == "gemma3" else 1
+    layer = 2 if fam in ("gemma3", "mllama") else 1  # a full self-attention layer (not sliding, not cross)
     rng = np.random.default_rng(0)
     a = rng.normal(size=16)
     means = {(layer, h): rng.normal(size=16) for h in range(4)}
