@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/study_scale.py                      # the committed results (4 sizes)
     .venv/bin/python bench/study_scale.py --sizes 20x16 --docs 50 --out /tmp/x   # quick check
+    .venv/bin/python bench/study_scale.py --sizes 300x32 --stages plasticity --capture-dir /tmp/cap \
+        --name study_scale_plasticity     # one stage again on a capture kept by an earlier run
 
 A capture of H sampled heads (32 layers x 32 query heads, 8 KV heads, drawn with the capture's own
 head sampler, seed 0, so GQA gives fewer K files than Q files) over 500 documents with R rows per
@@ -17,9 +19,11 @@ CPU time (user + system) and peak RSS:
   with :meth:`CaptureReader.read_head` (verified), median of 5; plus one column of a head file read alone,
   with the bytes the server sent counted on the wire (tests/s3.py's counting relay);
 - ``geometry``: PCA + rotation of every head (:func:`qk_core.rotation.run_geometry`, asset defaults);
-- ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options (2 worker threads);
-  ``peak_rss_analysis_mb`` is the peak right after the analysis, before this script measures the size of
-  the per-pair table as Parquet (with pyarrow's defaults and as the IO manager stores it).
+- ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options (2 worker threads)
+  followed by the write of the per-pair table as the IO manager stores it (``analysis_*``: the analysis
+  alone, ``pairs_write_s``: the write; wall / CPU / peak RSS cover both); afterwards, untimed, the same
+  table with pyarrow's default options for comparison. Importing Dagster (for the IO manager's options)
+  is not timed; ``peak_rss_mb`` includes it, ``peak_rss_analysis_mb`` is the peak before it.
 
 Bytes on storage are measured after the write (document files) and after the finalize (what stays).
 Writes bench/results/study_scale.{json,md}. The machine may be shared: load averages are recorded.
@@ -144,8 +148,12 @@ def child(stage: str, args: argparse.Namespace) -> dict:
             res = run_geometry("bench", iter_capture_heads(storage, cap), PCAOptions(), RotationOptions())
         out["heads_ok"] = int((res["pca"][0]["status"] == "ok").sum())
     elif stage == "plasticity":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         from qk_core.plasticity import PlasticityOptions, analyse_model
 
+        t_wall, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         reader = CaptureReader(storage, prefix)
         doc_ids = reader.doc_tokens()["example_id"].to_numpy()
         heads = [(h["layer"], h["q_head"]) for h in sorted(man["heads"], key=lambda h: (h["layer"], h["q_head"]))]
@@ -157,23 +165,21 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         out["heads_ok"] = int((res.heads["status"] == "ok").sum())
         out["pairs_rows"] = len(res.pairs)
         out["pairs_mb_in_memory"] = round(res.pairs.memory_usage(deep=True).sum() / 2**20, 1)
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from qk_assets.io_manager import parquet_write_options
+        from qk_assets.io_manager import parquet_write_options  # imports Dagster: not timed
 
         # the per-pair table as the IO manager stores it (the asset's own write; counted in wall_s / cpu_s)
         pq_path = Path(args.workdir) / "pairs.parquet"
-        t_w = time.perf_counter()
+        t_w, r_w = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         tbl = pa.Table.from_pandas(res.pairs, preserve_index=False)
         pq.write_table(tbl, pq_path, **parquet_write_options(tbl))
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
         out["pairs_write_s"] = round(time.perf_counter() - t_w, 2)
+        out["pairs_write_cpu_s"] = round(r1.ru_utime - r_w.ru_utime + r1.ru_stime - r_w.ru_stime, 2)
         out["pairs_mb_parquet_as_stored"] = round(pq_path.stat().st_size / 2**20, 1)
         out["pairs_bytes_per_row_as_stored"] = round(pq_path.stat().st_size / max(len(res.pairs), 1), 2)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        out.update(wall_s=round(time.perf_counter() - t_wall, 2),
-                   cpu_s=round(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, 2),
-                   peak_rss_mb=round(r1.ru_maxrss / 1024, 1))
+        out.update(wall_s=round(out["analysis_wall_s"] + out["pairs_write_s"], 2),
+                   cpu_s=round(out["analysis_cpu_s"] + out["pairs_write_cpu_s"], 2),
+                   peak_rss_mb=round(r1.ru_maxrss / 1024, 1))  # with Dagster imported (as in the asset)
         pq.write_table(tbl, pq_path)  # for comparison only (not timed): pyarrow's defaults
         out["pairs_mb_parquet_default_options"] = round(pq_path.stat().st_size / 2**20, 1)
         pq_path.unlink()
@@ -232,6 +238,10 @@ def s3_read(storage, prefix: str, man: dict) -> dict:
         server.stop()
 
 
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
 def save(doc: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{doc['name']}.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -239,7 +249,7 @@ def save(doc: dict, out: Path) -> None:
 
 
 def run_size(size: str, args: argparse.Namespace) -> dict:
-    workdir = tempfile.mkdtemp(prefix="qk-study-", dir=args.tmp or None)
+    workdir = args.capture_dir or tempfile.mkdtemp(prefix="qk-study-", dir=args.tmp or None)
     res: dict = {"size": size}
     try:
         for stage in args.stages:
@@ -253,14 +263,16 @@ def run_size(size: str, args: argparse.Namespace) -> dict:
             res[stage]["load_1min"] = round(os.getloadavg()[0], 2)
             print(f"{size} {stage}: {res[stage]}", flush=True)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not args.capture_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
     return res
 
 
 def markdown(doc: dict) -> str:
     lines = ["# Study-scale data path (issue 18)", "",
              f"Command: `{doc['command']}` (repository root; started {doc['started']}, {doc['cpus']} CPUs, "
-             f"load averages at start {doc['load_start']}, at end {doc['load_end']}; qk_core of "
+             f"load averages at start {doc['load_start']}, at end {doc['load_end']} (`uptime` at start: "
+             f"{doc.get('uptime_start', '')}); qk_core of "
              f"{doc.get('code', 'this checkout')}).",
              "The machine is shared with other work: when the load average exceeds the 2 cores, wall time exceeds "
              "CPU time by the contention. Synthetic captures written by `CaptureWriter` "
@@ -292,6 +304,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="study_scale", help="results file name (bench/results/<name>.{json,md})")
     ap.add_argument("--code", default="", help="a checkout whose qk_core the stages use (default: this one)")
+    ap.add_argument("--capture-dir", default="", help="storage root kept between runs (one size): a capture "
+                    "written there by the write and finalize stages is reused by later runs of other stages")
     ap.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -304,11 +318,12 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     cmd = "python bench/study_scale.py" + "".join(f" {a}" for a in sys.argv[1:])
     doc = {"command": cmd, "started": started, "cpus": os.cpu_count(), "python": platform.python_version(),
-           "load_start": load_start, "docs": args.docs, "name": args.name,
+           "load_start": load_start, "uptime_start": _uptime(), "docs": args.docs, "name": args.name,
            "code": args.code or "this checkout", "stages": args.stages, "results": []}
     for size in args.sizes.split(","):  # results saved after every size
         doc["results"].append(run_size(size, args))
         doc["load_end"] = [round(x, 2) for x in os.getloadavg()]
+        doc["uptime_end"] = _uptime()
         save(doc, Path(args.out))
     print(markdown(doc))
 

@@ -158,3 +158,30 @@ def test_resume_and_guards(storage: Storage) -> None:
     bad = HeadRows("q", 1, 0, np.arange(3, dtype=np.int32), np.zeros((2, D), np.float32))
     with pytest.raises(CaptureError, match="document 99, q layer 1 head 0"):
         again.write_document(99, 10, [bad])
+
+
+def test_recent_k_heads_are_read_once_and_shared_read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Query heads of one KV head (GQA) read consecutively read its K file once (verified then); the rows
+    are shared read-only, equal to a fresh reader's; at most ``K_RECENT`` K heads are kept."""
+    storage = Storage(tmp_path / "root")
+    data = planted(4)
+    w = write_capture(storage, data)
+    w.finalize()
+    reader = CaptureReader(storage, w.prefix)
+    reads: list[str] = []
+    orig = storage.read_bytes
+
+    def spy(rel: str, *a: object, **kw: object) -> bytes:
+        reads.append(rel.rsplit("/", 1)[-1])
+        return orig(rel, *a, **kw)
+
+    monkeypatch.setattr(storage, "read_bytes", spy)
+    first = reader.read_head(*HEADS[0])
+    again = reader.read_head(*HEADS[0])
+    assert reads == ["L001_H000.parquet", "L001_K000.parquet", "L001_H000.parquet"]
+    assert again.k is first.k and not again.k.flags.writeable and not again.k_pos.flags.writeable
+    fresh = CaptureReader(Storage(tmp_path / "root"), w.prefix).read_head(*HEADS[0])  # not counted
+    np.testing.assert_array_equal(fresh.k, again.k)
+    for la, h in HEADS[1:] + HEADS[:1]:  # two other K heads push the first one out
+        reader.read_head(la, h)
+    assert reads.count("L001_K000.parquet") == 2 and len(reader._k_recent) == CaptureReader.K_RECENT
