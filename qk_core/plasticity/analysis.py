@@ -350,15 +350,15 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
     rows, profiles, bins, comps, boots, aps = [], [], [], [], [], []
     boots_emp: list[np.ndarray] = []
-    pair_cols: dict[str, list[np.ndarray]] = {}
+    heads = list(heads)
+    pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
     for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers)):
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)
         comps.append(res.components)
         if res.pairs is not None and len(res.pairs):
-            for col in res.pairs.columns:  # column arrays, not frames: the final table is built column by column
-                pair_cols.setdefault(col, []).append(res.pairs[col].to_numpy())
+            pair_cols.append(res.pairs)
             res.pairs = None
         if res.pair_arrays:
             pa_ = res.pair_arrays
@@ -383,7 +383,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
             out.insert(0, "model", model_key)
         return out
 
-    pairs_df = _pairs_frame(model_key, pair_cols)
+    pairs_df = pair_cols.frame(model_key)
     heat = hm.frame()
     heat.insert(0, "model", model_key)
     heat["bin_width_tokens"] = hm.width
@@ -397,16 +397,37 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record)
 
 
-def _pairs_frame(model_key: str, pair_cols: dict[str, list[np.ndarray]]) -> pd.DataFrame:
-    """The per-pair table from per-head column arrays; each column's parts are freed once joined."""
-    if not pair_cols:
-        return pd.DataFrame()
-    data: dict[str, Any] = {}
-    for col in list(pair_cols):
-        data[col] = np.concatenate(pair_cols.pop(col))
-    n = len(next(iter(data.values())))
-    model = pd.Categorical.from_codes(np.zeros(n, dtype=np.int8), categories=[model_key])
-    return pd.DataFrame({"model": model, **data}, copy=False)
+class PairColumns:
+    """The per-pair table filled head by head into one array per column, allocated once for ``capacity`` rows.
+
+    Every head has at most (J - 1) x pairs_per_bucket pairs, so the capacity is known before the first head;
+    pages past the rows written are never touched (they take address space, not memory), and the table is
+    a view of the filled rows: no per-head pieces to join, no second copy of the table at the end.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self.n = 0
+        self.cols: dict[str, np.ndarray] = {}
+
+    def append(self, part: pd.DataFrame) -> None:
+        m = len(part)
+        if self.n + m > self.capacity:  # not reached with the bound above; grow rather than fail
+            self.capacity = max(2 * self.capacity, self.n + m)
+            self.cols = {c: np.concatenate([a[:self.n], np.empty(self.capacity - self.n, a.dtype)])
+                         for c, a in self.cols.items()}
+        for col in part.columns:
+            values = part[col].to_numpy()
+            if col not in self.cols:
+                self.cols[col] = np.empty(self.capacity, dtype=values.dtype)
+            self.cols[col][self.n:self.n + m] = values
+        self.n += m
+
+    def frame(self, model_key: str) -> pd.DataFrame:
+        if not self.cols:
+            return pd.DataFrame()
+        model = pd.Categorical.from_codes(np.zeros(self.n, dtype=np.int8), categories=[model_key])
+        return pd.DataFrame({"model": model, **{c: a[:self.n] for c, a in self.cols.items()}}, copy=False)
 
 
 EXTRA_METRICS = (
