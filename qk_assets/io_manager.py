@@ -11,8 +11,9 @@ an empty dict instead of failing.
 Encoding (values unchanged): zstd (level 9) compression; floating-point columns byte-stream-split (their
 bytes grouped by significance, which zstd compresses better than raw floats) unless they hold few distinct
 values (at most 1 in 4 of their first 65,536 rows, e.g. a bucket midpoint or an empirical share), which
-are dictionary-encoded like every other column. On the per-pair plasticity records: 16.2 bytes per pair
-against 18.8 with the previous options and 21.6 with pyarrow's defaults (bench/results/study_scale.md).
+are dictionary-encoded like every other column. On the per-pair plasticity records: 16.1 bytes per pair
+against 18.8 with the previous options and 19.7 with pyarrow's defaults (4.45 M pairs of the 300x32
+study-scale capture, bench/results/study_scale_plasticity*.md).
 """
 from typing import Any
 
