@@ -400,9 +400,10 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
 class PairColumns:
     """The per-pair table filled head by head into one array per column, allocated once for ``capacity`` rows.
 
-    Every head has at most (J - 1) x pairs_per_bucket pairs, so the capacity is known before the first head;
-    pages past the rows written are never touched (they take address space, not memory), and the table is
-    a view of the filled rows: no per-head pieces to join, no second copy of the table at the end.
+    Every head has at most (J - 1) x pairs_per_bucket pairs (SPEC 4.2), so the capacity is known before the
+    first head; rows past those written are never written (fresh pages take address space, not memory), and
+    the table is a view of the filled rows: no per-head pieces to join, no second copy of the table at the end
+    (measured: -150 MB peak RSS on 4.45 M pairs, bench/results/study_scale_plasticity*.md).
     """
 
     def __init__(self, capacity: int) -> None:
