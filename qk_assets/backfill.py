@@ -1,0 +1,99 @@
+"""Backfill one checkpoint series in one action: ``python -m qk_assets.backfill <series> [--corpus C]``.
+
+Launches one Dagster *asset backfill* through the running webserver (``make ui``; the daemon executes it)
+holding exactly the series' checkpoints on one corpus — every (model, corpus) asset (capture and all
+per-model analyses) for the partitions ``<corpus>|<series>@<revision>`` — and nothing else: not the other
+model keys, not the other corpora. The series and its checkpoints come from the registry, never from code.
+
+The corpus partition the checkpoints read must exist first. When it was never materialised the command
+stops before launching anything and says so, naming the partition and the fix; with ``--with-upstream``
+the corpus partition joins the same backfill and Dagster runs it before the checkpoints. The trajectory
+follows by automation once the checkpoints' metrics land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+
+from dagster import AssetKey, DagsterInstance, Definitions
+
+from qk_assets.dagster_api import DagsterAPI
+from qk_assets.partitions import pair_key
+from qk_core.registry import Registry
+
+CORPUS = AssetKey("corpus")
+SERIES_TAG = "qk/series"
+
+
+class BackfillError(RuntimeError):
+    """The backfill cannot start; the message names what is missing and the fix."""
+
+
+def series_partitions(defs: Definitions, registry: Registry, series: str,
+                      corpus: str | None = None) -> tuple[str, dict[AssetKey, list[str]]]:
+    """The corpus and, per (model, corpus) asset, the partition keys of the series' checkpoints."""
+    from qk_assets.definitions import per_model_keys
+
+    if series not in registry.series:
+        raise BackfillError(f"{registry.path}: no series '{series}'; series: {', '.join(registry.series) or '(none)'}")
+    keys = registry.series[series].checkpoint_keys
+    corpus = corpus or registry.model(keys[0]).corpus
+    if corpus not in registry.corpora:
+        raise BackfillError(f"{registry.path}: unknown corpus '{corpus}'; corpora: {', '.join(registry.corpora)}")
+    unlisted = [k for k in keys if corpus not in registry.model(k).corpora]
+    if unlisted:
+        raise BackfillError(f"{registry.path}: series '{series}' does not list corpus '{corpus}' (field 'corpora') "
+                            f"for {', '.join(unlisted)}; add it there first")
+    parts = [str(pair_key(k, corpus)) for k in keys]
+    return corpus, {key: parts for key in per_model_keys(list(defs.assets or []))}
+
+
+def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Definitions, registry: Registry,
+                           series: str, corpus: str | None = None,
+                           with_upstream: bool = False) -> tuple[str, list[str]]:
+    """Launch the series' backfill; returns its id and what it holds (lines to print)."""
+    corpus, partitions = series_partitions(defs, registry, series, corpus)
+    lines = []
+    if corpus not in instance.get_materialized_partitions(CORPUS):
+        if not with_upstream:
+            raise BackfillError(
+                f"corpus[{corpus}] was never materialised, and every checkpoint of '{series}' reads it. Fix: run "
+                f"`python -m qk_assets.backfill {series} --corpus {corpus} --with-upstream` (the corpus runs first, "
+                f"in the same backfill), or materialise it in the UI: Assets > corpus > Materialize > {corpus}.")
+        partitions = {CORPUS: [corpus], **partitions}
+        lines.append(f"corpus[{corpus}] (never materialised: runs first)")
+    lines.append(f"{len(partitions) - (1 if CORPUS in partitions else 0)} per-model assets x "
+                 f"{len(registry.series[series].checkpoint_keys)} checkpoints of '{series}' on '{corpus}'")
+    backfill_id = api.launch_backfill(partitions, tags={SERIES_TAG: series})
+    return backfill_id, lines
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qk_assets.backfill", description=__doc__.split("\n")[0])
+    parser.add_argument("series", help="a [series.<name>] of the registry, e.g. smollm3-3b")
+    parser.add_argument("--corpus", help="the corpus to capture on (default: the series' first corpus)")
+    parser.add_argument("--with-upstream", action="store_true",
+                        help="include the corpus partition when it was never materialised (it runs first)")
+    parser.add_argument("--url", default="http://127.0.0.1:3000", help="the Dagster webserver (`make ui`)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+
+    from qk_assets import defs
+    from qk_assets.partitions import registry, sync_instance
+
+    instance = DagsterInstance.get()
+    sync_instance(instance, registry())  # what the registry sensor would add on its next tick
+    try:
+        backfill_id, lines = launch_series_backfill(DagsterAPI(args.url), instance, defs, registry(), args.series,
+                                                    args.corpus, args.with_upstream)
+    except BackfillError as exc:
+        print(f"backfill: not launched: {exc}", file=sys.stderr)
+        return 2
+    print(f"backfill {backfill_id} launched: " + "; ".join(lines))
+    print(f"follow it at {args.url.rstrip('/')}/overview/backfills/{backfill_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
