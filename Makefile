@@ -8,7 +8,7 @@ export DAGSTER_HOME := $(if $(DAGSTER_POSTGRES_URL),$(CURDIR)/dagster_home/postg
 HOST ?= 127.0.0.1
 PORT ?= 3000
 
-.PHONY: setup demo test ui lint bench bench-gpu browser postgres clean
+.PHONY: setup demo test ui backfill lint bench bench-gpu browser postgres clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ test: setup browser postgres
 
 ui: setup
 	$(BIN)/dagster dev -h $(HOST) -p $(PORT) -w workspace.yaml
+
+# One asset backfill of a checkpoint series through the running webserver (`make ui`), e.g.
+# `make backfill SERIES=smollm3-3b ARGS=--with-upstream`.
+backfill: setup
+	$(BIN)/python -m qk_assets.backfill $(SERIES) --url http://$(HOST):$(PORT) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check qk_core qk_assets tests bench

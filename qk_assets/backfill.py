@@ -1,4 +1,5 @@
-"""Backfill one checkpoint series in one action: ``python -m qk_assets.backfill <series> [--corpus C]``.
+"""Backfill one checkpoint series in one action: ``make backfill SERIES=<series>`` (``ARGS=--with-upstream``),
+i.e. ``python -m qk_assets.backfill <series> [--corpus C] [--with-upstream]`` with ``DAGSTER_HOME`` set.
 
 Launches one Dagster *asset backfill* through the running webserver (``make ui``; the daemon executes it)
 holding exactly the series' checkpoints on one corpus — every (model, corpus) asset (capture and all
@@ -14,6 +15,7 @@ follows by automation once the checkpoints' metrics land.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterable
 
@@ -21,7 +23,7 @@ from dagster import AssetKey, DagsterInstance, Definitions
 
 from qk_assets.dagster_api import DagsterAPI
 from qk_assets.partitions import pair_key
-from qk_core.registry import Registry
+from qk_core.registry import Registry, RegistryError
 
 CORPUS = AssetKey("corpus")
 SERIES_TAG = "qk/series"
@@ -60,8 +62,9 @@ def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Def
         if not with_upstream:
             raise BackfillError(
                 f"corpus[{corpus}] was never materialised, and every checkpoint of '{series}' reads it. Fix: run "
-                f"`python -m qk_assets.backfill {series} --corpus {corpus} --with-upstream` (the corpus runs first, "
-                f"in the same backfill), or materialise it in the UI: Assets > corpus > Materialize > {corpus}.")
+                f"`make backfill SERIES={series} ARGS='--corpus {corpus} --with-upstream'` (the corpus runs "
+                f"first, in the same backfill), or materialise it in the UI: Assets > corpus > Materialize > "
+                f"{corpus}.")
         partitions = {CORPUS: [corpus], **partitions}
         lines.append(f"corpus[{corpus}] (never materialised: runs first)")
     lines.append(f"{len(partitions) - (1 if CORPUS in partitions else 0)} per-model assets x "
@@ -79,16 +82,27 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:3000", help="the Dagster webserver (`make ui`)")
     args = parser.parse_args(list(argv) if argv is not None else None)
 
+    if not os.environ.get("DAGSTER_HOME"):
+        print("backfill: not launched: DAGSTER_HOME is not set (the instance `make ui` runs on); run "
+              f"`make backfill SERIES={args.series}` or set DAGSTER_HOME", file=sys.stderr)
+        return 2
     from qk_assets import defs
     from qk_assets.partitions import registry, sync_instance
 
     instance = DagsterInstance.get()
-    sync_instance(instance, registry())  # what the registry sensor would add on its next tick
     try:
+        sync_instance(instance, registry())  # what the registry sensor would add on its next tick
         backfill_id, lines = launch_series_backfill(DagsterAPI(args.url), instance, defs, registry(), args.series,
                                                     args.corpus, args.with_upstream)
-    except BackfillError as exc:
+    except (BackfillError, RegistryError) as exc:
         print(f"backfill: not launched: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # no webserver at --url (connection refused, timeout)
+        print(f"backfill: not launched: no Dagster webserver answers at {args.url} ({exc}); start it with "
+              "`make ui` or pass --url", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # Dagster refused the backfill; its message says why
+        print(f"backfill: {exc}", file=sys.stderr)
         return 2
     print(f"backfill {backfill_id} launched: " + "; ".join(lines))
     print(f"follow it at {args.url.rstrip('/')}/overview/backfills/{backfill_id}")
