@@ -31,11 +31,13 @@ path = "{root}/c2.jsonl"
 [models.other]
 family = "llama"
 source = {{ local = "{root}/other" }}
+window = 64
 corpora = ["tiny", "tiny2"]
 
 [series.tser]
 family = "qwen3"
 source = {{ local = "{root}/ckpts/{{revision}}" }}
+window = 64
 corpora = ["tiny"]
 checkpoints = [{{ revision = "step-10" }}, {{ revision = "step-20" }}]
 """

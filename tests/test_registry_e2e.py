@@ -4,14 +4,16 @@ then the registry file grows and shrinks the partitions with no reload.
 The temporary registry lists a corpus ``tiny`` and a corpus ``tiny2``, a model ``other`` on both, and a
 series ``tser`` of two tiny local checkpoints (random models built from a config) on ``tiny``.
 
-1. With automation off (its default), ``python -m qk_assets.backfill tser`` first refuses, naming
-   ``corpus[tiny]`` (never materialised) and the fix, launching nothing; with ``--with-upstream`` it launches
-   one asset backfill that runs the corpus partition first and then exactly the series' checkpoints, every
-   per-model asset of them: no run for ``other``, none for ``tiny2``, and every run of a (model, corpus)
-   partition belongs to that backfill.
-2. ``model_automation_sensor`` is started (as from the UI). The registry file then drops the series and
-   ``other`` and adds a model ``tiny-b``: its partition appears and its lineage materialises by itself; the
-   removal is reported by the registry sensor, and the series' partitions and stored outputs stay.
+1. ``model_automation_sensor`` is started (as from the UI). ``python -m qk_assets.backfill tser`` first
+   refuses, naming ``corpus[tiny]`` (never materialised) and the fix, launching nothing; with
+   ``--with-upstream`` it launches one asset backfill that runs the corpus partition first and then exactly
+   the series' checkpoints, every per-model asset of them: no run for ``other``, none on ``tiny2``.
+2. While it runs, the registry file drops ``other`` and adds a model ``tiny-b`` on ``tiny``: its partition
+   appears and, once the backfill's corpus partition lands, its lineage materialises by itself; the removal
+   is reported by the registry sensor and ``other``'s partition stays. Every run of the series or of
+   ``corpus[tiny]`` is the backfill's, and automation ran ``tiny-b`` alone.
+
+Phases share the servers and overlap: everything is polled, nothing sleeps a fixed time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ REVS = ["step-10", "step-20"]
 SERIES_KEYS = [f"tser@{r}" for r in REVS]
 PER_MODEL = ("qk_capture", "pca_metrics", "rotation_metrics", "plasticity_metrics", "intervention_summary")
 SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLocationName: "qk_assets:defs",
-  repositoryName: "__repository__", sensorName: $name}) { __typename ... on Sensor { id sensorState {
+  repositoryName: "__repository__", sensorName: $name}) { __typename ... on Sensor { id sensorState { status
   ticks(limit: 20) { status skipReason logEvents { events { message } } } } } } }"""
 START = """mutation($name: String!) { startSensor(sensorSelector: {repositoryLocationName: "qk_assets:defs",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on PythonError { message } } }"""
@@ -44,8 +46,8 @@ STOP = """mutation($id: String!) { stopSensor(id: $id) { __typename } }"""
 
 # small analysis options; a probe window that fits the needle prompt of SPEC 11 on the byte-level models
 ANALYSIS = """analysis.plasticity = { bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }
-analysis.interventions = { window = 256, n_docs = 2, depths = [0.5], candidates = 4, random_sets = 1,
-                           bootstrap = 10, interventions = ["ablate"], remeasure = false }
+analysis.interventions = { window = 256, n_docs = 2, depths = [0.5], candidates = 4, random_sets = 1, \
+bootstrap = 10, interventions = ["ablate"], remeasure = false }
 """
 COMMON = f"""window = 64
 bucket = 8
@@ -88,12 +90,18 @@ def tick_messages(srv, name: str) -> list[str]:
 
 
 def set_sensor(srv, name: str, running: bool) -> None:
-    if running:
-        res = srv.graphql(START, {"name": name})["startSensor"]
-        assert res["__typename"] == "Sensor", res
-    else:
-        res = srv.graphql(STOP, {"id": sensor(srv, name)["id"]})["stopSensor"]
-        assert res["__typename"] == "StopSensorMutationResult", res
+    """Start / stop a sensor as the UI does, until its state says so (the daemon may be writing it too)."""
+    want = "RUNNING" if running else "STOPPED"
+
+    def switched() -> bool:
+        if running:
+            res = srv.graphql(START, {"name": name})["startSensor"]
+        else:
+            res = srv.graphql(STOP, {"id": sensor(srv, name)["id"]})["stopSensor"]
+        assert res["__typename"] in ("Sensor", "StopSensorMutationResult"), res
+        return sensor(srv, name)["sensorState"]["status"] == want
+
+    wait_for(switched, 60, interval=1, what=f"{name} {want}", on_timeout=srv.log_tail)
 
 
 def backfill_cli(env: dict[str, str], url: str, *args: str) -> subprocess.CompletedProcess:
@@ -101,7 +109,8 @@ def backfill_cli(env: dict[str, str], url: str, *args: str) -> subprocess.Comple
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Path) -> None:
+def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from dagster import DagsterInstance
 
     t_start = time.monotonic()
@@ -118,7 +127,10 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
     env = {"QK_REGISTRY": str(registry), "QK_STORAGE_ROOT": str(root), "QK_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
     with dagster_servers(tmp_path, env=env) as srv:
         srv.wait_ready(timeout=PHASE_TIMEOUT_S)
-        set_sensor(srv, "automation_sensor", False)  # the cross-model rebuilds are not under test here
+        monkeypatch.setenv("DAGSTER_HOME", str(srv.home))  # the instance config reads it
+        for name in ("automation_sensor", "benchmark_files_sensor"):  # cross-model work is not under test here
+            set_sensor(srv, name, False)
+        set_sensor(srv, "model_automation_sensor", True)  # as a user would, from the UI
         t_ready = time.monotonic()
 
         # 1. the series' backfill: refused while corpus[tiny] was never materialised, then launched alone
@@ -129,16 +141,25 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         assert "--with-upstream" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
         with DagsterInstance.from_config(str(srv.home)) as instance:
             assert not instance.get_backfills()
+        # automation applies to partitions added after its first evaluation (Dagster's on_missing / eager):
+        # the series' partitions, there before it, are left to the backfill
+        wait_for(lambda: len(tick_messages(srv, "model_automation_sensor")) > 0, 120, interval=1,
+                 what="the automation sensor's first tick", on_timeout=srv.log_tail)
         launched = backfill_cli(cli_env, srv.url, "--with-upstream")
         assert launched.returncode == 0, (launched.stdout, launched.stderr)
         backfill_id = launched.stdout.split()[1]
+
+        # 2. while it runs, the registry file drops `other` and adds tiny-b on the same corpus (no reload)
+        registry.write_text(corpora + model_table("tiny-b", "llama", tmp_path / "b", ["tiny"])
+                            + series_table(tmp_path / "ckpts"))
+        t_edit = time.monotonic()
         api = DagsterAPI(srv.url)
 
         def finished() -> dict | None:
             b = api.backfill(backfill_id)
             return b if b["status"] not in ("REQUESTED", "CANCELING") else None
 
-        done = wait_for(finished, PHASE_TIMEOUT_S, interval=2, what="the series backfill", on_timeout=srv.log_tail)
+        done = wait_for(finished, PHASE_TIMEOUT_S, interval=1, what="the series backfill", on_timeout=srv.log_tail)
         t_backfill = time.monotonic()
         assert done["status"] == "COMPLETED_SUCCESS", done
         assert {r["status"] for r in done["runs"]} == {"SUCCESS"}, done["runs"]
@@ -148,33 +169,27 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
             for asset in PER_MODEL:
                 assert stored(root, asset, key, "tiny"), (asset, key)
             assert not stored(root, "qk_capture", key, "tiny2")
-        assert not stored(root, "qk_capture", "other", "tiny") and not (root / "assets" / "corpus" / "tiny2.parquet"
-                                                                        ).exists()
-        # nothing else ran a (model, corpus) partition: every partitioned run is the backfill's
-        ours = {r["runId"] for r in done["runs"]}
-        partitioned = [r for r in srv.runs(limit=200) if "dagster/partition" in r["tags"]]
-        assert {r["run_id"] for r in partitioned} == ours, [r["tags"] for r in partitioned]
+        assert not stored(root, "qk_capture", "other", "tiny")
+        assert not (root / "assets" / "corpus" / "tiny2.parquet").exists()
 
-        # 2. automation on; the registry file drops the series and `other` and adds tiny-b (no reload)
-        set_sensor(srv, "model_automation_sensor", True)
-        # automation applies to partitions added after its first evaluation (Dagster's on_missing / eager)
-        wait_for(lambda: len(tick_messages(srv, "model_automation_sensor")) > 0, 120, interval=1,
-                 what="the automation sensor's first tick", on_timeout=srv.log_tail)
-        registry.write_text(corpora + model_table("tiny-b", "llama", tmp_path / "b", ["tiny"]))
-        t_edit = time.monotonic()
-        wait_for(lambda: any("no longer in" in m and "tser@step-10" in m and "other" in m
-                             for m in tick_messages(srv, "registry_partitions_sensor")),
-                 120, interval=1, what="the removal report", on_timeout=srv.log_tail)
+        # tiny-b's partition appeared and its lineage materialised by itself; the removal was reported
         wait_for(lambda: stored(root, "plasticity_metrics", "tiny-b", "tiny")
                  and stored(root, "rotation_metrics", "tiny-b", "tiny"), PHASE_TIMEOUT_S, interval=1,
                  what="tiny-b's lineage after the registry edit", on_timeout=srv.log_tail)
         t_filled = time.monotonic()
+        wait_for(lambda: any("no longer in" in m and "model other" in m
+                             for m in tick_messages(srv, "registry_partitions_sensor")),
+                 120, interval=1, what="the removal report", on_timeout=srv.log_tail)
         with DagsterInstance.from_config(str(srv.home)) as instance:
-            assert list(instance.get_dynamic_partitions("model")) == ["other", *SERIES_KEYS, "tiny-b"]
-            assert list(instance.get_dynamic_partitions("series")) == ["tser"]  # reported, kept
-        for key in SERIES_KEYS:
-            assert stored(root, "qk_capture", key, "tiny")
-        print(f"servers ready {t_ready - t_start:.0f}s; series backfill ({len(done['runs'])} runs) "
-              f"{t_backfill - t_ready:.0f}s; "
-              f"new model filled {t_filled - t_edit:.0f}s after the registry edit")
+            assert list(instance.get_dynamic_partitions("model")) == ["other", *SERIES_KEYS, "tiny-b"]  # kept
+        # the series and its corpus ran in the backfill only; automation ran tiny-b alone
+        runs = [r for r in srv.runs(limit=200) if "dagster/partition" in r["tags"]]
+        ours = {r["runId"] for r in done["runs"]}
+        assert {r["run_id"] for r in runs if "tser@" in r["tags"]["dagster/partition"]
+                or r["tags"]["dagster/partition"] == "tiny"} == ours, [r["tags"] for r in runs]
+        others = {r["tags"]["dagster/partition"] for r in runs if r["run_id"] not in ours}
+        assert others == {"tiny|tiny-b"}, [r["tags"] for r in runs]
+        print(f"servers ready {t_ready - t_start:.0f}s (models built, dagster dev up); series backfill "
+              f"({len(done['runs'])} runs) done {t_backfill - t_ready:.0f}s later; tiny-b filled "
+              f"{t_filled - t_edit:.0f}s after the registry edit")
     assert not srv.alive()
