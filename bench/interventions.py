@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -63,6 +64,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--interventions", default="ablate,debias", help="interventions of the probe")
     ap.add_argument("--capture-docs", type=int, default=None, help="capture only the first N corpus documents")
+    ap.add_argument("--from-storage", default=None, help="storage root of a finished demo: reuse its capture "
+                    "(copied into --storage) and its plasticity_heads / rotation_heads instead of recomputing them")
+    ap.add_argument("--capture-id", default=None, help="with --from-storage: the capture folder under "
+                    "captures/<model>/ (the one qk_capture materialised)")
     args = ap.parse_args()
 
     import logging
@@ -81,23 +86,35 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_model(entry, "cpu", with_head=True)
     times["load_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    cap = capture_model(entry, corpus, storage, corpus_name=entry.corpora[0], loaded=loaded)
-    times["capture_s"] = time.perf_counter() - t0
-    reader = CaptureReader(storage, cap.prefix)
-    t0 = time.perf_counter()
-    rot = run_rotation(args.model, iter_capture_heads(storage, cap.heads))[0]
     popts = PlasticityOptions.from_analysis(entry.analysis)
-    heads = [(int(r.layer), int(r.q_head)) for r in cap.heads.itertuples()]
-    pl = analyse_model(args.model, heads, reader.read_head, reader.doc_tokens()["example_id"].to_numpy(),
-                       reader.window, reader.bucket, popts)
-    times["rotation_plasticity_s"] = time.perf_counter() - t0
+    if args.from_storage:  # a finished demo's capture and its plasticity_heads / rotation_heads assets
+        src = Path(args.from_storage)
+        prefix = f"captures/{args.model}/{args.capture_id}"
+        if not (Path(storage.root) / prefix).exists():  # recaptures are written to --storage, never to the source
+            shutil.copytree(src / prefix, Path(storage.root) / prefix)
+        reader = CaptureReader(storage, prefix)
+        cap_prefix, cap_heads = prefix, reader.heads()
+        tables = {t: pd.read_parquet(src / "assets" / t / args.model / f"{entry.corpora[0]}.parquet")
+                  for t in ("plasticity_heads", "rotation_heads")}
+        pl_heads, rot = tables["plasticity_heads"], tables["rotation_heads"]
+    else:
+        t0 = time.perf_counter()
+        cap = capture_model(entry, corpus, storage, corpus_name=entry.corpora[0], loaded=loaded)
+        times["capture_s"] = time.perf_counter() - t0
+        cap_prefix, cap_heads = cap.prefix, cap.heads
+        reader = CaptureReader(storage, cap.prefix)
+        t0 = time.perf_counter()
+        rot = run_rotation(args.model, iter_capture_heads(storage, cap.heads))[0]
+        heads = [(int(r.layer), int(r.q_head)) for r in cap.heads.itertuples()]
+        pl_heads = analyse_model(args.model, heads, reader.read_head, reader.doc_tokens()["example_id"].to_numpy(),
+                                 reader.window, reader.bucket, popts).heads
+        times["rotation_plasticity_s"] = time.perf_counter() - t0
     opts = InterventionOptions(window=args.window, depths=args.depths, n_docs=args.n_docs,
                                k_fractions=args.k_fractions, random_sets=args.random_sets,
                                remeasure_docs=args.remeasure_docs, bootstrap=args.bootstrap,
                                interventions=tuple(args.interventions.split(",")))
     t0 = time.perf_counter()
-    res = run_study(entry, corpus, storage, cap.prefix, pl.heads, rot, opts, popts, loaded,
+    res = run_study(entry, corpus, storage, cap_prefix, pl_heads, rot, opts, popts, loaded,
                     corpus_name=entry.corpora[0])
     times["study_s"] = time.perf_counter() - t0
     n_trials = int(res.trials[["doc_id", "depth", "repeat"]].drop_duplicates().shape[0])
@@ -115,7 +132,7 @@ def main() -> None:
         "model": args.model, "command": " ".join(sys.argv), "machine": platform.machine(),
         "torch_threads": args.threads, "load_average_1_5_15": [round(x, 2) for x in load], "uptime": uptime,
         "note": "the machine was shared with other helpers' work; load averages are at the end of the run",
-        "options": res.options, "heads_captured": len(cap.heads), "trials": n_trials, "conditions": n_conds,
+        "options": res.options, "heads_captured": len(cap_heads), "trials": n_trials, "conditions": n_conds,
         "seconds_per_forward_median": float(res.trials["seconds"].median()),
         "seconds_per_forward_by_intervention": {k: round(float(v), 3) for k, v in by_cond.items()},
         "seconds_per_trial_all_conditions": times["study_s"] / max(n_trials, 1), **times,
@@ -132,7 +149,7 @@ def main() -> None:
     md = [f"# Intervention study on {args.model} (real weights, CPU)", "", f"Command: `{result['command']}`", "",
           f"Load averages at the end (1, 5, 15 min): {result['load_average_1_5_15']} on {os.cpu_count()} cores "
           f"(shared machine); `uptime`: `{uptime}`.", "",
-          f"{n_trials} trials x {n_conds} conditions; {len(cap.heads)} captured heads; options: "
+          f"{n_trials} trials x {n_conds} conditions; {len(cap_heads)} captured heads; options: "
           f"`{json.dumps(res.options)}`", "",
           f"- seconds per forward (prompt + K cached continuations), median: "
           f"{result['seconds_per_forward_median']:.2f} s; by intervention: "
