@@ -1,8 +1,9 @@
 """End to end with one real webserver + daemon (tests/servers.py) for every phase: a series backfills alone,
 then the registry file grows and shrinks the partitions with no reload.
 
-The temporary registry lists a corpus ``tiny`` and a corpus ``tiny2``, a model ``other`` on both, and a
-series ``tser`` of two tiny local checkpoints (random models built from a config) on ``tiny``.
+The temporary registry lists a corpus ``tiny`` and a corpus ``tiny2``, a model ``other`` on ``tiny2`` (its
+``tiny|other`` partition exists in the grid all the same), and a series ``tser`` of two tiny local
+checkpoints (random models built from a config) on ``tiny``.
 
 1. ``model_automation_sensor`` is started (as from the UI). ``python -m qk_assets.backfill tser`` first
    refuses, naming ``corpus[tiny]`` (never materialised) and the fix, launching nothing; with
@@ -13,7 +14,8 @@ series ``tser`` of two tiny local checkpoints (random models built from a config
    is reported by the registry sensor and ``other``'s partition stays. Every run of the series or of
    ``corpus[tiny]`` is the backfill's, and automation ran ``tiny-b`` alone.
 
-Phases share the servers and overlap: everything is polled, nothing sleeps a fixed time.
+Phases share the servers and overlap: everything is polled, nothing sleeps a fixed time. The location is the
+project's definitions with the in-process executor (tests/e2e_defs.py): one import per run, not per step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLoc
 START = """mutation($name: String!) { startSensor(sensorSelector: {repositoryLocationName: "qk_assets:defs",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on PythonError { message } } }"""
 STOP = """mutation($id: String!) { stopSensor(id: $id) { __typename } }"""
+WORKSPACE = """load_from:
+  - python_file:
+      relative_path: {path}
+      attribute: defs
+      location_name: "qk_assets:defs"
+      working_directory: {repo}
+"""
 
 # small analysis options; a probe window that fits the needle prompt of SPEC 11 on the byte-level models
 ANALYSIS = """analysis.plasticity = { bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }
@@ -121,11 +130,13 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
     c2 = write_corpus_jsonl(tmp_path / "c2.jsonl", sample_texts(4, 120, seed=9))
     corpora = corpus_table("tiny", c1) + corpus_table("tiny2", c2)
     registry = tmp_path / "registry.toml"
-    registry.write_text(corpora + model_table("other", "llama", tmp_path / "other", ["tiny", "tiny2"])
+    registry.write_text(corpora + model_table("other", "llama", tmp_path / "other", ["tiny2"])
                         + series_table(tmp_path / "ckpts"))
     root = tmp_path / "storage"
     env = {"QK_REGISTRY": str(registry), "QK_STORAGE_ROOT": str(root), "QK_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    with dagster_servers(tmp_path, env=env) as srv:
+    workspace = tmp_path / "workspace.yaml"  # the project's location, steps in process (tests/e2e_defs.py)
+    workspace.write_text(WORKSPACE.format(path=REPO / "tests" / "e2e_defs.py", repo=REPO))
+    with dagster_servers(tmp_path, env=env, workspace=workspace) as srv:
         srv.wait_ready(timeout=PHASE_TIMEOUT_S)
         monkeypatch.setenv("DAGSTER_HOME", str(srv.home))  # the instance config reads it
         for name in ("automation_sensor", "benchmark_files_sensor"):  # cross-model work is not under test here
