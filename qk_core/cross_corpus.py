@@ -52,7 +52,7 @@ from qk_core.capture_store import HeadData
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.bootstrap import doc_weights, percentile_interval
 from qk_core.plasticity.options import n_buckets
-from qk_core.stats import correlations, format_p
+from qk_core.stats import correlations, p_clause
 
 #: The model values compared between corpora (SPEC 10) and their units.
 METRICS = {"ap_overall": "AP", "ap_drop": "AP", "bias_strength": "per token"}
@@ -327,7 +327,7 @@ def _head_statement(metric: str, ref: str, corpus: str, st: dict[str, Any], shar
                     alpha: float) -> tuple[str, str]:
     n = int(st["n"])
     rho, p = st["spearman_rho"], st["spearman_p"]
-    p_txt = format_p(p, st["spearman_method"], int(st["spearman_permutations"] or 0))
+    p_txt = p_clause(p, st["spearman_method"], int(st["spearman_permutations"] or 0))
     share = ("" if not np.isfinite(shares[0]) else
              f"; of its variance over heads and corpora {shares[0]:.0%} is which head (the model), {shares[1]:.0%} "
              f"the corpus (the text), {shares[2]:.0%} head x corpus (the text reordering heads, plus noise)")
@@ -338,7 +338,7 @@ def _head_statement(metric: str, ref: str, corpus: str, st: dict[str, Any], shar
     what = {"same heads": "the same heads stand out on both corpora",
             "different heads": "the corpora rank the heads in opposite order",
             "cannot tell": "the data cannot tell whether the same heads stand out"}[call]
-    return call, (f"Per head, {metric} on {ref} vs {corpus}: Spearman rho = {rho:.2f} (p = {p_txt}, "
+    return call, (f"Per head, {metric} on {ref} vs {corpus}: Spearman rho = {rho:.2f} ({p_txt}, "
                   f"{st['spearman_method']}, n = {n} heads): {what}{share}.")
 
 

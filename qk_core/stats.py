@@ -140,6 +140,12 @@ def format_p(p: float, method: str = "", permutations: int = 0) -> str:
     return f"{p:.3f}" if p < 0.995 else "1"
 
 
+def p_clause(p: float, method: str = "", permutations: int = 0) -> str:
+    """``p = 0.003`` or ``p < 1/20000`` (:func:`format_p` with its relation), for sentences and titles."""
+    text = format_p(p, method, permutations)
+    return f"p {text}" if text.startswith("<") else f"p = {text}"
+
+
 def trend_line(x: Any, y: Any) -> tuple[float, float] | None:
     """Ordinary least-squares (slope, intercept) of y on x over finite pairs; None if undefined."""
     xa = np.asarray(x, dtype=float)

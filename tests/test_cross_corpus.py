@@ -85,6 +85,15 @@ def test_same_geometry_gives_differences_whose_intervals_cover_zero(corpora: dic
     assert corr.loc["bias_strength", "spearman_permutations"] == 720 and corr.loc["bias_strength", "n_heads"] == 6
     assert corr.loc["bias_strength", "share_head"] > 0.8  # the model's, not the text's
     assert set(res.verdicts["scope"]) == {"model value", "per head"}
+    # exact p of rho = 1 over 6 heads: 2 of the 720 orderings reach |rho| = 1
+    assert "Spearman rho = 1.00 (p = 0.003, exact, n = 6 heads)" in corr.loc["bias_strength", "statement"]
+
+
+def test_p_clause_never_reads_p_equals_less_than() -> None:
+    from qk_core.stats import METHOD_MC, p_clause
+
+    assert p_clause(1 / 20001, METHOD_MC, 20000) == "p < 1/20000"
+    assert p_clause(0.0123) == "p = 0.012"
 
 
 def test_planted_drift_difference_is_recovered_in_sign_and_size(corpora: dict) -> None:

@@ -16,7 +16,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from qk_core.plots.plasticity import _empty, _frac_axis, _token_axis
-from qk_core.stats import format_p
+from qk_core.stats import p_clause
 
 LABELS = {"ap_overall": "AP_overall", "ap_drop": "AP_drop", "bias_strength": "bias_strength (per token)"}
 
@@ -98,8 +98,8 @@ def fig_heads(heads: pd.DataFrame, correlations: pd.DataFrame, model: str) -> Fi
             both = wide[[ref, c]].dropna()
             ax.scatter(both[ref], both[c], s=10, alpha=0.7, color=colors[c], label=c)
             st = correlations[(correlations["metric"] == m) & (correlations["corpus"] == c)].iloc[0]
-            p = format_p(st["spearman_p"], st["spearman_method"], int(st["spearman_permutations"]))
-            lines.append(f"{c}: rho = {st['spearman_rho']:.2f}, p = {p}, n = {int(st['n_heads'])}")
+            p = p_clause(st["spearman_p"], st["spearman_method"], int(st["spearman_permutations"]))
+            lines.append(f"{c}: rho = {st['spearman_rho']:.2f}, {p}, n = {int(st['n_heads'])}")
         finite = wide.to_numpy(float)[np.isfinite(wide.to_numpy(float))]
         if finite.size:
             lo, hi = float(finite.min()), float(finite.max())
