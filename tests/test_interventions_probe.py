@@ -140,6 +140,30 @@ def test_random_sets_are_not_the_lowest_set_when_another_matched_set_exists() ->
         assert s.heads == tuple((5, h) for h in range(4)) and s.equals_lowest and s.matched_sets == 1
 
 
+def test_head_set_table_of_a_large_model_is_storable() -> None:
+    """40 of SmolLM2's 270 heads (30 layers x 9): the number of matched sets is ~1e40 (beyond int64, which
+    failed the demo's Parquet write); the table stores it as a float, equal to the exact product of binomials."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qk_assets.io_manager import parquet_write_options
+    from qk_core.interventions.study import head_set_table
+
+    rng = np.random.default_rng(3)
+    df = pd.DataFrame([{"layer": la, "q_head": h, "ap_last20": rng.uniform()} for la in range(30) for h in range(9)])
+    sets = head_sets(df, [40], random_sets=1, seed=0)
+    rnd = next(s for s in sets if s.name == "random")
+    low = next(s for s in sets if s.name == "lowest")
+    per_layer = pd.Series([la for la, _ in low.heads]).value_counts()
+    exact = 1
+    for c in per_layer:
+        exact *= len(list(itertools.combinations(range(9), int(c))))  # brute-force count per layer
+    assert rnd.matched_sets == exact and exact > 2**63
+    table = pa.Table.from_pandas(head_set_table(sets, df), preserve_index=False)
+    pq.write_table(table, pa.BufferOutputStream(), **parquet_write_options(table))  # as the IO manager writes it
+    assert table.column("matched_sets").to_pylist()[-1] == float(exact)
+
+
 def test_verdict_reports_random_sets_that_overlap_lowest() -> None:
     from qk_core.interventions.study import HEAD_SET_COLUMNS
     from qk_core.interventions.verdict import verdicts

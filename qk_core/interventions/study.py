@@ -170,7 +170,9 @@ class StudyResult:
     trials: pd.DataFrame  # one row per (trial, condition), TRIAL_COLUMNS
     summary: pd.DataFrame  # accuracy + margin per (intervention, head_set, k, depth) with intervals
     contrast: pd.DataFrame  # drop(S) - drop(random) per (intervention, k, depth, S)
-    head_sets: pd.DataFrame  # head_set, set_seed, k, layer, q_head, ap_last20, overlap_lowest, matched_sets
+    # head_set, set_seed, k, layer, q_head, ap_last20, overlap_lowest, matched_sets (a float: the number of
+    # matched sets is a product of binomials, e.g. ~1e40 for 40 of SmolLM2's 270 heads, beyond int64)
+    head_sets: pd.DataFrame
     profiles: pd.DataFrame  # AP profiles of the debiased heads, baseline and debias
     remeasured: pd.DataFrame  # AP headline + bias_strength, baseline / debias / difference
     verdicts: pd.DataFrame  # what the data support (qk_core.interventions.verdict)
@@ -183,7 +185,7 @@ def head_set_table(sets: list[HeadSet], plasticity_heads: pd.DataFrame) -> pd.Da
           zip(plasticity_heads["layer"], plasticity_heads["q_head"], plasticity_heads["ap_last20"], strict=True)}
     return pd.DataFrame([{"head_set": s.name, "set_seed": s.seed, "k": s.k, "layer": la, "q_head": h,
                           "ap_last20": ap.get((la, h), np.nan), "overlap_lowest": s.overlap_lowest,
-                          "matched_sets": s.matched_sets} for s in sets for la, h in s.heads],
+                          "matched_sets": float(s.matched_sets)} for s in sets for la, h in s.heads],
                         columns=HEAD_SET_COLUMNS)
 
 
