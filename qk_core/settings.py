@@ -9,8 +9,9 @@
 | QK_DEVICE           | torch device for capture (``cuda``, ``cpu``, ``auto``)       | ``auto``                 |
 | QK_BENCHMARK_MAX_BYTES | largest benchmark / reference file read (bytes); larger    | 536870912 (512 MiB)      |
 |                     | ones are an error naming the file                            |                          |
-| QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (capture runs in   |
-|                     | that captures are sharded onto (qk_core.capture.sharded)     | the Dagster step)        |
+| QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (everything runs   |
+|                     | that captures are sharded onto (qk_core.capture.sharded)     | in the Dagster step)     |
+|                     | and analyses run on as CPU tasks (qk_core.cluster)           |                          |
 | QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
 """
