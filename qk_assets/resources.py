@@ -1,5 +1,7 @@
 """Dagster resources: the storage root, the torch device and an optional Ray cluster (thin wrappers)."""
 
+import time
+from typing import ClassVar
 from urllib.parse import urlparse
 
 from dagster import ConfigurableResource
@@ -72,8 +74,28 @@ class RayClusterResource(RayResource):
     def ready(self) -> bool:
         return True
 
+    CONNECT_ATTEMPTS: ClassVar[int] = 3
+
     def connect(self, context):  # type: ignore[no-untyped-def]
-        return super().connect(context) if self.enabled else None
+        """dagster-ray's connect, tried afresh up to CONNECT_ATTEMPTS times: when the head's Ray Client server
+        fails to start the session's server process, the failed ``ray.init`` leaves the client half
+        initialised (a retry inside it then fails on an assertion), so each new attempt starts from
+        ``ray.shutdown()``."""
+        if not self.enabled:
+            return None
+        import ray
+
+        for attempt in range(1, self.CONNECT_ATTEMPTS + 1):
+            try:
+                return super().connect(context)
+            except (ConnectionError, AssertionError) as exc:
+                ray.shutdown()
+                if attempt == self.CONNECT_ATTEMPTS:
+                    raise
+                context.log.warning(f"{self.name}: connection attempt {attempt} failed ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}); trying again")
+                time.sleep(2.0 * attempt)
+        return None
 
     def on_connect(self, context):  # type: ignore[no-untyped-def]
         if self.enabled:  # without a cluster nothing connected: say nothing
