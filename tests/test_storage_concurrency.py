@@ -53,8 +53,11 @@ def check_whole(tbl: pa.Table) -> int:
     return v
 
 
-def run_concurrently(storage: Storage, readers: dict[str, Callable[[], int]], seconds: float) -> dict[str, set]:
-    """Writer replaces the files until ``seconds`` pass; returns the versions each reader saw."""
+def run_concurrently(storage: Storage, readers: dict[str, Callable[[], int]], seconds: float,
+                     deadline: float = 60.0) -> dict[str, set]:
+    """Writer replaces the files for at least ``seconds`` and until every reader has seen two versions
+    (at most ``deadline`` seconds: a busy machine can starve one reader for a while); returns the
+    versions each reader saw."""
     storage.write_parquet("t/data.parquet", version_table(0))
     storage.write_json("t/data.json", {"version": 0, "pad": "x" * SIZES[0]})
     stop = threading.Event()
@@ -81,7 +84,10 @@ def run_concurrently(storage: Storage, readers: dict[str, Callable[[], int]], se
                                                     for n, f in readers.items()]
     for t in threads:
         t.start()
-    time.sleep(seconds)
+    start = time.monotonic()
+    while time.monotonic() - start < deadline and (
+            time.monotonic() - start < seconds or any(len(v) < 2 for v in seen.values())):
+        time.sleep(0.1)
     stop.set()
     for t in threads:
         t.join(timeout=60)
