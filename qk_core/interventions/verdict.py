@@ -40,6 +40,11 @@ def random_overlap(head_sets: pd.DataFrame | None, k: int) -> tuple[int, int, fl
     return len(per_set), int((per_set >= k).sum()), float(per_set.mean())
 
 
+def _heads(x: float) -> str:
+    """A mean head count: one decimal, none when whole ("14", "13.6")."""
+    return f"{x:.1f}".removesuffix(".0")
+
+
 def _overlap_note(ov: tuple[int, int, float] | None, k: int) -> str:
     if ov is None:
         return ""
@@ -47,7 +52,7 @@ def _overlap_note(ov: tuple[int, int, float] | None, k: int) -> str:
     if same == n:
         return (f"every random set ({n}) is the lowest set itself: the {k} lowest heads fill their layers, so no "
                 "other set has their layer distribution")
-    note = f"the {n} random set(s) share {mean:.1f} of {k} heads with the lowest set on average"
+    note = f"the {n} random set(s) share {_heads(mean)} of {k} heads with the lowest set on average"
     return note + (f", {same} of them all {k}" if same else "")
 
 
@@ -106,9 +111,11 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
 
 
 def _statement_h1(call: str, iv: str, k: int, est: float, lo: float, hi: float, note: str = "") -> str:
+    inconclusive = ("the data neither support nor contradict it (every resample's contrast is 0: the lowest "
+                    "and the random heads change distant accuracy equally)" if lo == hi == 0
+                    else "the data neither support nor contradict it (the interval includes 0)")
     what = {"supported": "the data support it", "contradicted": "the data contradict it",
-            "inconclusive": "the data neither support nor contradict it (the interval includes 0)",
-            "not testable": f"not testable here: {note}"}[call]
+            "inconclusive": inconclusive, "not testable": f"not testable here: {note}"}[call]
     tail = f" ({note})" if note and call != "not testable" else ""
     return f"{iv} of the {k} lowest heads vs random heads at distant depths: contrast {est:+.2f} " \
            f"[{lo:+.2f}, {hi:+.2f}]; {what}{tail}."
