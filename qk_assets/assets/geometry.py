@@ -29,6 +29,7 @@ from dagster import (
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
+from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.cluster import on_cpu_worker
 from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions
@@ -80,14 +81,6 @@ def resolve_options(model_key: str, config: GeometryConfig) -> tuple[PCAOptions,
         run = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix) and v is not None}
         picked[section] = {**analysis_overrides(model_key, section), **run}
     return PCAOptions.from_dict(picked["pca"]), RotationOptions.from_dict(picked["rotation"])
-
-
-def progress_logger(context: AssetExecutionContext, label: str):
-    """A ``progress(i, total)`` callback logging every ~10 % of the heads."""
-    def progress(i: int, total: int) -> None:
-        if i % max(1, total // 10) == 0 or i == total:
-            context.log.info(f"{label}: {i}/{total} heads")
-    return progress
 
 
 def units_table(units: dict[str, str]) -> MetadataValue:
@@ -145,6 +138,7 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
             "abs_alpha_k, mu_q_a, abs_r_k_a, abs_r_q_a, separation_strength, plane_var_fraction, ...).")),
     },
     ins={"qk_capture": AssetIn()},
+    deps=["registry_analysis"],  # an analysis-option edit re-runs this, not the capture
     partitions_def=model_corpus_partitions(),
     can_subset=True,
 )

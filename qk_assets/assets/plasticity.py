@@ -43,8 +43,9 @@ from qk_assets.automation import AFTER_UPSTREAM
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
+from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
-from qk_core.capture_store import CaptureError, CaptureReader
+from qk_core.capture_store import CaptureError
 from qk_core.cluster import on_cpu_worker
 from qk_core.plasticity import PlasticityOptions, analyse_capture
 
@@ -106,6 +107,7 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
             "bootstrap lo/hi), empirical and diagnostic means.")),
     },
     ins={"qk_capture": AssetIn()},
+    deps=["registry_analysis"],  # an analysis-option edit re-runs this, not the capture
     partitions_def=model_corpus_partitions(),
     can_subset=False,
 )
@@ -121,20 +123,18 @@ def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage
     prefixes = sorted(set(qk_capture["capture_prefix"].astype(str)))
     if len(prefixes) != 1:
         raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
-    reader = CaptureReader(store, prefixes[0])
-    L, B = reader.window, reader.bucket
     heads = [(int(r.layer), int(r.q_head)) for r in qk_capture.sort_values(["layer", "q_head"]).itertuples()]
-    step = max(1, len(heads) // 10)
+    log = progress_logger(context, f"plasticity {model}")
 
     def progress(i: int, res) -> None:
-        if (i + 1) % step == 0 or i + 1 == len(heads):
-            context.log.info(f"plasticity {model}: {i + 1}/{len(heads)} heads")
+        log(i + 1, len(heads))
 
     placed = on_cpu_worker(  # a CPU task on the Ray cluster when connected (issue 12), else here
         analyse_capture, model, store, prefixes[0], heads, opts, progress=None if ray.enabled else progress,
         cluster=ray.enabled, name=f"qk_plasticity:{model}:{corpus}")
     context.log.info(f"plasticity {model} on {corpus}: {len(heads)} heads on {placed.where}")
     result = placed.value
+    L, B = result.window, result.bucket
     record = result.options
     h = result.heads
     skipped = h.loc[h["status"] != "ok", "status"].value_counts().to_dict() if len(h) else {}

@@ -292,6 +292,8 @@ class ModelResult:
     heatmap: pd.DataFrame
     metrics: pd.DataFrame
     options: dict[str, Any]
+    window: int  # L, raw tokens
+    bucket: int  # B, raw tokens
 
 
 def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
@@ -394,7 +396,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     aps = np.stack(aps) if aps else np.zeros((0, n_buckets(L, B)))
     metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
                             opts, record, np.stack(boots_emp) if boots_emp else None)
-    return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record)
+    return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record, L, B)
 
 
 class PairColumns:
