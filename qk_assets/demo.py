@@ -14,10 +14,10 @@ materialisation shows up in ``make ui``. Assets are selected per partition set:
   holds the thesis's reference values and marks each checkpoint as missing);
 - unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
 
-What to compute is Dagster's answer, not a rule of this module. Before planning, the demo adds the
-registry's partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` (registry
-edits become data versions), then asks Dagster, through the GraphQL API of a ``dagster-webserver`` it starts
-for the moment (``--dagster-url`` reuses a running one), for the status of every selected asset partition —
+What to compute is Dagster's answer, not a rule of this module. Before planning, the demo adds the registry's
+partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` and ``registry_analysis``
+(registry edits become data versions), then asks Dagster, through the GraphQL API of a ``dagster-webserver`` it
+starts for the moment (``--dagster-url`` reuses a running one), for the status of every selected asset partition —
 the same status the UI shows: *missing*, *stale* with Dagster's causes (new code version — every asset's
 code version is a hash of its source, ``qk_assets.versioning`` —, new dependency data version, ...), or
 fresh. It recomputes the missing and stale ones, and what depends on them in the plan (their new values
@@ -56,7 +56,7 @@ from qk_core.storage import Storage
 
 DEMO_TAG = "qk/demo"
 REPORT_KEY = AssetKey("report_html")
-REGISTRY_ENTRY = AssetKey("registry_entry")
+REGISTRY_SOURCES = (AssetKey("registry_entry"), AssetKey("registry_analysis"))
 REPORT_REL = "report/index.html"
 
 Node = tuple[AssetKey, str | None]
@@ -260,11 +260,13 @@ def run_step(defs: Definitions, instance: DagsterInstance, step: Step, tags: dic
 
 
 def observe_registry_entries(defs: Definitions, instance: DagsterInstance) -> None:
-    """Record the registry's entries as ``registry_entry`` data versions (what the registry sensor does)."""
-    if REGISTRY_ENTRY not in defs.resolve_asset_graph().get_all_asset_keys():
+    """Record the registry's entries as ``registry_entry`` and ``registry_analysis`` data versions (what the
+    registry sensor does)."""
+    sources = [k for k in REGISTRY_SOURCES if k in defs.resolve_asset_graph().get_all_asset_keys()]
+    if not sources:
         return
-    job = defs.resolve_implicit_job_def_def_for_assets([REGISTRY_ENTRY])
-    result = job.execute_in_process(instance=instance, asset_selection=[REGISTRY_ENTRY], tags={DEMO_TAG: "1"},
+    job = defs.resolve_implicit_job_def_def_for_assets(sources)
+    result = job.execute_in_process(instance=instance, asset_selection=sources, tags={DEMO_TAG: "1"},
                                     raise_on_error=False,
                                     run_config={"loggers": {"console": {"config": {"log_level": "ERROR"}}}})
     if not result.success:

@@ -62,7 +62,7 @@ def test_the_plan_is_the_series_checkpoints_on_one_corpus_for_every_per_model_as
     # interventions; never corpus, registry_entry or a cross-model asset
     names = {k.to_user_string() for k in parts}
     assert {"qk_capture", "pca_metrics", "rotation_heads", "plasticity_metrics", "intervention_summary"} <= names
-    assert not names & {"corpus", "registry_entry", "trajectory", "benchmark_joins", "report_html"}
+    assert not names & {"corpus", "registry_entry", "registry_analysis", "trajectory", "benchmark_joins", "report_html"}
     assert all(p == ["tiny|tser@step-10", "tiny|tser@step-20"] for p in parts.values())
 
 

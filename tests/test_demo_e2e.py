@@ -122,9 +122,10 @@ def test_second_demo_computes_nothing(demo_run: dict) -> None:
 
 
 def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> None:
-    """Editing one model's entry: Dagster (the UI's status, asked here through a webserver of our own) marks
-    that model's capture stale through its registry_entry data version, and the demo plans exactly that
-    plus what depends on it."""
+    """Editing entries: Dagster (the UI's status, asked here through a webserver of our own) marks what the
+    edit configures stale, through the data versions of ``registry_entry`` (a capture option of tiny-qwen: its
+    captures) and ``registry_analysis`` (an analysis option of tiny-llama: its analyses, not its captures),
+    and the demo plans exactly that plus what depends on it."""
     from dagster import AssetKey
 
     from qk_assets.dagster_api import webserver
@@ -132,17 +133,25 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
     env = demo_run["env"]
     reg = Path(env["QK_REGISTRY"])
     text = reg.read_text()
-    reg.write_text(text.replace('"bootstrap": 20', '"bootstrap": 21', 1) if '"bootstrap": 20' in text
-                   else text.replace("bootstrap = 20", "bootstrap = 21", 1))
+    llama, qwen = text.split('[models."tiny-qwen"]')
+    assert "bootstrap = 20" in llama and "per_bucket = 2 }" in qwen
+    reg.write_text(llama.replace("bootstrap = 20", "bootstrap = 21", 1) + '[models."tiny-qwen"]'
+                   + qwen.replace("per_bucket = 2 }", "per_bucket = 3 }", 1))
     try:
         plan = demo(env, "--dry-run").stdout
         runs = {ln.split()[1]: ln.split(None, 2)[2] for ln in plan.splitlines() if ln.startswith("  run ")}
         stale = {k for k, r in runs.items() if r.startswith(("stale", "missing"))}
-        assert stale == {f"qk_capture[{c}|tiny-llama]" for c in CORPORA}, runs
-        assert "registry_entry[tiny|tiny-llama]" in runs["qk_capture[tiny|tiny-llama]"]
-        assert {"plasticity_metrics[tiny|tiny-llama]", "cross_corpus_metrics[tiny-llama]", "model_report",
-                "report_html"} <= set(runs)
-        assert not any("tiny-qwen" in k for k in runs)
+        analyses = ("pca_heads", "pca_metrics", "rotation_heads", "rotation_metrics", "plasticity_heads",
+                    "plasticity_metrics", "intervention_trials")
+        want = ({f"qk_capture[{c}|tiny-qwen]" for c in CORPORA}
+                | {f"{a}[{c}|tiny-llama]" for a in analyses for c in CORPORA})
+        assert want <= stale, (want - stale, runs)
+        assert not any(k.startswith("qk_capture[") and "tiny-llama" in k for k in runs), runs
+        assert not any("tiny-qwen" in k for k in stale - {f"qk_capture[{c}|tiny-qwen]" for c in CORPORA}), runs
+        assert "registry_entry[tiny|tiny-qwen]" in runs["qk_capture[tiny|tiny-qwen]"]
+        assert "registry_analysis[tiny|tiny-llama]" in runs["plasticity_metrics[tiny|tiny-llama]"]
+        assert {"plasticity_metrics[tiny|tiny-qwen]", "cross_corpus_metrics[tiny-llama]",
+                "cross_corpus_metrics[tiny-qwen]", "model_report", "report_html"} <= set(runs)
         keys: dict = {}  # asset -> every partition the plan lists (an asset has one per corpus)
         for k in runs:
             keys.setdefault(AssetKey(k.split("[")[0]), []).append(k.split("[")[1].rstrip("]") if "[" in k else None)

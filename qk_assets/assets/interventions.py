@@ -72,6 +72,7 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
     },
     # Dagster maps the corpus partition to the pairs' corpus dimension (as for the capture)
     ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(), "corpus": AssetIn()},
+    deps=["registry_analysis"],  # its options are analysis.interventions
     partitions_def=model_corpus_partitions(),
     pool="gpu",
     can_subset=False,

@@ -1,14 +1,17 @@
 """The registry inside Dagster: its entries as data versions, its keys as dynamic partitions.
 
 - ``registry_entry`` [model, corpus]: an observable source asset. Its data version per (model, corpus)
-  is a hash of what configures that pair's computation: the model entry (source, tokenizer, window,
-  capture and analysis options, ...; not its groups, description or corpus list) and the corpus entry.
+  is a hash of what configures that pair's capture: the model entry (source, tokenizer, window, capture
+  options, ...; not its analysis options, groups, description or corpus list) and the corpus entry.
   ``qk_capture`` depends on it, so editing an entry makes that pair's lineage stale in Dagster's own
   staleness (UI: "upstream data version changed") and automation re-runs it. Pairs the registry does not
   list are never observed, so Dagster treats them as missing and automation leaves them alone.
-- ``registry_partitions_sensor`` (running by default): every few seconds it reads the registry file and
-  adds the model, corpus and series keys the instance lacks (``SensorResult(dynamic_partitions_requests)``),
-  then observes ``registry_entry`` when any entry changed. Entries removed from the file are reported
+- ``registry_analysis`` [model, corpus]: the same for the entry's ``analysis`` tables (SPEC 2-4, 11
+  options). The per-model analyses (geometry, plasticity, interventions) depend on it, so editing an
+  analysis option re-runs the analyses on the stored capture, never the capture (the GPU work).
+- ``registry_partitions_sensor`` (running by default): every few seconds it reads the registry file and adds the
+  model, corpus and series keys the instance lacks (``SensorResult(dynamic_partitions_requests)``), then observes
+  ``registry_entry`` and ``registry_analysis`` when any entry changed. Entries removed from the file are reported
   (tick message and log), never deleted: their partitions and stored outputs stay.
 - ``model_automation_sensor`` (stopped by default; start it in the UI under Automation): evaluates the
   automation conditions of ``corpus`` and of every (model, corpus) asset, so a new model, checkpoint or
@@ -52,8 +55,10 @@ from qk_core.registry import Registry, RegistryError, load_registry
 
 REGISTRY_ENTRY = AssetKey("registry_entry")
 SENSOR_INTERVAL_S = 5
-# Fields of a model entry that do not change what is computed for a (model, corpus) pair.
-NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index")
+REGISTRY_ANALYSIS = AssetKey("registry_analysis")
+# Fields of a model entry that do not change what is captured for a (model, corpus) pair ("analysis" has a
+# data version of its own: registry_analysis).
+NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index", "analysis")
 WHERE_IT_RUNS = ("shards", "num_gpus")  # capture options that only decide where a capture runs (issue 12)
 
 
@@ -69,27 +74,48 @@ def entry_versions(reg: Registry) -> dict[str, str]:
     return out
 
 
+def analysis_versions(reg: Registry) -> dict[str, str]:
+    """Data version per (model, corpus) partition key: a hash of the model's ``analysis`` tables."""
+    out = {}
+    for model, corpus in registry_pairs(reg):
+        blob = json.dumps(reg.model(model).analysis, sort_keys=True, default=str)
+        out[str(pair_key(model, corpus))] = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return out
+
+
 def observe_registry() -> DataVersionsByPartition:
     reg = load_registry()  # the file as it is now, not as the code location loaded it
     return DataVersionsByPartition({pk: DataVersion(v) for pk, v in entry_versions(reg).items()})
+
+
+def observe_analysis() -> DataVersionsByPartition:
+    reg = load_registry()
+    return DataVersionsByPartition({pk: DataVersion(v) for pk, v in analysis_versions(reg).items()})
 
 
 with warnings.catch_warnings():  # observable_source_asset is marked beta; its use here is the documented one
     warnings.simplefilter("ignore", BetaWarning)
     registry_entry = observable_source_asset(
         name="registry_entry", partitions_def=model_corpus_partitions(), group_name="registry",
-        description="One data version per (model, corpus) the registry lists: a hash of its model and corpus "
-                    "entries. Observed by registry_partitions_sensor whenever the registry file changes.",
+        description="One data version per (model, corpus) the registry lists: a hash of its model entry "
+                    "(analysis options aside) and corpus entry. Observed by registry_partitions_sensor whenever "
+                    "the registry file changes; qk_capture depends on it.",
     )(observe_registry)
+    registry_analysis = observable_source_asset(
+        name="registry_analysis", partitions_def=model_corpus_partitions(), group_name="registry",
+        description="One data version per (model, corpus) the registry lists: a hash of the model's analysis "
+                    "options. The per-model analyses depend on it: an analysis edit re-runs them, not the capture.",
+    )(observe_analysis)
 
 
 @sensor(
     name="registry_partitions_sensor",
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     default_status=DefaultSensorStatus.RUNNING,
-    asset_selection=AssetSelection.assets(REGISTRY_ENTRY),
+    asset_selection=AssetSelection.assets(REGISTRY_ENTRY, REGISTRY_ANALYSIS),
     description="Adds the registry's models, checkpoints, corpora and series as partitions (no reload) and "
-                "observes registry_entry when an entry changes; removed entries are reported, never deleted.",
+                "observes registry_entry and registry_analysis when an entry changes; removed entries are reported, "
+                "never deleted.",
 )
 def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
     try:
@@ -99,7 +125,7 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
     existing = {d: list(context.instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
     adds, gone = partition_requests(reg, existing)
     versions = entry_versions(reg)
-    state = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()
+    state = hashlib.sha256(json.dumps([versions, analysis_versions(reg)], sort_keys=True).encode()).hexdigest()
     notes = [f"added {r.partitions_def_name}: {', '.join(r.partition_keys)}" for r in adds]
     notes += [f"no longer in {reg.path}: {dim} {', '.join(keys)} (partitions and stored outputs kept)"
               for dim, keys in gone.items()]
@@ -108,7 +134,7 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
     if not adds and state == context.cursor:
         return SkipReason("; ".join(notes) or f"registry unchanged ({len(versions)} (model, corpus) pairs)")
     runs = [] if state == context.cursor else [RunRequest(
-        run_key=state, asset_selection=[REGISTRY_ENTRY], tags={"qk/trigger": "registry"})]
+        run_key=state, asset_selection=[REGISTRY_ENTRY, REGISTRY_ANALYSIS], tags={"qk/trigger": "registry"})]
     return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=state)
 
 
