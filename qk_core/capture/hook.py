@@ -85,12 +85,12 @@ def ensure_registered(backend: str) -> str:
 
 def register_wrapper(name: str, inner: str, make_fn: Callable[[str], Callable]) -> str:
     """Register ``make_fn(inner)`` as attention function ``name``, with ``inner``'s mask builder (once)."""
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     if name not in _REGISTERED:
         AttentionInterface.register(name, make_fn(inner))
-        mask_fn = AttentionMaskInterface._global_mapping.get(inner)
+        mask_fn = ALL_MASK_ATTENTION_FUNCTIONS.get(inner)  # the public mapping of registered mask builders
         if mask_fn is not None:
             AttentionMaskInterface.register(name, mask_fn)
         _REGISTERED.add(name)
