@@ -13,8 +13,9 @@ the ``corpus`` asset and the ``corpus`` dimension (``MultiToSingleDimensionParti
 the daemon and the UI understand it), where a single
 "model|corpus" key would need a custom mapping Dagster cannot serialise. Dagster writes the key as
 ``<corpus>|<model>`` (dimensions in name order). Pairs the registry does not list (a model on a corpus
-it is not captured on) exist in the grid but have no ``registry_entry`` observation, so automation never
-requests them and materialising one by hand fails naming the registry field to edit.
+it is not captured on, or an entry removed from the file) exist in the grid; automation never requests
+them (``qk_assets.automation.RegistryListed``, with :func:`listed_keys`) and materialising one by hand
+fails naming the registry field to edit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dagster import (
     DynamicPartitionsDefinition,
     MultiPartitionKey,
     MultiPartitionsDefinition,
+    PartitionsDefinition,
 )
 
 from qk_core.registry import Registry, load_registry
@@ -112,6 +114,17 @@ def by_model(frames: object, reg: Registry) -> dict[str, object]:
 def wanted_keys(reg: Registry) -> dict[str, list[str]]:
     """The dynamic partition keys the registry defines, per dimension, in file order."""
     return {MODEL_DIM: list(reg.models), CORPUS_DIM: list(reg.corpora), SERIES_DIM: list(reg.series)}
+
+
+def listed_keys(reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+    """The keys of ``partitions_def`` that ``reg`` lists now: its (model, corpus) pairs, corpora, models or
+    series (None for a partitions definition that is not the registry's)."""
+    if partitions_def == MODEL_CORPUS:
+        return {str(pair_key(m, c)) for m, c in registry_pairs(reg)}
+    for dim, keys in ((CORPORA, reg.corpora), (MODELS, reg.models), (SERIES, reg.series)):
+        if partitions_def == dim:
+            return set(keys)
+    return None
 
 
 def partition_requests(reg: Registry, existing: dict[str, list[str]]) -> tuple[list[AddDynamicPartitionsRequest],

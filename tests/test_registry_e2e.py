@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 PHASE_TIMEOUT_S = 600
 REVS = ["step-10", "step-20"]
 SERIES_KEYS = [f"tser@{r}" for r in REVS]
+# Dagster's tag on a run an automation condition requested (daemon- or code-server-evaluated sensors alike)
+AUTOMATED = "dagster/from_automation_condition"
 PER_MODEL = ("qk_capture", "pca_metrics", "rotation_metrics", "plasticity_metrics", "intervention_summary")
 SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLocationName: "qk_assets:defs",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on Sensor { id sensorState { status
@@ -202,10 +204,10 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
                   or r["tags"]["dagster/partition"] == "tiny"}
         assert ours <= series, [r["tags"] for r in runs]
         extra = [r["tags"] for r in runs if r["run_id"] in series - ours]
-        assert all(t.get("dagster/auto_materialize") == "true" and "dagster/backfill" not in t for t in extra), extra
+        assert all(t.get(AUTOMATED) == "true" and "dagster/backfill" not in t for t in extra), extra
         others = {r["tags"]["dagster/partition"] for r in runs if r["run_id"] not in series}
         assert others == {"tiny|tiny-b"}, [r["tags"] for r in runs]
-        assert all(r["tags"].get("dagster/auto_materialize") == "true" for r in runs if r["run_id"] not in series)
+        assert all(r["tags"].get(AUTOMATED) == "true" for r in runs if r["run_id"] not in series)
         print(f"servers ready {t_ready - t_start:.0f}s (models built, dagster dev up); series backfill "
               f"({len(done['runs'])} runs) done {t_backfill - t_ready:.0f}s later; tiny-b filled "
               f"{t_filled - t_edit:.0f}s after the registry edit")

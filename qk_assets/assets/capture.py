@@ -20,13 +20,13 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetIn,
-    AutomationCondition,
     Failure,
     MetadataValue,
     Output,
     asset,
 )
 
+from qk_assets.automation import PER_PAIR
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
@@ -39,7 +39,7 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
     partitions_def=model_corpus_partitions(),
     ins={"corpus": AssetIn()},  # Dagster maps the corpus partition to the pairs' corpus dimension
     deps=["registry_entry"],
-    automation_condition=AutomationCondition.eager(),
+    automation_condition=PER_PAIR,
     pool="gpu",
     group_name="capture",
     kinds={"pytorch", "parquet"},

@@ -19,13 +19,13 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
-    AutomationCondition,
     Config,
     MetadataValue,
     Output,
     multi_asset,
 )
 
+from qk_assets.automation import PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
@@ -39,9 +39,9 @@ from qk_core.summaries import missing_heads, skipped_summary
 GROUP = "geometry"
 PCA_OUTS = ("pca_heads", "pca_layers", "pca_metrics")
 ROTATION_OUTS = ("rotation_heads", "rotation_layers", "rotation_metrics")
-# every output: optional (subsettable), eager (new partitions and upstream updates; model_automation_sensor)
+# every output: optional (subsettable), eager for the pairs the registry lists (model_automation_sensor)
 OUT = {"group_name": GROUP, "kinds": {"parquet"}, "is_required": False,
-       "automation_condition": AutomationCondition.eager()}
+       "automation_condition": PER_PAIR}
 
 
 class GeometryConfig(Config):

@@ -31,7 +31,6 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
-    AutomationCondition,
     Config,
     MetadataValue,
     Output,
@@ -39,7 +38,7 @@ from dagster import (
     multi_asset,
 )
 
-from qk_assets.automation import AFTER_UPSTREAM
+from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
@@ -50,8 +49,8 @@ from qk_core.cluster import on_cpu_worker
 from qk_core.plasticity import PlasticityOptions, analyse_capture
 
 GROUP = "plasticity"
-# every output: eager (new partitions and upstream updates; model_automation_sensor)
-OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": AutomationCondition.eager()}
+# every output: eager for the pairs the registry lists (new partitions, upstream updates; model_automation_sensor)
+OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": PER_PAIR}
 
 UNITS = {
     "tau_tokens, t_i, t_j, *_tokens": "raw token positions",

@@ -4,19 +4,23 @@
   is a hash of what configures that pair's capture: the model entry (source, tokenizer, window, capture
   options, ...; not its analysis options, groups, description or corpus list) and the corpus entry.
   ``qk_capture`` depends on it, so editing an entry makes that pair's lineage stale in Dagster's own
-  staleness (UI: "upstream data version changed") and automation re-runs it. Pairs the registry does not
-  list are never observed, so Dagster treats them as missing and automation leaves them alone.
+  staleness (UI: "upstream data version changed") and automation re-runs it. Pairs the registry never
+  listed are never observed, so Dagster treats them as missing and automation leaves them alone; pairs it
+  no longer lists keep their last observation and are left alone by the per-pair condition.
 - ``registry_analysis`` [model, corpus]: the same for the entry's ``analysis`` tables (SPEC 2-4, 11
   options). The per-model analyses (geometry, plasticity, interventions) depend on it, so editing an
   analysis option re-runs the analyses on the stored capture, never the capture (the GPU work).
 - ``registry_partitions_sensor`` (running by default): every few seconds it reads the registry file and adds the
   model, corpus and series keys the instance lacks (``SensorResult(dynamic_partitions_requests)``), then observes
   ``registry_entry`` and ``registry_analysis`` when any entry changed. Entries removed from the file are reported
-  (tick message and log), never deleted: their partitions and stored outputs stay.
+  (tick message and log), never deleted: their partitions, materialisations and stored outputs stay, and
+  automation no longer requests them (``RegistryListed`` in qk_assets.automation says why a condition rather
+  than deleting the dynamic partition keys).
 - ``model_automation_sensor`` (stopped by default; start it in the UI under Automation): evaluates the
   automation conditions of ``corpus`` and of every (model, corpus) asset, so a new model, checkpoint or
-  corpus materialises its lineage by itself. It is off by default because the shipped registry's study
-  models download LongBench-Pro and checkpoints from the hub.
+  corpus materialises its lineage by itself. It runs in the code server (``use_user_code_server``), where
+  the per-pair condition reads the registry file. It is off by default because the shipped registry's
+  study models download LongBench-Pro and checkpoints from the hub.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ with warnings.catch_warnings():  # observable_source_asset is marked beta; its u
     asset_selection=AssetSelection.assets(REGISTRY_ENTRY, REGISTRY_ANALYSIS),
     description="Adds the registry's models, checkpoints, corpora and series as partitions (no reload) and "
                 "observes registry_entry and registry_analysis when an entry changes; removed entries are reported, "
-                "never deleted.",
+                "never deleted, and no longer automated.",
 )
 def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
     try:
@@ -142,14 +146,18 @@ def model_automation_sensor(per_model: list[AssetKey]) -> AutomationConditionSen
     """The sensor evaluating ``corpus`` and every (model, corpus) asset (``per_model``, found by
     :func:`qk_assets.definitions.build_definitions` from their partitions, so a new per-model analysis
     joins by itself)."""
-    return AutomationConditionSensorDefinition(
-        "model_automation_sensor",
-        target=AssetSelection.assets("corpus", *per_model),
-        minimum_interval_seconds=SENSOR_INTERVAL_S,
-        default_status=DefaultSensorStatus.STOPPED,
-        description="Materialises new and changed (model, corpus) partitions and their analyses by their "
-                    "automation conditions. Off by default (the study models need the hub); start it here.",
-    )
+    with warnings.catch_warnings():  # use_user_code_server is marked beta; the Python condition needs it
+        warnings.simplefilter("ignore", BetaWarning)
+        return AutomationConditionSensorDefinition(
+            "model_automation_sensor",
+            target=AssetSelection.assets("corpus", *per_model),
+            minimum_interval_seconds=SENSOR_INTERVAL_S,
+            default_status=DefaultSensorStatus.STOPPED,
+            use_user_code_server=True,  # RegistryListed (qk_assets.automation) reads the registry file
+            description="Materialises new and changed (model, corpus) partitions the registry lists, and their "
+                        "analyses, by their automation conditions. Off by default (the study models need the "
+                        "hub); start it here.",
+        )
 
 
 SENSORS = [registry_partitions_sensor]

@@ -1,0 +1,90 @@
+"""Automation follows the registry file: a model removed from it is never requested again, while its
+partitions and materialisation history stay; listed again, it catches up.
+
+The project's real code location and conditions on a real (ephemeral) Dagster instance, evaluated with
+Dagster's own ``evaluate_automation_conditions`` over what ``model_automation_sensor`` targets. Nothing is
+computed: materialisations are reported to the instance, so each evaluation takes well under a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dagster import (
+    AssetKey,
+    AssetMaterialization,
+    AssetRecordsFilter,
+    AssetSelection,
+    DagsterInstance,
+    evaluate_automation_conditions,
+)
+
+from qk_core.registry import load_registry
+
+CORPUS = '[corpora.c]\nkind = "local_file"\npath = "docs.jsonl"\n'
+
+
+def model(name: str) -> str:
+    return f'\n[models.{name}]\nfamily = "llama"\nsource = {{ local = "w-{name}" }}\nwindow = 64\ncorpus = "c"\n'
+
+
+def requested(result, key: AssetKey) -> set[str]:
+    return {str(k) for k in result.get_requested_partitions(key)}
+
+
+def test_a_removed_model_is_not_automated_and_keeps_its_history(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from qk_assets import partitions
+    from qk_assets.definitions import build_definitions, per_model_keys
+    from qk_assets.demo import observe_registry_entries
+
+    path = tmp_path / "registry.toml"
+    path.write_text(CORPUS + model("m1") + model("m2"))
+    monkeypatch.setenv("QK_REGISTRY", str(path))
+    monkeypatch.setenv("QK_STORAGE_ROOT", str(tmp_path / "storage"))
+    partitions.registry.cache_clear()
+    try:
+        defs = build_definitions()
+        per_model = per_model_keys(list(defs.assets))
+        capture = AssetKey("qk_capture")
+        assert capture in per_model and AssetKey("plasticity_metrics") in per_model
+        target = AssetSelection.assets("corpus", *per_model)  # what model_automation_sensor evaluates
+        with DagsterInstance.ephemeral() as instance:
+            partitions.sync_instance(instance, load_registry(path))
+            observe_registry_entries(defs, instance)  # registry_entry[c|m1], [c|m2]
+
+            def corpus_updated() -> None:
+                instance.report_runless_asset_event(AssetMaterialization("corpus", partition="c"))
+
+            corpus_updated()
+            for key in per_model:  # both models' lineage is materialised
+                for m in ("m1", "m2"):
+                    instance.report_runless_asset_event(AssetMaterialization(key, partition=f"c|{m}"))
+            first = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target)
+            assert first.total_requested == 0  # everything is up to date
+
+            # the registry file drops m2; the corpus is then materialised again
+            path.write_text(CORPUS + model("m1"))
+            observe_registry_entries(defs, instance)  # what registry_partitions_sensor does on a change
+            corpus_updated()
+            second = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                    cursor=first.cursor)
+            assert requested(second, capture) == {"c|m1"}  # the listed model is refreshed (eager)
+            assert requested(second, AssetKey("plasticity_metrics")) == {"c|m1"}
+            for key in per_model:
+                assert "c|m2" not in requested(second, key), key
+            # m2 keeps its partitions and its history
+            assert "m2" in instance.get_dynamic_partitions("model")
+            for key in per_model:
+                records = instance.fetch_materializations(
+                    AssetRecordsFilter(asset_key=key, asset_partitions=["c|m2"]), limit=5).records
+                assert len(records) == 1, key
+
+            # listed again: it catches up with the corpus update it missed
+            path.write_text(CORPUS + model("m1") + model("m2"))
+            third = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                   cursor=second.cursor)
+            assert requested(third, capture) == {"c|m2"}
+    finally:
+        partitions.registry.cache_clear()
