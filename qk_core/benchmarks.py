@@ -587,14 +587,19 @@ def load_scores(files: list[SourceFile], uri_of: Any = None) -> pd.DataFrame:
 
 
 # ---- aliases, model types, reference ------------------------------------------------------------
-def load_aliases(f: SourceFile, uri: str | None = None, registry_keys: Iterable[str] | None = None) -> pd.DataFrame:
-    """The alias table: registry model -> benchmark entry, mode and checkpoint relation (SPEC 5)."""
+def load_aliases(f: SourceFile, uri: str | None = None) -> pd.DataFrame:
+    """The alias table: model key -> benchmark entry, mode and checkpoint relation (SPEC 5).
+
+    A malformed file (missing column, empty required field, unknown checkpoint relation, duplicate alias)
+    raises :class:`BenchmarkDataError` naming file, line and field. Aliases of models the registry does not
+    list are kept here; :func:`registry_aliases` sets them aside (the file covers the study, a registry may
+    hold fewer models).
+    """
     uri = uri or f.rel
     problems: list[str] = []
     header, row_iter = _csv_rows(f, uri, problems)
     rows = list(row_iter)  # a small table, read twice below
     if header and not _missing(header, ALIAS_REQUIRED, uri, problems):
-        known = set(registry_keys) if registry_keys is not None else None
         seen: dict[tuple[str, ...], int] = {}
         for line, row in rows:
             where = f"{uri}: line {line}"
@@ -602,8 +607,6 @@ def load_aliases(f: SourceFile, uri: str | None = None, registry_keys: Iterable[
             if row["checkpoint_relation"] and row["checkpoint_relation"] not in CHECKPOINT_RELATIONS:
                 problems.append(f"{where}, field 'checkpoint_relation': {row['checkpoint_relation']!r} is not one "
                                 f"of {', '.join(CHECKPOINT_RELATIONS)}")
-            if known is not None and row["model"] and row["model"] not in known:
-                problems.append(f"{where}, field 'model': {row['model']!r} is not a registry model key")
             ident = (row["model"], row["benchmark"], row["benchmark_model_name"], row["mode"])
             if ident in seen:
                 problems.append(f"{where}, field 'benchmark_model_name': duplicate alias (same as line {seen[ident]})")
@@ -613,6 +616,17 @@ def load_aliases(f: SourceFile, uri: str | None = None, registry_keys: Iterable[
     recs = [{**{c: row.get(c, "") for c in ALIAS_COLUMNS}, "file": f.rel, "location": f"line {line}"}
             for line, row in rows]
     return pd.DataFrame(recs, columns=ALIAS_COLUMNS)
+
+
+def registry_aliases(aliases: pd.DataFrame, registry_keys: Iterable[str], uri_of: Any = None
+                     ) -> tuple[pd.DataFrame, list[str]]:
+    """The aliases of the models the registry lists, and one note per other alias naming its file, line and
+    field (such an alias is ignored: nothing is measured for its model here)."""
+    uri_of = uri_of or (lambda rel: rel)
+    known = aliases["model"].isin(set(registry_keys))
+    notes = [f"{uri_of(row.file)}: {row.location}, field 'model': {row.model!r} is not a registry model key; "
+             "alias ignored" for row in aliases[~known].itertuples(index=False)]
+    return aliases[known].reset_index(drop=True), notes
 
 
 def check_aliases(aliases: pd.DataFrame, scores: pd.DataFrame, uri_of: Any = None) -> list[str]:

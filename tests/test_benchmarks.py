@@ -27,6 +27,7 @@ from qk_core.benchmarks import (
     load_reference,
     load_scores,
     parse_length,
+    registry_aliases,
     scan_files,
     score_files,
 )
@@ -242,7 +243,8 @@ def test_alias_to_absent_benchmark_model_is_flagged(local: Storage) -> None:
     text += "qwen3-0.6b,Qwen/Qwen3-0.6B,LongBench-Pro,Qwen3-4B,non-thinking,same,\n"  # mode LBP does not use
     n_lines = text.count("\n")
     f = SourceFile(f"{BENCHMARK_DIR}/model_aliases.csv", text.encode())
-    aliases = load_aliases(f, registry_keys=load_registry().model_keys)
+    aliases, ignored = registry_aliases(load_aliases(f), load_registry().model_keys)
+    assert ignored == []
     problems = check_aliases(aliases, scores)
     assert problems == [
         f"benchmarks/model_aliases.csv: line {n_lines - 1}, field 'benchmark_model_name': 'Qwen3-1.7B' has no "
@@ -256,22 +258,36 @@ def test_alias_file_validation() -> None:
     text = ("model,hf_repo,benchmark,benchmark_model_name,mode,checkpoint_relation,note\n"
             "qwen3-4b,Qwen/Qwen3-4B,LongBench-Pro,Qwen3-4B,nonthinking,cousin,\n"
             "no-such-model,x,LongBench-Pro,Qwen3-4B,nonthinking,same,\n"
-            "qwen3-4b,Qwen/Qwen3-4B,LongBench-Pro,Qwen3-4B,nonthinking,same,\n")
+            "qwen3-4b,Qwen/Qwen3-4B,LongBench-Pro,Qwen3-4B,nonthinking,same,\n"
+            "qwen3-8b,Qwen/Qwen3-8B,LongBench-Pro,,nonthinking,same,\n")
     with pytest.raises(BenchmarkDataError) as err:
-        load_aliases(SourceFile("benchmarks/model_aliases.csv", text.encode()),
-                     registry_keys=load_registry().model_keys)
+        load_aliases(SourceFile("benchmarks/model_aliases.csv", text.encode()))
     msg = str(err.value)
     assert "line 2, field 'checkpoint_relation'" in msg
-    assert "line 3, field 'model': 'no-such-model' is not a registry model key" in msg
     assert "line 4, field 'benchmark_model_name': duplicate alias (same as line 2)" in msg
+    assert "line 5, field 'benchmark_model_name'" in msg
+    assert "line 3" not in msg  # a model the registry lacks is not a malformed file (registry_aliases)
     with pytest.raises(BenchmarkDataError, match="line 1, field 'checkpoint_relation': missing column"):
         load_aliases(SourceFile("a.csv", b"model,benchmark,benchmark_model_name,mode\nx,y,z,w\n"))
 
 
+def test_aliases_of_models_the_registry_lacks_are_set_aside_naming_file_line_and_field() -> None:
+    text = ("model,hf_repo,benchmark,benchmark_model_name,mode,checkpoint_relation,note\n"
+            "qwen3-4b,Qwen/Qwen3-4B,LongBench-Pro,Qwen3-4B,nonthinking,same,\n"
+            "no-such-model,x,LongBench-Pro,Qwen3-8B,nonthinking,same,\n"
+            "qwen3-8b,Qwen/Qwen3-8B,LongBench-Pro,Qwen3-8B,nonthinking,same,\n")
+    aliases = load_aliases(SourceFile("benchmarks/model_aliases.csv", text.encode()))
+    assert list(aliases["model"]) == ["qwen3-4b", "no-such-model", "qwen3-8b"]
+    kept, ignored = registry_aliases(aliases, ["qwen3-4b", "qwen3-8b"], lambda rel: f"/root/{rel}")
+    assert list(kept["model"]) == ["qwen3-4b", "qwen3-8b"] and list(kept["location"]) == ["line 2", "line 4"]
+    assert ignored == ["/root/benchmarks/model_aliases.csv: line 3, field 'model': 'no-such-model' is not a "
+                       "registry model key; alias ignored"]
+
+
 def test_seed_aliases_model_types_and_reference() -> None:
-    aliases = load_aliases(SourceFile("benchmarks/model_aliases.csv", (SEED / "model_aliases.csv").read_bytes()),
-                           registry_keys=load_registry().model_keys)
+    aliases = load_aliases(SourceFile("benchmarks/model_aliases.csv", (SEED / "model_aliases.csv").read_bytes()))
     assert len(aliases) == len(csv_rows(SEED / "model_aliases.csv"))
+    assert registry_aliases(aliases, load_registry().model_keys)[1] == []  # the shipped registry has them all
     types = load_model_types([SourceFile("benchmarks/longbench_pro_models.csv",
                                          (SEED / "longbench_pro_models.csv").read_bytes())])
     assert len(types) == 46 and set(types["benchmark"]) == {"LongBench-Pro"}

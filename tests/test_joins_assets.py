@@ -7,6 +7,7 @@ Parquet files written where the IO manager reads them (``assets/<asset>/<partiti
 from __future__ import annotations
 
 import base64
+import logging
 from pathlib import Path
 
 import pandas as pd
@@ -224,3 +225,61 @@ def test_everything_reads_and_writes_through_s3(request: pytest.FixtureRequest, 
     assert set(jm["benchmark"]) == {"LongBench-Pro", "RULER"}
     prefix = root.split("/", 3)[3]
     assert f"{prefix}/assets/benchmark_joins/_all.parquet" in s3.keys(prefix)
+
+
+# ---- a registry with fewer models than the alias file ----------------------------------------------
+SMALL_FAMILIES = {"qwen3-4b": "qwen3", "qwen3-8b": "qwen3", "qwen3-14b": "qwen3", "llama3.1-8b": "llama"}
+SMALL_REGISTRY = '[corpora.c]\nkind = "local_file"\npath = "docs.jsonl"\n' + "".join(
+    f'\n[models."{m}"]\nfamily = "{f}"\nsource = {{ hub = "a/{m}" }}\nwindow = 4096\ncorpus = "c"\n'
+    for m, f in SMALL_FAMILIES.items())
+
+
+def test_first_tick_with_a_registry_lacking_aliased_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh instance whose registry lacks most study models: the benchmark sensor's first run succeeds,
+    the aliases of the missing models are reported (file, line, field) and ignored; a malformed alias file
+    still fails, naming file, line and field."""
+    from qk_assets import partitions
+    from qk_core.registry import load_registry
+
+    reg = tmp_path / "registry.toml"
+    reg.write_text(SMALL_REGISTRY)
+    monkeypatch.setenv("QK_REGISTRY", str(reg))
+    partitions.registry.cache_clear()
+    try:
+        listed = set(load_registry(reg).model_keys)
+        assert listed == set(SMALL_FAMILIES)
+        root = tmp_path / "root"
+        storage = StorageResource(root=str(root))
+        with DagsterInstance.ephemeral() as instance:
+            sync_instance(instance, load_registry(reg))
+            result, _ = tick(instance, storage, None)  # the first tick: every source asset
+            assert selected(result) == sorted(SOURCES)
+            res = run(root, [*selected(result), *DOWNSTREAM], instance)
+            assert res.success, failures(res)
+            aliases = root / "benchmarks" / "model_aliases.csv"
+            lines = aliases.read_text().splitlines()
+            absent = [(n, ln.split(",")[0]) for n, ln in enumerate(lines[1:], 2) if ln.split(",")[0] not in listed]
+            assert len(absent) >= 5  # ministral3-*, mistral-v0.2-7b, llama3.2-3b, qwen3-1.7b
+            meta = res.asset_materializations_for_node("model_aliases")[0].metadata
+            assert meta["aliases_not_in_registry"].value == len(absent)
+            notes = [f"{aliases}: line {n}, field 'model': '{m}' is not a registry model key; alias ignored"
+                     for n, m in absent]
+            assert meta["not_in_registry"].value == "\n".join(f"- {n}" for n in notes)
+            warned = [e.message for e in instance.all_logs(res.run_id) if e.level == logging.WARNING]
+            assert all(any(n in w for w in warned) for n in notes), warned
+            for asset in ("benchmark_joins", "benchmark_length_joins"):
+                joined = set(read(root, asset)["model"])
+                assert joined and joined <= listed, (asset, joined)
+            assert set(read(root, "model_aliases")["model"]) >= {m for _, m in absent}  # the table is the file
+
+            # a malformed file still fails, naming file, line and field; the previous joins stay
+            joins_before = read(root, "benchmark_joins")
+            aliases.write_text("\n".join([*lines, "qwen3-8b,Qwen/Qwen3-8B,RULER,Qwen3-8B,non-thinking,cousin,"])
+                               + "\n")
+            res = run(root, ["model_aliases", *DOWNSTREAM], instance)
+            assert not res.success
+            assert (f"{aliases}: line {len(lines) + 1}, field 'checkpoint_relation': 'cousin' is not one of"
+                    in failures(res))
+            pd.testing.assert_frame_equal(read(root, "benchmark_joins"), joins_before)
+    finally:
+        partitions.registry.cache_clear()

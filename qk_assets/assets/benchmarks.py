@@ -2,7 +2,9 @@
 
 - ``benchmark_scores``: every score file (long CSV, per-length CSV, LongBench-Pro summary JSON)
   normalised to one long table (:data:`qk_core.benchmarks.SCORE_COLUMNS`).
-- ``model_aliases``: ``benchmarks/model_aliases.csv`` (registry model -> benchmark entry).
+- ``model_aliases``: ``benchmarks/model_aliases.csv`` (registry model -> benchmark entry). Aliases of models
+  the registry does not list are kept in the table but reported (run log, ``not_in_registry``) and ignored
+  by the joins; a malformed file fails naming file, line and field.
 - ``benchmark_models``: ``benchmarks/longbench_pro_models.csv`` (model type, claimed context).
 - ``reference_metrics``: every CSV of ``reference/`` (``thesis_metrics.csv``), the thesis's values labelled "reference".
 
@@ -32,6 +34,7 @@ from qk_core.benchmarks import (
     load_reference,
     load_scores,
     read_files,
+    registry_aliases,
     score_files,
 )
 from qk_core.storage import Storage
@@ -87,10 +90,15 @@ def model_aliases(context: AssetExecutionContext, storage: StorageResource) -> p
     ensure_seed_files(st)
     f = _read_one(st, f"{BENCHMARK_DIR}/{ALIASES_FILE}")
     try:
-        df = load_aliases(f, st.uri(f.rel), registry().model_keys)
+        df = load_aliases(f, st.uri(f.rel))
     except BenchmarkDataError as exc:
         raise _failure(exc) from exc
-    context.add_output_metadata({**_files_meta(st, [f]), "preview": _preview(df, 30)})
+    _, ignored = registry_aliases(df, registry().model_keys, st.uri)
+    for note in ignored:
+        context.log.warning(note)
+    context.add_output_metadata({
+        **_files_meta(st, [f]), "preview": _preview(df, 30), "aliases_not_in_registry": len(ignored),
+        "not_in_registry": MetadataValue.md("\n".join(f"- {n}" for n in ignored) or "(none)")})
     return df
 
 

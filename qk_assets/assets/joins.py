@@ -6,8 +6,10 @@
   its materialisation shows the aggregates-vs-score figures (thesis Fig. 6.7) and the per-length ones.
 
 Values: measured where present, the thesis's reference values otherwise; every row says which
-(``value_source``). An alias that points at a benchmark model without scores fails the join, naming
-the alias file, line and field; the previous join stays materialised.
+(``value_source``). Only the aliases of models the registry lists are joined (the others are logged and
+ignored: the alias file covers the study, a registry may hold fewer models). An alias that points at a
+benchmark model without scores fails the join, naming the alias file, line and field; the previous join
+stays materialised.
 
 Automation, no clicking: ``benchmark_files_sensor`` hashes every file of ``benchmarks/`` and
 ``reference/`` (local or S3) and materialises the source assets a new, changed or removed file feeds;
@@ -40,8 +42,9 @@ from pydantic import Field
 
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
+from qk_assets.partitions import registry
 from qk_assets.resources import StorageResource
-from qk_core.benchmarks import check_aliases, classify, ensure_seed_files, scan_files
+from qk_core.benchmarks import check_aliases, classify, ensure_seed_files, registry_aliases, scan_files
 from qk_core.joins import (
     STAT_METRICS,
     THESIS_LBP_MODELS,
@@ -62,11 +65,19 @@ ASSET_OF_KIND = {"scores": "benchmark_scores", "aliases": "model_aliases", "mode
 AUTOMATED = ("model_report", "benchmark_joins", "benchmark_length_joins", "benchmark_stats")
 
 
-def _check_aliases(aliases: pd.DataFrame, scores: pd.DataFrame, storage: StorageResource) -> None:
-    problems = check_aliases(aliases, scores, storage.get().uri)
+def _aliases(context: AssetExecutionContext, aliases: pd.DataFrame, scores: pd.DataFrame,
+             storage: StorageResource) -> pd.DataFrame:
+    """The aliases of the registry's models (others are ignored, and logged), each checked against the scores."""
+    uri = storage.get().uri
+    kept, ignored = registry_aliases(aliases, registry().model_keys, uri)
+    if ignored:
+        context.log.info(f"{len(ignored)} alias(es) of models the registry does not list are ignored, e.g. "
+                         f"{ignored[0]}")
+    problems = check_aliases(kept, scores, uri)
     if problems:
         raise Failure(description="\n".join(problems),
                       metadata={"problems": MetadataValue.md("\n".join(f"- {p}" for p in problems))})
+    return kept
 
 
 def _summary(df: pd.DataFrame) -> MetadataValue:
@@ -80,8 +91,8 @@ def benchmark_joins(context: AssetExecutionContext, storage: StorageResource, mo
                     benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame,
                     benchmark_models: pd.DataFrame) -> pd.DataFrame:
     """SPEC 5 a: per model, every metric (measured, else reference) x the benchmark overall score."""
-    _check_aliases(model_aliases, benchmark_scores, storage)
-    df = join_model(metric_values(model_report), model_aliases, benchmark_scores, benchmark_models)
+    aliases = _aliases(context, model_aliases, benchmark_scores, storage)
+    df = join_model(metric_values(model_report), aliases, benchmark_scores, benchmark_models)
     context.add_output_metadata({"rows": len(df), "models": df["model"].nunique(), "summary": _summary(df)})
     return df
 
@@ -90,8 +101,8 @@ def benchmark_joins(context: AssetExecutionContext, storage: StorageResource, mo
 def benchmark_length_joins(context: AssetExecutionContext, storage: StorageResource, model_report: pd.DataFrame,
                            benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame) -> pd.DataFrame:
     """SPEC 5 b: per model and length, plasticity length bin x the benchmark score at that length."""
-    _check_aliases(model_aliases, benchmark_scores, storage)
-    df = join_length(metric_values(model_report), model_aliases, benchmark_scores)
+    aliases = _aliases(context, model_aliases, benchmark_scores, storage)
+    df = join_length(metric_values(model_report), aliases, benchmark_scores)
     context.add_output_metadata({"rows": len(df), "models": df["model"].nunique(), "summary": _summary(df)})
     return df
 
@@ -146,8 +157,8 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
                     model_report: pd.DataFrame, benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame,
                     benchmark_joins: pd.DataFrame, benchmark_length_joins: pd.DataFrame) -> pd.DataFrame:
     """SPEC 5 c: correlations with p-values and n, per benchmark / suite / mode, never mixing them."""
-    _check_aliases(model_aliases, benchmark_scores, storage)
-    df = compute_stats(model_report, model_aliases, benchmark_scores, metrics=config.metrics, scopes=config.scopes)
+    aliases = _aliases(context, model_aliases, benchmark_scores, storage)
+    df = compute_stats(model_report, aliases, benchmark_scores, metrics=config.metrics, scopes=config.scopes)
     st = storage.get()
     figs = _figures(benchmark_joins, benchmark_length_joins, df, config)
     meta = save_figures(st, FIGURE_FOLDER, figs)
