@@ -11,8 +11,9 @@ the heads whose rotation is ``ok`` of mu_Q^a · alpha_K (SPEC 3, per token).
 
 Intervals (SPEC 4.6, 10): a document cluster bootstrap *within* each corpus, corpora resampled independently.
 Corpus i draws its D_i documents with replacement R times (:func:`qk_core.plasticity.bootstrap.doc_weights`,
-stream i: the reference corpus's resamples are those of its plasticity asset, so its AP intervals equal
-``plasticity_metrics``'). In a resample with document multiplicities w_d:
+stream i: the reference corpus's resamples are those of its plasticity asset, so the plain percentile interval
+of its AP resamples, columns ``pct_lo`` / ``pct_hi``, equals ``plasticity_metrics``' lo / hi). In a resample with
+document multiplicities w_d:
 
 - AP: per head the resampled profile AP*_j = sum_d w_d S_dj / sum_d w_d N_dj (S, N: sum and count of the PP
   values of document d's valid pairs in bucket j; SPEC 4.6), aggregated per SPEC 4.5, averaged over heads;
@@ -21,10 +22,33 @@ stream i: the reference corpus's resamples are those of its plasticity asset, so
   per-document sums (:func:`doc_moments`; with unit weights this is exactly SPEC 3's value), averaged over
   the ``ok`` heads.
 
-The difference (corpus - reference) of a metric is the point difference with the 95% percentile interval of
-the per-resample differences. Each difference gets a verdict (:func:`verdict`): ``text`` when its interval
-excludes 0, ``model`` when it covers 0 and lies within +/- ``same_within`` (default 10%) of the metric's value,
-``cannot tell`` otherwise (the interval covers 0 but is too wide to call the metric the same).
+Reading the interval off the resamples (option ``interval``, recorded in the options and in every row's
+``interval`` column): ``basic`` (default), the basic or reverse-percentile interval [2 theta - q_97.5,
+2 theta - q_2.5] (Davison & Hinkley 1997, eq. 5.6; :func:`qk_core.plasticity.bootstrap.basic_interval`), not
+the plain percentile interval [q_2.5, q_97.5] of SPEC 4.6's plasticity asset. Why: a resample refits the drift
+axis on duplicated documents, a noisier, more misaligned axis, and misalignment shrinks mu_Q^a · alpha_K, so the
+bias_strength resamples sit below the point value (z0 about +0.7: some 75% of them below it) - and the point
+value itself sits below the true value for the same reason (SPEC 3's estimator is biased low when the axis is
+noisy). The percentile interval then lies low around a low point and misses the truth; the basic interval
+reflects the resamples' spread about the point, so it moves up by the bootstrap's bias estimate. On planted
+data with a known value (``bench/bootstrap_coverage.py``, results and commands in
+``bench/results/bootstrap_coverage.md``) the nominal 95% intervals of bias_strength covered it in 53%
+(percentile), 68% (bias-corrected BC, Efron 1982), 68% (BCa) and 94% (basic) of 1000 repetitions on the test
+geometry, with basic nearest 95% in every regime tried (it still undercovers with few documents or a very noisy
+axis: the bootstrap sees only part of the bias). Every method there holds its own point value equally often
+(basic and BC exactly when the percentile interval does: |z0| < 1.96). Between-corpus differences of
+bias_strength and the AP metrics have resamples centred on their point value (z0 near 0; AP is a ratio
+estimator with little bias), where basic, BC and percentile nearly coincide; the same rule applies to every
+row and profile band so the table reads one way and a difference is judged like the values it compares. Every
+row also records ``z0`` = Phi^-1(share of resamples below the point value), ``boot_bias`` = mean of the
+resamples - point value (the bootstrap's bias estimate: reported, not subtracted) and ``pct_lo`` / ``pct_hi``,
+the plain percentile interval of the same resamples. ``bc`` and ``percentile`` select the other rules.
+
+The difference (corpus - reference) of a metric is the point difference with the interval of the per-resample
+differences, read by the same rule around the point difference. Each difference gets a verdict
+(:func:`verdict`): ``text`` when its interval excludes 0, ``model`` when it covers 0 and lies within
++/- ``same_within`` (default 10%) of the metric's value, ``cannot tell`` otherwise (the interval covers 0 but
+is too wide to call the metric the same).
 
 Per head (SPEC 10, "are the same heads plastic on prose and on code?"): over the heads with a value on both
 corpora, the Spearman rho of per-head AP_overall and of per-head bias_strength between the corpora, with the
@@ -50,7 +74,7 @@ import scipy.sparse
 
 from qk_core.capture_store import HeadData
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.bootstrap import doc_weights, percentile_interval
+from qk_core.plasticity.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval
 from qk_core.plasticity.options import n_buckets
 from qk_core.stats import correlations, p_clause
 
@@ -60,12 +84,17 @@ METRICS = {"ap_overall": "AP", "ap_drop": "AP", "bias_strength": "per token"}
 HEAD_METRICS = ("ap_overall", "bias_strength")
 PAIR_COLUMNS = ["layer", "q_head", "example_id", "bucket", "pp", "valid"]
 METRIC_COLUMNS = ["model", "kind", "corpus", "reference", "metric", "unit", "value", "lo", "hi", "width",
-                  "n_heads", "n_docs", "within_width_reference", "within_width_corpus", "relative",
-                  "verdict", "statement", "options"]
+                  "interval", "z0", "boot_bias", "pct_lo", "pct_hi", "n_heads", "n_docs", "within_width_reference",
+                  "within_width_corpus", "relative", "verdict", "statement", "options"]
 CORR_COLUMNS = ["model", "metric", "corpus", "reference", "n_heads", "spearman_rho", "spearman_p",
                 "spearman_method", "spearman_permutations", "pearson_r", "pearson_p", "share_head",
                 "share_corpus", "share_rest", "verdict", "statement"]
-PROFILE_COLUMNS = ["model", "corpus", "bucket", "tau_tokens", "tau_frac", "ap", "lo", "hi", "n_heads", "L", "B"]
+PROFILE_COLUMNS = ["model", "corpus", "bucket", "tau_tokens", "tau_frac", "ap", "lo", "hi", "interval", "n_heads",
+                   "L", "B"]
+#: How an interval is read off the resamples (module docstring): basic, bias-corrected (BC) or plain percentile.
+INTERVAL_METHODS = {"basic": "basic (reverse percentile) interval, Davison & Hinkley 1997 eq. 5.6",
+                    "bc": "bias-corrected (BC) percentile interval, Efron 1982",
+                    "percentile": "percentile interval"}
 HEAD_COLUMNS = ["model", "corpus", "layer", "q_head", "ap_overall", "ap_drop", "bias_strength"]
 VERDICT_COLUMNS = ["model", "scope", "metric", "corpus", "reference", "verdict", "statement"]
 
@@ -84,9 +113,15 @@ class CrossCorpusOptions:
     ci: float = 0.95
     same_within: float = 0.10  # a difference interval inside +/- this fraction of the value: "the same"
     alpha: float = 0.05  # per-head correlations: significance level of the verdict
+    interval: str = "basic"  # how intervals are read off the resamples (INTERVAL_METHODS, module docstring)
+
+    def __post_init__(self) -> None:
+        if self.interval not in INTERVAL_METHODS:
+            raise CrossCorpusError(f"cross-corpus option interval = {self.interval!r}: expected one of "
+                                   f"{sorted(INTERVAL_METHODS)}")
 
     def record(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "interval_method": INTERVAL_METHODS[self.interval]}
 
 
 @dataclass
@@ -263,10 +298,10 @@ def corpus_values(inp: CorpusInputs, stream: int, opts: CrossCorpusOptions, mode
                "bias_strength": int(np.isfinite(bias_point).sum())}
     tau = agg.bucket_tau(L, B)
     mean_prof = _mean_over_heads(aps.point) if len(aps.heads) else np.full(len(tau), np.nan)
-    lo, hi = (percentile_interval(_mean_over_heads(aps.boot), opts.ci) if W.shape[0] and len(aps.heads)
-              else (np.full(len(tau), np.nan), np.full(len(tau), np.nan)))
+    lo, hi = (read_interval(_mean_over_heads(aps.boot), mean_prof, opts.ci, opts.interval)[:2]
+              if W.shape[0] and len(aps.heads) else (np.full(len(tau), np.nan), np.full(len(tau), np.nan)))
     profile = pd.DataFrame({"corpus": inp.corpus, "bucket": np.arange(len(tau)), "tau_tokens": tau,
-                            "tau_frac": tau / L, "ap": mean_prof, "lo": lo, "hi": hi,
+                            "tau_frac": tau / L, "ap": mean_prof, "lo": lo, "hi": hi, "interval": opts.interval,
                             "n_heads": np.isfinite(aps.point).sum(axis=0) if len(aps.heads) else 0, "L": L, "B": B})
     return CorpusValues(inp.corpus, len(doc_ids), heads, point, boot, n_heads, profile)
 
@@ -316,11 +351,24 @@ def verdict(metric: str, ref: str, corpus: str, v_ref: float, v_c: float, diff: 
                            f"({widths}), so the data cannot tell whether the text matters."), rel
 
 
-def _interval(x: np.ndarray, ci: float) -> tuple[float, float]:
-    if x.size == 0 or not np.isfinite(x).any():
-        return float("nan"), float("nan")
-    lo, hi = percentile_interval(x, ci)
-    return float(lo), float(hi)
+def read_interval(boot: np.ndarray, point: np.ndarray | float, ci: float, method: str
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(lo, hi, z0, bootstrap bias) of resamples ``boot`` (axis 0) around ``point`` by ``method`` (SPEC 4.6, 10):
+    ``basic`` (reverse percentile), ``bc`` (bias-corrected percentile) or ``percentile``; z0 and the bias always."""
+    bc = bc_interval(boot, point, ci)
+    if method == "bc":
+        return bc.lo, bc.hi, bc.z0, bc.bias
+    lo, hi = basic_interval(boot, point, ci) if method == "basic" else percentile_interval(boot, ci)
+    return lo, hi, bc.z0, bc.bias
+
+
+def _interval(x: np.ndarray, point: float, opts: CrossCorpusOptions) -> dict[str, float]:
+    """One model value's or difference's interval columns (METRIC_COLUMNS)."""
+    if x.size == 0 or not np.isfinite(x).any() or not np.isfinite(point):
+        return dict.fromkeys(("lo", "hi", "width", "z0", "boot_bias", "pct_lo", "pct_hi"), float("nan"))
+    lo, hi, z0, bias = (float(v) for v in read_interval(x, point, opts.ci, opts.interval))
+    p_lo, p_hi = (float(v) for v in percentile_interval(x, opts.ci))
+    return {"lo": lo, "hi": hi, "width": hi - lo, "z0": z0, "boot_bias": bias, "pct_lo": p_lo, "pct_hi": p_hi}
 
 
 def _head_statement(metric: str, ref: str, corpus: str, st: dict[str, Any], shares: tuple[float, float, float],
@@ -373,21 +421,21 @@ def compare_corpora(model: str, inputs: list[CorpusInputs], opts: CrossCorpusOpt
     widths: dict[tuple[str, str], float] = {}
     for cv in vals:
         for m, unit in METRICS.items():
-            lo, hi = _interval(cv.boot[m], opts.ci)
-            widths[(cv.corpus, m)] = hi - lo
+            iv = _interval(cv.boot[m], cv.point[m], opts)
+            widths[(cv.corpus, m)] = iv["width"]
             rows.append({"model": model, "kind": "corpus", "corpus": cv.corpus, "reference": ref.corpus, "metric": m,
-                         "unit": unit, "value": cv.point[m], "lo": lo, "hi": hi, "width": hi - lo,
+                         "unit": unit, "value": cv.point[m], **iv, "interval": opts.interval,
                          "n_heads": cv.n_heads[m], "n_docs": cv.n_docs})
     verdict_rows: list[dict[str, Any]] = []
     for cv in vals[1:]:
         for m, unit in METRICS.items():
             diff = cv.point[m] - ref.point[m]
-            lo, hi = _interval(cv.boot[m] - ref.boot[m], opts.ci)
+            iv = _interval(cv.boot[m] - ref.boot[m], diff, opts)
             w_ref, w_c = widths[(ref.corpus, m)], widths[(cv.corpus, m)]
-            call, text, rel = verdict(m, ref.corpus, cv.corpus, ref.point[m], cv.point[m], diff, lo, hi, w_ref, w_c,
-                                      opts.same_within)
+            call, text, rel = verdict(m, ref.corpus, cv.corpus, ref.point[m], cv.point[m], diff, iv["lo"], iv["hi"],
+                                      w_ref, w_c, opts.same_within)
             rows.append({"model": model, "kind": "difference", "corpus": cv.corpus, "reference": ref.corpus,
-                         "metric": m, "unit": unit, "value": diff, "lo": lo, "hi": hi, "width": hi - lo,
+                         "metric": m, "unit": unit, "value": diff, **iv, "interval": opts.interval,
                          "n_heads": min(cv.n_heads[m], ref.n_heads[m]), "n_docs": cv.n_docs + ref.n_docs,
                          "within_width_reference": w_ref, "within_width_corpus": w_c, "relative": rel,
                          "verdict": call, "statement": text})

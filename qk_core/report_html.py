@@ -146,7 +146,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "R^2(t ~ x.a) / R^2(t ~ x); their thresholds are in the options.", (r"^rotation",)),
     SectionSpec("corpora", "Model or text? One model on several corpora", "SPEC 10",
                 "Each model with two or more corpora is captured and analysed on each; its plasticity and "
-                "positional bias are compared between the corpora, documents resampled within each corpus. A "
+                "positional bias are compared between the corpora, documents resampled within each corpus "
+                "(95% basic, i.e. reverse-percentile, bootstrap intervals: the bias_strength resamples refit the "
+                "drift axis, sit below the value and would place a plain percentile interval too low). A "
                 "difference whose 95% interval excludes 0 is the text's; one that covers 0 within a small "
                 "fraction of the value is the model's; otherwise the data cannot tell. Per head: are the same "
                 "heads plastic (and biased) on every corpus?", (r"^cross_corpus",), "cross_corpus.html.j2"),
@@ -205,9 +207,10 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
      "R^2(t ~ x.a) / R^2(t ~ x) over the pooled Q+K cloud (1 = a carries all linearly decodable position); "
      "dashed: the pass thresholds (options stability_min, capture_min)."),
     (r"^cross_corpus", r"profiles", "Mean plasticity profile over heads on each corpus (AP against the query "
-     "position tau in tokens), bands: 95% document bootstrap within the corpus (SPEC 10)."),
+     "position tau in tokens), bands: 95% document bootstrap within the corpus, basic interval (SPEC 10)."),
     (r"^cross_corpus", r"differences", "AP_overall, AP_drop (AP) and bias_strength (per token) per corpus and the "
-     "between-corpus differences (diamonds) with 95% intervals; the verdict under each difference (SPEC 10)."),
+     "between-corpus differences (diamonds) with 95% basic bootstrap intervals; the verdict under each "
+     "difference (SPEC 10)."),
     (r"^cross_corpus", r"heads", "Per-head AP_overall and bias_strength on the first corpus (x) against each other "
      "corpus (y), with Spearman rho over heads, p and n; dashed: equal values (SPEC 10)."),
     (r"geometry", r"roles", "PC roles across models (thesis Fig. 6.1): share of heads per PC0 class."),

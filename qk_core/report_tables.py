@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from qk_core.cross_corpus import INTERVAL_METHODS
 from qk_core.metrics import COLUMNS as METRIC_COLUMNS
 from qk_core.stats import format_p
 
@@ -353,6 +354,13 @@ def stats_table(stats: pd.DataFrame) -> Table | None:
 
 
 # ---- one model on several corpora (SPEC 10) -----------------------------------------------------
+def _boot_bias_note(r: pd.DataFrame) -> str:
+    """'; boot bias x' for a cross-corpus metrics row that records one."""
+    if "boot_bias" not in r or not finite(r["boot_bias"].iloc[0]):
+        return ""
+    return f"; boot bias {fmt_num(r['boot_bias'].iloc[0])}"
+
+
 def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: pd.DataFrame | None,
                         verdicts: pd.DataFrame | None) -> list[tuple[str, Table]]:
     """(title, table) for one model: the statements with their verdicts, the model values per corpus beside
@@ -377,17 +385,22 @@ def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: 
             for c in corpora:
                 r = sub[(sub["kind"] == "corpus") & (sub["corpus"] == c)]
                 row.append(interval_cell(r["value"].iloc[0], r["lo"].iloc[0], r["hi"].iloc[0],
-                                         note=f"n {int(r['n_heads'].iloc[0])} heads, {int(r['n_docs'].iloc[0])} docs")
+                                         note=f"n {int(r['n_heads'].iloc[0])} heads, {int(r['n_docs'].iloc[0])} docs"
+                                         + _boot_bias_note(r))
                            if len(r) else Cell(num=True))
             for c, ref in pairs:
                 r = sub[(sub["kind"] == "difference") & (sub["corpus"] == c) & (sub["reference"] == ref)]
                 row.append(interval_cell(r["value"].iloc[0], r["lo"].iloc[0], r["hi"].iloc[0],
-                                         note=str(r["verdict"].iloc[0])) if len(r) else Cell(num=True))
+                                         note=str(r["verdict"].iloc[0]) + _boot_bias_note(r))
+                           if len(r) else Cell(num=True))
             rows.append(row)
+        given = metrics["interval"].dropna() if "interval" in metrics else pd.Series(dtype=object)
+        rule = INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", "percentile interval")
         out.append((f"{model}: model values per corpus and differences", Table(
             ["metric", "unit", *corpora, *(f"{c} - {ref}" for c, ref in pairs)], rows, caption=(
-                "mean over heads [95% document-bootstrap interval]; differences: documents resampled within each "
-                "corpus, independently"))))
+                f"mean over heads [95% document-bootstrap {rule}]; differences: documents resampled within each "
+                "corpus, independently; boot bias = mean of the resamples - value (reported, not subtracted; "
+                "negative: the resamples sit below the value)"))))
     if correlations is not None and len(correlations) and "spearman_rho" in correlations:
         rows = []
         for r in correlations.to_dict("records"):

@@ -6,7 +6,10 @@ reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_
 
 - ``cross_corpus_metrics``: AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the
   difference of every corpus to the first one with a bootstrap interval (documents resampled within each
-  corpus), its verdict and a statement with the numbers; figure: values and differences;
+  corpus), its verdict and a statement with the numbers; every interval is the basic (reverse percentile)
+  bootstrap interval (column ``interval``; SPEC 4.6, 10; why: :mod:`qk_core.cross_corpus`), with the
+  bootstrap bias (``boot_bias`` = mean of the resamples - value), z0 and the plain percentile interval beside
+  it; figure: values and differences;
 - ``cross_corpus_correlations``: Spearman rho (exact / Monte Carlo p, n) over heads of per-head AP_overall and
   bias_strength between corpora, and the shares of their variance that are the head's (the model's), the
   corpus's (the text's) and the rest; figure: per-head scatter;
@@ -90,7 +93,8 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     outs={
         "cross_corpus_metrics": AssetOut(**OUT, description=(
             "AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the between-corpus differences "
-            "with bootstrap intervals (documents resampled within each corpus), verdicts and statements (SPEC 10).")),
+            "with bootstrap intervals (documents resampled within each corpus; basic interval, with the "
+            "bootstrap bias beside each value), verdicts and statements (SPEC 4.6, 10).")),
         "cross_corpus_correlations": AssetOut(**OUT, description=(
             "Spearman rho over heads (exact / Monte Carlo p, n) of per-head AP_overall and bias_strength between "
             "corpora; shares of their variance that are the head's, the corpus's and the rest (SPEC 10).")),
@@ -131,8 +135,8 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
                                             for r in res.verdicts.itertuples()) or "(none)")
     yield Output(res.metrics, output_name="cross_corpus_metrics", metadata={
         **common, "statements": statements,
-        "preview": table_value(res.metrics[["kind", "corpus", "metric", "value", "lo", "hi", "n_heads", "n_docs",
-                                            "verdict"]], max_rows=30),
+        "preview": table_value(res.metrics[["kind", "corpus", "metric", "value", "lo", "hi", "boot_bias", "z0",
+                                            "interval", "n_heads", "n_docs", "verdict"]], max_rows=30),
         **save_figures(store, folder, {"differences": figures["differences"]})})
     yield Output(res.correlations, output_name="cross_corpus_correlations", metadata={
         **common, "preview": table_value(res.correlations[["metric", "corpus", "n_heads", "spearman_rho", "spearman_p",

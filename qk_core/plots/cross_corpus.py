@@ -15,10 +15,18 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from qk_core.cross_corpus import INTERVAL_METHODS
 from qk_core.plots.plasticity import _empty, _frac_axis, _token_axis
 from qk_core.stats import p_clause
 
 LABELS = {"ap_overall": "AP_overall", "ap_drop": "AP_drop", "bias_strength": "bias_strength (per token)"}
+
+
+def _rule(table: pd.DataFrame) -> str:
+    """How the table's intervals were read off the resamples (its ``interval`` column; SPEC 10)."""
+    given = table["interval"].dropna() if "interval" in table else pd.Series(dtype=object)
+    label = INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", "percentile interval")
+    return label.split(",")[0]  # without the citation
 
 
 def _colors(corpora: list[str]) -> dict[str, tuple]:
@@ -46,7 +54,7 @@ def fig_profiles(profiles: pd.DataFrame, model: str) -> Figure:
     ax.set_ylabel("AP (mean over heads)")
     ax.legend(fontsize=8)
     ax.set_title(f"{model}: plasticity profile per corpus (L = {L}, B = {B}; bands: 95% document bootstrap "
-                 "within each corpus)", fontsize=9)
+                 f"within each corpus, {_rule(profiles)})", fontsize=9)
     return fig
 
 
@@ -65,7 +73,9 @@ def fig_differences(metrics: pd.DataFrame, model: str) -> Figure:
         for i, r in rows.iterrows():
             diff = r["kind"] == "difference"
             lo, hi = r["lo"], r["hi"]
-            err = np.array([[r["value"] - lo], [hi - r["value"]]]) if np.isfinite([lo, hi]).all() else None
+            # an interval that does not hold its value (possible when |z0| >= 1.96) is drawn to the value
+            err = (np.clip([[r["value"] - lo], [hi - r["value"]]], 0, None) if np.isfinite([lo, hi]).all()
+                   else None)
             color = "black" if diff else colors[r["corpus"]]
             ax.errorbar([r["value"]], [i], xerr=err, fmt="D" if diff else "o", color=color, capsize=3)
             labels.append(f"{r['corpus']} - {r['reference']}\n({r['verdict']})" if diff else r["corpus"])
@@ -75,7 +85,7 @@ def fig_differences(metrics: pd.DataFrame, model: str) -> Figure:
         ax.set_title(LABELS.get(m, m), fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{model}: model values per corpus and between-corpus differences (95% document bootstrap, "
-                 "documents resampled within each corpus)", fontsize=9)
+                 f"{_rule(metrics)}, documents resampled within each corpus)", fontsize=9)
     return fig
 
 
