@@ -25,6 +25,12 @@ make the dependents stale once written). A second ``make demo`` finds everything
 
 Runs follow the dependencies: each run holds the assets of one partition whose upstream work is done.
 A failed asset skips what depends on it; the report is built regardless (it marks what is missing).
+
+SIGINT (Ctrl-C) or SIGTERM stops the demo: Dagster's in-process execution ends the run in flight as
+interrupted, the demo frees that run's pool slots at once (the ``gpu`` pool: a capture elsewhere may
+start), starts nothing more and exits with 128 + the signal number. A run still open at that point is
+marked canceled. A demo killed outright (SIGKILL) leaves its run open; the next demo fails it and frees
+its slots before it starts.
 """
 
 import argparse
@@ -32,9 +38,12 @@ import contextlib
 import fcntl
 import fnmatch
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +64,8 @@ from qk_core.registry import Registry
 from qk_core.storage import Storage
 
 DEMO_TAG = "qk/demo"
+FAILURE_REASON_TAG = "dagster/failure_reason"  # Dagster's tag on a failed run: why it failed
+INTERRUPTED = "UNEXPECTED_TERMINATION"  # ... when a signal interrupted its execution
 REPORT_KEY = AssetKey("report_html")
 REGISTRY_SOURCES = (AssetKey("registry_entry"), AssetKey("registry_analysis"))
 REPORT_REL = "report/index.html"
@@ -230,6 +241,12 @@ def demo_lock(instance: DagsterInstance) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def free_pool_slots(instance: DagsterInstance, run_id: str) -> None:
+    """Free the concurrency-pool slots ``run_id`` holds (what Dagster's daemon does a while after a run ends)."""
+    with contextlib.suppress(Exception):  # storage without concurrency support
+        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+
+
 def fail_dead_demo_runs(instance: DagsterInstance) -> int:
     """Mark runs of an interrupted earlier demo as failed and free their pool slots."""
     runs = instance.get_runs(RunsFilter(tags={DEMO_TAG: "1"}, statuses=[
@@ -237,21 +254,101 @@ def fail_dead_demo_runs(instance: DagsterInstance) -> int:
         DagsterRunStatus.QUEUED, DagsterRunStatus.CANCELING]))
     for run in runs:
         instance.report_run_failed(run, "the demo process that ran it is gone")
-        with contextlib.suppress(Exception):  # storage without concurrency support
-            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        free_pool_slots(instance, run.run_id)
     return len(runs)
 
 
+class DemoInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the demo (``signum``: which one, None if unknown)."""
+
+    def __init__(self, signum: int | None = None, run: str = "") -> None:
+        self.signum = signum
+        self.run = run  # what happened to the run in flight
+        name = signal.Signals(signum).name if signum else "a signal"
+        super().__init__(f"stopped by {name}" + (f"; {run}" if run else ""))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[Callable[[], int | None]]:
+    """SIGINT and SIGTERM raise :class:`DemoInterrupted` in the main thread, so what is open is closed (the
+    planning webserver, the run in flight). While a run executes, Dagster's in-process execution handles
+    both signals itself (it ends the run as interrupted). Yields ``received()``: the last SIGINT / SIGTERM
+    that arrived since the previous call, whoever handled it (the interpreter's wakeup fd records them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise DemoInterrupted(signum)
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+
+    def received() -> int | None:
+        try:
+            got = os.read(read_fd, 4096)
+        except BlockingIOError:
+            return None
+        stops = [n for n in got if n in (signal.SIGINT, signal.SIGTERM)]
+        return stops[-1] if stops else None
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            if old is not None:
+                signal.signal(sig, old)
+        signal.set_wakeup_fd(previous_fd)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def end_run(instance: DagsterInstance, run_id: str, why: str) -> str:
+    """Cancel ``run_id`` if it is still open (Dagster's run events, as the UI's *Terminate* records them) and
+    free its pool slots at once; returns what became of it."""
+    run = instance.get_run_by_id(run_id)
+    if run is None:
+        return "no run was started"
+    if not run.is_finished:
+        instance.report_run_canceling(run, why)
+        instance.report_run_canceled(run, why)
+        run = instance.get_run_by_id(run_id) or run
+    free_pool_slots(instance, run_id)
+    return f"run {run_id} {run.status.value.lower()}, its pool slots freed"
+
+
 def run_step(defs: Definitions, instance: DagsterInstance, step: Step, tags: dict[str, str],
-             log_level: str) -> set[Node]:
-    """Execute one run; return the nodes it materialised."""
+             log_level: str, received: Callable[[], int | None] = lambda: None) -> set[Node]:
+    """Execute one run; return the nodes it materialised. Raises :class:`DemoInterrupted` when a signal
+    arrived during it (``received``, from :func:`stop_on_signals`): the run has ended, its pool slots are free."""
     job = defs.resolve_implicit_job_def_def_for_assets(step.keys)
     if job is None:
         raise RuntimeError("no implicit asset job holds " + ", ".join(k.to_user_string() for k in step.keys))
-    result = job.execute_in_process(
-        instance=instance, asset_selection=step.keys, partition_key=step.partition, tags=tags,
-        raise_on_error=False, run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
-    )
+    run_id = str(uuid.uuid4())
+    try:
+        result = job.execute_in_process(
+            instance=instance, asset_selection=step.keys, partition_key=step.partition, tags=tags,
+            run_id=run_id, raise_on_error=False,
+            run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
+        )
+    except DemoInterrupted as exc:  # a signal outside Dagster's handling of the run
+        raise DemoInterrupted(exc.signum, end_run(instance, run_id, f"demo {exc}")) from None
+    except BaseException:
+        end_run(instance, run_id, "the demo stopped on an error")
+        raise
+    signum = received()
+    run = instance.get_run_by_id(run_id)
+    if signum is not None or (run is not None and run.tags.get(FAILURE_REASON_TAG) == INTERRUPTED):
+        raise DemoInterrupted(signum, end_run(instance, run_id, "demo interrupted"))
     done: set[Node] = set()
     for ev in result.get_asset_materialization_events():
         mat = ev.event_specific_data.materialization
@@ -298,13 +395,14 @@ def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()
 
 def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, **kw: Any) -> int:
     """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
-    with partition_loading_context(dynamic_partitions_store=instance):  # the registry's dynamic partitions
-        return _run_demo(defs, instance, registry, storage, **kw)
+    with partition_loading_context(dynamic_partitions_store=instance), stop_on_signals() as received:
+        return _run_demo(defs, instance, registry, storage, received=received, **kw)
 
 
 def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
               group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-              log_level: str = "INFO", verbose: bool = False, out=sys.stdout, api: DagsterAPI | None = None) -> int:
+              log_level: str = "INFO", verbose: bool = False, out=sys.stdout, api: DagsterAPI | None = None,
+              received: Callable[[], int | None] = lambda: None) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -319,7 +417,12 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
     if added:
         say("demo: partitions added from the registry: "
             + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
-    observe_registry_entries(defs, instance)  # registry edits reach Dagster's staleness as data versions
+    try:
+        observe_registry_entries(defs, instance)  # registry edits reach Dagster's staleness as data versions
+    except RuntimeError:
+        if (signum := received()) is not None:  # Dagster ended the observation run on the signal
+            raise DemoInterrupted(signum) from None
+        raise
     nodes, notes = select_nodes(graph, registry, group, models, instance)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
         f"({', '.join(chosen)}); Dagster instance {instance.root_directory}; "
@@ -368,7 +471,11 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
             say(f"[run {i}] {label}: {', '.join(k.to_user_string() for k in keys)}")
             t0 = time.monotonic()
             tags = {DEMO_TAG: "1"}
-            done = run_step(defs, instance, Step(step.partition, keys), tags, log_level)
+            try:
+                done = run_step(defs, instance, Step(step.partition, keys), tags, log_level, received)
+            except DemoInterrupted as exc:
+                say(f"[run {i}] {label}: {exc}; nothing more is started")
+                raise
             done_any = True
             missing = [(k, step.partition) for k in keys if (k, step.partition) not in done]
             failed.update(missing)
@@ -408,9 +515,13 @@ def main(argv: Iterable[str] | None = None) -> int:
     if args.dagster_url:
         api = DagsterAPI(args.dagster_url)
         api.reload()
-    failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models, api=api,
-                      dry_run=args.dry_run, verbose=args.verbose,
-                      force=args.force, log_level=args.log_level)
+    try:
+        failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models, api=api,
+                          dry_run=args.dry_run, verbose=args.verbose,
+                          force=args.force, log_level=args.log_level)
+    except DemoInterrupted as exc:
+        print(f"demo: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return 1 if failed else 0
 
 

@@ -3,11 +3,13 @@
 corpus_t[c] -> cap[m, c] -> ana[m, c] -> rep -> report_html, plus ``xy`` (a multi-asset that cannot be
 subset). Its code versions come from the JSON file named by ``QK_TOY_VERSIONS`` (``{"ana": "v2"}``), so the
 test process and the webserver it asks (``workspace.yaml`` loading this file) see the same code change.
-``CALLS`` records what ran; a label in ``FAIL`` raises.
+``CALLS`` records what ran; a label in ``FAIL`` raises; a label in ``HOOKS`` calls its function first. ``cap``
+runs in the concurrency pool ``gpu``, as the real capture does.
 """
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +19,7 @@ from qk_assets.partitions import corpus_partitions, model_corpus_partitions
 
 CALLS: list[str] = []
 FAIL: set[str] = set()
+HOOKS: dict[str, Callable[[], None]] = {}
 DEFAULTS = {"corpus_t": "c1", "cap": "k1", "ana": "v1", "rep": "r1", "report_html": "h1", "x": "1", "y": "1"}
 
 
@@ -29,6 +32,8 @@ def _record(context: AssetExecutionContext) -> pd.DataFrame:
     name = context.assets_def.key.to_user_string()
     label = name + (f"[{context.partition_key}]" if context.has_partition_key else "")
     CALLS.append(label)
+    if label in HOOKS:
+        HOOKS[label]()
     if label in FAIL:
         raise RuntimeError(f"{label} fails on purpose")
     return pd.DataFrame({"x": [1]})
@@ -41,7 +46,7 @@ def build(v: dict[str, str] | None = None) -> Definitions:
     def corpus_t(context: AssetExecutionContext) -> pd.DataFrame:
         return _record(context)
 
-    @asset(partitions_def=model_corpus_partitions(), code_version=v["cap"], deps=["corpus_t"])
+    @asset(partitions_def=model_corpus_partitions(), code_version=v["cap"], deps=["corpus_t"], pool="gpu")
     def cap(context: AssetExecutionContext) -> pd.DataFrame:
         return _record(context)
 

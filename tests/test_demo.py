@@ -5,8 +5,10 @@ and its plan, which is Dagster's own staleness (asked through a real webserver o
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import demo_toy
@@ -274,3 +276,63 @@ def test_runs_of_an_interrupted_demo_are_failed_and_free_the_gpu_slot(tmp_path: 
         assert instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
         assert instance.get_run_by_id(other.run_id).status == DagsterRunStatus.STARTED
         assert storage.get_concurrency_info("gpu").claimed_slots == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_demo_and_frees_the_gpu_slot_at_once(env, signum: int) -> None:
+    """A real SIGTERM / SIGINT while the demo's capture runs (sent by the capture itself, so the moment is exact):
+    the run ends as interrupted, its ``gpu`` slot is free at once, nothing more starts, the demo exits 128 + n."""
+    from dagster import DagsterRunStatus, RunsFilter
+
+    from qk_assets.demo import DEMO_TAG, FAILURE_REASON_TAG, INTERRUPTED, DemoInterrupted
+
+    instance, reg_path, storage, server = env
+    slots = instance.event_log_storage
+    sent: list[float] = []
+
+    def terminate() -> None:
+        assert [c.run_id for c in slots.get_concurrency_info("gpu").claimed_slots]  # the capture holds the slot
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signum)
+        time.sleep(120)  # interrupted by the signal
+
+    demo_toy.HOOKS["cap[c|m1]"] = terminate
+    before = {r.run_id for r in instance.get_runs()}  # the instance is the module's
+    out = io.StringIO()
+    try:
+        with pytest.raises(DemoInterrupted) as err:
+            run_demo(demo_toy.build(), instance, load_registry(reg_path), storage, log_level="ERROR", out=out,
+                     api=server["api"])
+    finally:
+        demo_toy.HOOKS.clear()
+    assert sent and time.monotonic() - sent[0] < 60  # the sleep was cut short
+    assert CALLS == ["corpus_t[c]", "cap[c|m1]"], CALLS  # nothing after the interrupted run
+    assert "nothing more is started" in out.getvalue()
+    assert err.value.signum == signum and err.value.exit_code == 128 + signum
+    runs = [r for r in instance.get_runs(RunsFilter(tags={DEMO_TAG: "1"})) if r.run_id not in before]
+    assert [(r.tags.get("dagster/partition"), r.status) for r in runs] == [  # newest first
+        ("c|m1", DagsterRunStatus.FAILURE), ("c", DagsterRunStatus.SUCCESS)]
+    assert runs[0].tags[FAILURE_REASON_TAG] == INTERRUPTED and runs[0].run_id in str(err.value)
+    assert slots.get_concurrency_info("gpu").claimed_slots == []  # free at once, no daemon, no next demo
+    assert signal.getsignal(signal.SIGTERM) is not None  # handlers restored
+
+
+def test_a_run_left_open_is_canceled_and_frees_its_slot(tmp_path: Path) -> None:
+    """A signal outside Dagster's handling of a run (e.g. as it starts) leaves it open: ``end_run`` cancels it
+    with Dagster's run events and frees its pool slot."""
+    from dagster import DagsterRun, DagsterRunStatus
+
+    from qk_assets.demo import end_run
+
+    (tmp_path / "home").mkdir()
+    with instance_for_test(temp_dir=str(tmp_path / "home"),
+                           overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        run = instance.add_run(DagsterRun(job_name="__ASSET_JOB", run_id="f" * 32, status=DagsterRunStatus.STARTED))
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 1)
+        assert storage.claim_concurrency_slot("gpu", run.run_id, "cap").is_claimed
+        assert end_run(instance, run.run_id, "demo stopped by SIGTERM") == f"run {run.run_id} canceled, its pool " \
+                                                                           "slots freed"
+        assert instance.get_run_by_id(run.run_id).status == DagsterRunStatus.CANCELED
+        assert storage.get_concurrency_info("gpu").claimed_slots == []
+        assert end_run(instance, "0" * 32, "x") == "no run was started"
