@@ -366,6 +366,13 @@ def read_interval(boot: np.ndarray, point: np.ndarray | float, ci: float, method
     return lo, hi, bc.z0, bc.bias
 
 
+def interval_rule(table: pd.DataFrame) -> str:
+    """The rule a cross-corpus table's intervals were read by, with its citation (its ``interval`` column;
+    a table written before that column: the percentile interval)."""
+    given = table["interval"].dropna() if "interval" in table else pd.Series(dtype=object)
+    return INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", INTERVAL_METHODS["percentile"])
+
+
 def _interval(x: np.ndarray, point: float, opts: CrossCorpusOptions) -> dict[str, float]:
     """One model value's or difference's interval columns (METRIC_COLUMNS)."""
     if x.size == 0 or not np.isfinite(x).any() or not np.isfinite(point):

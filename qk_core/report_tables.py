@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.cross_corpus import INTERVAL_METHODS
+from qk_core.cross_corpus import interval_rule
 from qk_core.metrics import COLUMNS as METRIC_COLUMNS
 from qk_core.stats import format_p
 
@@ -394,8 +394,7 @@ def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: 
                                          note=str(r["verdict"].iloc[0]) + _boot_bias_note(r))
                            if len(r) else Cell(num=True))
             rows.append(row)
-        given = metrics["interval"].dropna() if "interval" in metrics else pd.Series(dtype=object)
-        rule = INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", "percentile interval")
+        rule = interval_rule(metrics)
         out.append((f"{model}: model values per corpus and differences", Table(
             ["metric", "unit", *corpora, *(f"{c} - {ref}" for c, ref in pairs)], rows, caption=(
                 f"mean over heads [95% document-bootstrap {rule}]; differences: documents resampled within each "

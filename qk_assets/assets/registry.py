@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import warnings
+from collections.abc import Callable
 
 from dagster import (
     AssetKey,
@@ -66,35 +67,41 @@ NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index", "
 WHERE_IT_RUNS = ("shards", "num_gpus")  # capture options that only decide where a capture runs (issue 12)
 
 
-def entry_versions(reg: Registry) -> dict[str, str]:
-    """Data version per (model, corpus) partition key: a hash of the model and the corpus entries."""
+def _pair_versions(reg: Registry, configuring: Callable[[str, str], object]) -> dict[str, str]:
+    """Data version per (model, corpus) partition key: a hash of what ``configuring(model, corpus)`` returns."""
     out = {}
     for model, corpus in registry_pairs(reg):
-        entry = {k: v for k, v in dataclasses.asdict(reg.model(model)).items() if k not in NOT_CONFIGURING}
-        entry["capture"] = {k: v for k, v in entry["capture"].items() if k not in WHERE_IT_RUNS}
-        blob = json.dumps({"model": entry, "corpus": dataclasses.asdict(reg.corpus(corpus))}, sort_keys=True,
-                          default=str)
+        blob = json.dumps(configuring(model, corpus), sort_keys=True, default=str)
         out[str(pair_key(model, corpus))] = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return out
+
+
+def entry_versions(reg: Registry) -> dict[str, str]:
+    """``registry_entry``'s versions: the model entry (analysis options and NOT_CONFIGURING fields aside) and
+    the corpus entry."""
+    def configuring(model: str, corpus: str) -> dict:
+        entry = {k: v for k, v in dataclasses.asdict(reg.model(model)).items() if k not in NOT_CONFIGURING}
+        entry["capture"] = {k: v for k, v in entry["capture"].items() if k not in WHERE_IT_RUNS}
+        return {"model": entry, "corpus": dataclasses.asdict(reg.corpus(corpus))}
+    return _pair_versions(reg, configuring)
 
 
 def analysis_versions(reg: Registry) -> dict[str, str]:
-    """Data version per (model, corpus) partition key: a hash of the model's ``analysis`` tables."""
-    out = {}
-    for model, corpus in registry_pairs(reg):
-        blob = json.dumps(reg.model(model).analysis, sort_keys=True, default=str)
-        out[str(pair_key(model, corpus))] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    return out
+    """``registry_analysis``'s versions: the model's ``analysis`` tables."""
+    return _pair_versions(reg, lambda model, _corpus: reg.model(model).analysis)
+
+
+def _observe(versions: Callable[[Registry], dict[str, str]]) -> DataVersionsByPartition:
+    reg = load_registry()  # the file as it is now, not as the code location loaded it
+    return DataVersionsByPartition({pk: DataVersion(v) for pk, v in versions(reg).items()})
 
 
 def observe_registry() -> DataVersionsByPartition:
-    reg = load_registry()  # the file as it is now, not as the code location loaded it
-    return DataVersionsByPartition({pk: DataVersion(v) for pk, v in entry_versions(reg).items()})
+    return _observe(entry_versions)
 
 
 def observe_analysis() -> DataVersionsByPartition:
-    reg = load_registry()
-    return DataVersionsByPartition({pk: DataVersion(v) for pk, v in analysis_versions(reg).items()})
+    return _observe(analysis_versions)
 
 
 with warnings.catch_warnings():  # observable_source_asset is marked beta; its use here is the documented one

@@ -15,7 +15,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from qk_core.cross_corpus import INTERVAL_METHODS
+from qk_core.cross_corpus import interval_rule
 from qk_core.plots.plasticity import _empty, _frac_axis, _token_axis
 from qk_core.stats import p_clause
 
@@ -23,10 +23,8 @@ LABELS = {"ap_overall": "AP_overall", "ap_drop": "AP_drop", "bias_strength": "bi
 
 
 def _rule(table: pd.DataFrame) -> str:
-    """How the table's intervals were read off the resamples (its ``interval`` column; SPEC 10)."""
-    given = table["interval"].dropna() if "interval" in table else pd.Series(dtype=object)
-    label = INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", "percentile interval")
-    return label.split(",")[0]  # without the citation
+    """How the table's intervals were read off the resamples, without the citation (SPEC 10)."""
+    return interval_rule(table).split(",")[0]
 
 
 def _colors(corpora: list[str]) -> dict[str, tuple]:
