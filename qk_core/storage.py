@@ -293,11 +293,15 @@ class Storage:
         raise AssertionError("unreachable")
 
     def with_parquet_file(self, rel: str, fn: Callable[[pq.ParquetFile], T], ranged: bool = False) -> T:
-        """``fn(parquet_file(rel))``, repeated from the start when the file is replaced meanwhile (S3)."""
+        """``fn(parquet_file(rel))``, repeated from the start when the file is replaced meanwhile (S3). The last
+        attempt reads the object whole in one GET (one version, never expired), so a writer replacing it
+        without pause cannot starve the reader."""
         for attempt in range(self.REPLACED_RETRIES):
             try:
+                if self.is_s3 and attempt + 1 == self.REPLACED_RETRIES:
+                    return fn(pq.ParquetFile(io.BytesIO(self.read_bytes(rel))))
                 return fn(self.parquet_file(rel, ranged=ranged))
-            except (pa.ArrowInvalid, OSError) as exc:
+            except (pa.ArrowInvalid, OSError, StorageError) as exc:  # StorageError: parquet_file's own retries ran out
                 if self._replaced(exc) and attempt + 1 < self.REPLACED_RETRIES:
                     self._backoff(attempt)
                     continue

@@ -136,6 +136,24 @@ def test_open_parquet_file_keeps_reading_the_version_it_opened(storage: Storage)
     assert check_whole(storage.read_parquet("t/one.parquet")) == 2
 
 
+
+def test_a_writer_that_never_pauses_cannot_starve_a_reader(storage: Storage) -> None:
+    """Every attempt's file is replaced between its footer and its data (large versions: the data is not in
+    the footer read); the reader still returns one whole version (on S3 its last attempt reads the object
+    whole in one GET)."""
+    written = [1]
+    storage.write_parquet("t/busy.parquet", version_table(1))
+
+    def read(pf) -> int:
+        written[0] += 2  # odd versions: 30,000 rows each
+        storage.write_parquet("t/busy.parquet", version_table(written[0]))
+        return check_whole(pf.read())
+
+    got = storage.with_parquet_file("t/busy.parquet", read, ranged=True)
+    assert got == written[0] - 2  # the version the successful attempt opened, read whole
+    if storage.is_s3:
+        assert written[0] == 1 + 2 * Storage.REPLACED_RETRIES, "every ranged attempt was replaced; the last read whole"
+
 WRITER = """
 import os, signal, sys, time
 from qk_core.storage import Storage
