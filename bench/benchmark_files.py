@@ -30,8 +30,8 @@ LENGTHS = ("8k", "16k", "32k", "64k", "128k", "256k", "512k", "1m")
 CHILD = """
 import json, resource, sys, time
 t0, c0 = time.perf_counter(), time.process_time()
-from qk_core.benchmarks import load_scores, score_files
-from qk_core.storage import Storage
+from qk_core.benchmarks.scores import load_scores, score_files
+from qk_core.io.storage import Storage
 storage = Storage(sys.argv[1])
 df = load_scores(score_files(storage))
 print(json.dumps({"rows": len(df), "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,

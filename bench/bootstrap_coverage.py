@@ -1,6 +1,6 @@
 """Coverage of the document-bootstrap intervals of bias_strength (SPEC 3, 4.6, 10) on planted data.
 
-Why: bias_strength = mu_Q^a * alpha_K is refitted in every document resample (qk_core.cross_corpus), drift axis
+Why: bias_strength = mu_Q^a * alpha_K is refitted in every document resample (qk_core.cross_corpus.compare), drift axis
 a included; a resample with duplicated documents has a noisier axis, and misalignment shrinks both factors, so
 the resamples sit below the point value and a percentile interval can miss its own point estimate. This script
 measures, on synthetic Q/K rows with a known drift axis and a known bias_strength, how often each candidate
@@ -8,7 +8,7 @@ measures, on synthetic Q/K rows with a known drift axis and a known bias_strengt
 
 - ``percentile``: the resamples' 2.5% and 97.5% quantiles (what SPEC 4.6's plasticity intervals use);
 - ``basic`` (reverse percentile): [2 theta - q_97.5, 2 theta - q_2.5];
-- ``bc``: bias-corrected percentile (Efron 1982), :func:`qk_core.plasticity.bootstrap.bc_interval`;
+- ``bc``: bias-corrected percentile (Efron 1982), :func:`qk_core.stats.bootstrap.bc_interval`;
 - ``bca``: BC with the jackknife (leave one document out) acceleration (Efron 1987); for a difference of two
   independently resampled corpora the acceleration sums both corpora's jackknife terms.
 
@@ -43,11 +43,11 @@ sys.path.insert(0, str(REPO / "tests"))  # planted_bias: the planted corpora (sh
 from planted_bias import Regime, plant, truth  # noqa: E402
 from synthetic import CloudSpec, HeadSpec, plant_cloud, random_axes, stratified_positions  # noqa: E402
 
-from qk_core.capture_store import HeadData  # noqa: E402
-from qk_core.cross_corpus import ap_resamples, bias_from_moments  # noqa: E402
+from qk_core.capture.store import HeadData  # noqa: E402
+from qk_core.cross_corpus.compare import ap_resamples, bias_from_moments  # noqa: E402
 from qk_core.plasticity import PlasticityOptions, analyse_model  # noqa: E402
 from qk_core.plasticity import aggregates as agg  # noqa: E402
-from qk_core.plasticity.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval  # noqa: E402
+from qk_core.stats.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval  # noqa: E402
 
 CI = 0.95
 METHODS = ("percentile", "basic", "bc", "bca")
@@ -150,7 +150,7 @@ def ap_corpus(n_docs: int, seed: int, pairs_per_bucket: int) -> tuple[np.ndarray
 
 
 def ap_values(pairs, doc_ids: np.ndarray, W: np.ndarray) -> dict[str, np.ndarray]:
-    """Mean over heads of AP_overall and AP_drop for every weight row of W (qk_core.cross_corpus's rule)."""
+    """Mean over heads of AP_overall and AP_drop for every weight row of W (qk_core.cross_corpus.compare's rule)."""
     h = agg.headline(ap_resamples(pairs, doc_ids, W, AP_L, AP_B).boot, AP_L, AP_B)
     return {m: np.nanmean(h[m], axis=0) for m in ("ap_overall", "ap_drop")}
 
@@ -256,8 +256,8 @@ def demo_rows(root: str) -> None:
 
     from qk_assets.assets.cross_corpus import load_corpus
     from qk_assets.partitions import registry
-    from qk_core.cross_corpus import CrossCorpusOptions, compare_corpora
-    from qk_core.storage import Storage
+    from qk_core.cross_corpus.compare import CrossCorpusOptions, compare_corpora
+    from qk_core.io.storage import Storage
 
     storage = Storage(root)
     for slug, entry in ((m, registry().model(m)) for m in ("gemma3-270m", "smollm2-135m")):

@@ -64,9 +64,9 @@ def _setup(tokens: int, n_docs: int, threads: int) -> tuple:
     import torch
 
     torch.set_num_threads(threads)
-    from qk_core.corpus import sotu_corpus
-    from qk_core.model_loading import load_model
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
+    from qk_core.corpus.build import sotu_corpus
+    from qk_core.models.loading import load_model
 
     reg = load_registry()
     entry = reg.model(MODEL)
@@ -95,7 +95,7 @@ def _plain(loaded, ids: list[list[int]]) -> tuple[float, list[float]]:
 
 def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
     from qk_core.capture import capture_model
-    from qk_core.storage import Storage
+    from qk_core.io.storage import Storage
 
     with tempfile.TemporaryDirectory() as tmp:
         t, c = time.perf_counter(), time.process_time()

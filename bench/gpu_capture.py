@@ -389,8 +389,8 @@ def logit_error(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarr
 def _entry(shape: Shape, config: Any, n_tokens: int, tmp: Path, corpus_file: Path) -> Any:
     import tiny_models as tm
 
-    from qk_core.model_loading import apply_config_overrides
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
+    from qk_core.models.loading import apply_config_overrides
 
     overrides: dict[str, Any] = {}
     if shape.registry_key:
@@ -436,9 +436,9 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
 
     from qk_core.capture import capture_model, hook
     from qk_core.capture.run import _layer_plan, document_positions
-    from qk_core.capture_store import CaptureReader
-    from qk_core.model_loading import LoadedModel
-    from qk_core.storage import Storage
+    from qk_core.capture.store import CaptureReader
+    from qk_core.io.storage import Storage
+    from qk_core.models.loading import LoadedModel
 
     meter = Meter(device)
     rec: dict[str, Any] = {"shape": shape.name, "backend": backend, "tokens": n_tokens, "dtype": dtype,

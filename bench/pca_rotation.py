@@ -21,7 +21,7 @@ Run::
     .venv/bin/python bench/pca_rotation.py --heads 20 --rows 1000 --out /tmp/x   # quick check
 
 ``--blas-threads N`` (default 1, as the assets' default run config) limits the OpenBLAS threads through
-:func:`qk_core.blas.blas_threads`, the mechanism the assets use; 0 leaves OpenBLAS at its default. A short
+:func:`qk_core.runtime.blas.blas_threads`, the mechanism the assets use; 0 leaves OpenBLAS at its default. A short
 ``arrays`` run with OpenBLAS's default threading (``--contrast-heads``) is recorded beside it.
 """
 
@@ -70,7 +70,7 @@ def planted_head(seed: int, rows: int, d: int, window: int):
 
 def child_arrays(args: argparse.Namespace) -> dict:
 
-    from qk_core.blas import blas_threads, current_threads
+    from qk_core.runtime.blas import blas_threads, current_threads
 
     with blas_threads(args.blas_threads):
         out = _arrays(args)
@@ -81,8 +81,8 @@ def child_arrays(args: argparse.Namespace) -> dict:
 def _arrays(args: argparse.Namespace) -> dict:
     import numpy as np
 
-    from qk_core.pca import PCAOptions, analyse_pca, pca_from_moments, pooled_moments, validate_head
-    from qk_core.rotation import RotationOptions, analyse_rotation
+    from qk_core.geometry.pca import PCAOptions, analyse_pca, pca_from_moments, pooled_moments, validate_head
+    from qk_core.geometry.rotation import RotationOptions, analyse_rotation
 
     pool = [planted_head(1000 + i, args.rows, args.d, args.window) for i in range(args.pool)]
     popt, ropt = PCAOptions(), RotationOptions()
@@ -121,10 +121,10 @@ def child_stream(args: argparse.Namespace, trace: bool) -> dict:
     import pandas as pd
     import pyarrow as pa
 
-    from qk_core.blas import blas_threads
-    from qk_core.pca import PCAOptions, iter_capture_heads
-    from qk_core.rotation import RotationOptions, run_geometry
-    from qk_core.storage import Storage
+    from qk_core.geometry.pca import PCAOptions, iter_capture_heads
+    from qk_core.geometry.rotation import RotationOptions, run_geometry
+    from qk_core.io.storage import Storage
+    from qk_core.runtime.blas import blas_threads
 
     storage = Storage(args.workdir)
     capture = pd.read_parquet(Path(args.workdir) / "qk_capture.parquet")
@@ -160,8 +160,8 @@ def write_capture(args: argparse.Namespace) -> dict:
     import pandas as pd
     import pyarrow as pa
 
-    from qk_core.capture_store import _vec_array, file_record, head_file, row_schema
-    from qk_core.storage import Storage
+    from qk_core.capture.store import _vec_array, file_record, head_file, row_schema
+    from qk_core.io.storage import Storage
 
     storage = Storage(args.workdir)
     prefix = "captures/bench/bench0000"

@@ -35,10 +35,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from qk_core.capture_store import CaptureReader, CaptureWriter, HeadData, HeadRows  # noqa: E402
+from qk_core.capture.store import CaptureReader, CaptureWriter, HeadData, HeadRows  # noqa: E402
+from qk_core.io.storage import Storage  # noqa: E402
 from qk_core.plasticity import PlasticityOptions, analyse_head, analyse_model  # noqa: E402
-from qk_core.plasticity.bootstrap import doc_weights  # noqa: E402
-from qk_core.storage import Storage  # noqa: E402
+from qk_core.stats.bootstrap import doc_weights  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 
@@ -185,7 +185,7 @@ def markdown(o: dict) -> str:
         f"Command: `{o['command']}` (from the repository root; started {o['started']}, "
         f"{o['machine']['cpus']} CPUs, load average at the end {load}).",
         "Wall and CPU times are medians over repeats (wall min: the least contended repeat); single-threaded",
-        "BLAS per head (qk_core.blas). The machine is shared: when the load average exceeds the 2 cores, wall",
+        "BLAS per head (qk_core.runtime.blas). The machine is shared: when the load average exceeds the 2 cores, wall",
         "time exceeds CPU time by the contention; CPU time is what one head costs on an idle core.", "",
         "| case | wall (median) | wall (min) | CPU (median) | target |", "|---|---|---|---|---|",
         f"| one head: 16 buckets, {r['n_queries']} queries, {r['n_keys']} keys, d = {r['d']}, "

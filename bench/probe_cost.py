@@ -47,11 +47,11 @@ def main() -> None:
 
     import torch
 
-    from qk_core.corpus import build_corpus
+    from qk_core.config.registry import load_registry
+    from qk_core.corpus.build import build_corpus
     from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
     from qk_core.interventions.probe import build_trial, candidate_ids, score_trial
-    from qk_core.model_loading import load_model
-    from qk_core.registry import load_registry
+    from qk_core.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     reg = load_registry()

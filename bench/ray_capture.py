@@ -87,9 +87,9 @@ def main() -> int:
 
     from qk_core.capture import capture_model
     from qk_core.capture.sharded import capture_sharded
-    from qk_core.corpus import local_corpus
-    from qk_core.registry import load_registry
-    from qk_core.storage import Storage
+    from qk_core.config.registry import load_registry
+    from qk_core.corpus.build import local_corpus
+    from qk_core.io.storage import Storage
 
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="ray-bench-"))

@@ -18,7 +18,7 @@ CPU time (user + system) and peak RSS:
 - ``s3_read``: one head (Q + K files, manifest, commit record) uploaded to a local moto S3 server and read
   with :meth:`CaptureReader.read_head` (verified), median of 5; plus one column of a head file read alone,
   with the bytes the server sent counted on the wire (tests/s3.py's counting relay);
-- ``geometry``: PCA + rotation of every head (:func:`qk_core.rotation.run_geometry`, asset defaults);
+- ``geometry``: PCA + rotation of every head (:func:`qk_core.geometry.rotation.run_geometry`, asset defaults);
 - ``plasticity``: :func:`qk_core.plasticity.analyse_model` with the default options (2 worker threads)
   followed by the write of the per-pair table as the IO manager stores it (``analysis_*``: the analysis
   alone, ``pairs_write_s``: the write; wall / CPU / peak RSS cover both); afterwards, untimed, the same
@@ -64,7 +64,7 @@ def plan(n_heads: int) -> list[dict[str, int]]:
 
 
 def manifest(n_heads: int, rows: int, n_docs: int) -> dict:
-    from qk_core.capture_store import fingerprint
+    from qk_core.capture.store import fingerprint
 
     ident = {"bench": "study_scale", "heads": n_heads, "rows_per_doc": rows, "docs": n_docs, "d": D, "window": L}
     return {"fingerprint": fingerprint(ident), "identity": ident, "window": L, "bucket": B, "heads": plan(n_heads)}
@@ -72,7 +72,7 @@ def manifest(n_heads: int, rows: int, n_docs: int) -> dict:
 
 def doc_rows(eid: int, heads: list[dict[str, int]], per_bucket: int) -> tuple[int, list]:
     """One document's rows: stratified positions (shared by every head), drifting vectors."""
-    from qk_core.capture_store import HeadRows
+    from qk_core.capture.store import HeadRows
 
     rng = np.random.default_rng([7, eid])
     pos = np.sort((np.arange(N_BUCKETS)[:, None] * B + rng.integers(0, B, (N_BUCKETS, per_bucket))).ravel())
@@ -94,8 +94,8 @@ def tree_bytes(path: Path) -> int:
 def child(stage: str, args: argparse.Namespace) -> dict:
     if args.code:  # measure another checkout's qk_core (e.g. the code before a change)
         sys.path.insert(0, str(Path(args.code).resolve()))
-    from qk_core.capture_store import CaptureReader, CaptureWriter, capture_prefix
-    from qk_core.storage import Storage
+    from qk_core.capture.store import CaptureReader, CaptureWriter, capture_prefix
+    from qk_core.io.storage import Storage
 
     n_heads, rows = (int(v) for v in args.size.split("x"))
     storage = Storage(args.workdir)
@@ -114,7 +114,7 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         out.update(fan_out_s=timing.get("fan_out_s"), verify_in_finalize_s=timing.get("verify_s"),
                    head_files=len(summary["rows"]))
     elif stage == "verify":
-        from qk_core.capture_store import verify_capture
+        from qk_core.capture.store import verify_capture
 
         check = verify_capture(storage, prefix)
         assert check["passed"], check["error"]
@@ -139,9 +139,9 @@ def child(stage: str, args: argparse.Namespace) -> dict:
     elif stage == "geometry":
         import pandas as pd
 
-        from qk_core.blas import blas_threads
-        from qk_core.pca import PCAOptions, iter_capture_heads
-        from qk_core.rotation import RotationOptions, run_geometry
+        from qk_core.geometry.pca import PCAOptions, iter_capture_heads
+        from qk_core.geometry.rotation import RotationOptions, run_geometry
+        from qk_core.runtime.blas import blas_threads
 
         cap = pd.DataFrame([{**h, "capture_prefix": prefix} for h in man["heads"]])
         with blas_threads(1):
@@ -203,8 +203,8 @@ def s3_read(storage, prefix: str, man: dict) -> dict:
     import boto3
     from s3 import CREDENTIALS, CountingProxy, start_server
 
-    from qk_core.capture_store import CaptureReader, head_file
-    from qk_core.storage import Storage
+    from qk_core.capture.store import CaptureReader, head_file
+    from qk_core.io.storage import Storage
 
     os.environ.update(CREDENTIALS)
     server, endpoint = start_server()

@@ -21,7 +21,7 @@ from dagster import (
 )
 
 from qk_assets.partitions import listed_keys
-from qk_core.registry import RegistryError, load_registry
+from qk_core.config.registry import RegistryError, load_registry
 
 SENSOR_INTERVAL_S = 5
 

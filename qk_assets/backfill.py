@@ -23,7 +23,7 @@ from dagster import AssetKey, DagsterInstance, Definitions
 
 from qk_assets.dagster_api import DagsterAPI
 from qk_assets.partitions import pair_key
-from qk_core.registry import Registry, RegistryError
+from qk_core.config.registry import Registry, RegistryError
 
 CORPUS = AssetKey("corpus")
 SERIES_TAG = "qk/series"

@@ -17,7 +17,7 @@ from qk_assets.io_manager import ParquetIOManager
 from qk_assets.partitions import model_corpus_partitions
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 from qk_assets.versioning import with_code_versions
-from qk_core.settings import Settings
+from qk_core.config.settings import Settings
 
 
 def asset_modules() -> list[ModuleType]:

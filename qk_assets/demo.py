@@ -60,8 +60,8 @@ from dagster import (
 
 from qk_assets.dagster_api import DagsterAPI, partitions_of, webserver
 from qk_assets.partitions import multi_corpus_models, pair_key, sync_instance
-from qk_core.registry import Registry
-from qk_core.storage import Storage
+from qk_core.config.registry import Registry
+from qk_core.io.storage import Storage
 
 DEMO_TAG = "qk/demo"
 FAILURE_REASON_TAG = "dagster/failure_reason"  # Dagster's tag on a failed run: why it failed

@@ -5,7 +5,7 @@ import io
 
 from dagster import MetadataValue
 
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 
 def figure_png(fig) -> bytes:

@@ -30,7 +30,7 @@ from dagster import (
     PartitionsDefinition,
 )
 
-from qk_core.registry import Registry, load_registry
+from qk_core.config.registry import Registry, load_registry
 
 MODEL_DIM = "model"
 CORPUS_DIM = "corpus"

@@ -7,8 +7,8 @@ from urllib.parse import urlparse
 from dagster import ConfigurableResource
 from dagster_ray import RayResource
 
-from qk_core.settings import Settings
-from qk_core.storage import Storage
+from qk_core.config.settings import Settings
+from qk_core.io.storage import Storage
 
 
 class StorageResource(ConfigurableResource):

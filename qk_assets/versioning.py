@@ -43,7 +43,7 @@ def _imported_names(path: Path, module_name: str) -> set[str]:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             names.add(base)
-            # ``from qk_core import metrics`` imports the submodule qk_core.metrics
+            # ``from qk_core import metrics`` imports the submodule qk_core.io.metrics
             names.update(f"{base}.{a.name}" for a in node.names)
     return {n for n in names if n.split(".")[0] in OWN_PACKAGES}
 

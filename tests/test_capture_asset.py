@@ -14,8 +14,8 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture.run import VALUE_COLUMNS
-from qk_core.capture_store import CaptureReader
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureReader
+from qk_core.io.storage import Storage
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

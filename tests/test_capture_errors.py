@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from qk_core.capture import capture_model
-from qk_core.capture_store import CaptureError
-from qk_core.model_loading import ModelSourceError, load_config
-from qk_core.registry import RegistryError, load_registry
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError
+from qk_core.config.registry import RegistryError, load_registry
+from qk_core.io.storage import Storage
+from qk_core.models.loading import ModelSourceError, load_config
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -17,11 +17,11 @@ import transformers as tf
 
 from qk_core.capture import capture_model
 from qk_core.capture.hook import CaptureSession
-from qk_core.capture_store import CaptureError, CaptureReader
-from qk_core.corpus import local_corpus
-from qk_core.model_loading import load_model, text_backbone
-from qk_core.registry import ModelEntry, load_registry
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.config.registry import ModelEntry, load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.io.storage import Storage
+from qk_core.models.loading import load_model, text_backbone
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from qk_core.capture_store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file, row_schema
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file, row_schema
+from qk_core.io.storage import Storage
 
 D = 8
 HEADS = [(0, 0), (0, 1), (3, 2), (5, 3)]  # (layer, q_head); kv = q_head // 2

@@ -14,11 +14,11 @@ import torch
 
 from qk_core.capture import capture_model
 from qk_core.capture.hook import CaptureSession
-from qk_core.capture_store import CaptureReader
-from qk_core.corpus import sotu_corpus
-from qk_core.model_loading import load_model
-from qk_core.registry import load_registry
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureReader
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import sotu_corpus
+from qk_core.io.storage import Storage
+from qk_core.models.loading import load_model
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(min(2, torch.get_num_threads()))

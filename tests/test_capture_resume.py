@@ -17,10 +17,10 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
-from qk_core.capture_store import CaptureError, CaptureReader
-from qk_core.corpus import local_corpus
-from qk_core.registry import load_registry
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.io.storage import Storage
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 REPO = Path(__file__).resolve().parent.parent
@@ -30,9 +30,9 @@ CHILD = textwrap.dedent("""
     import sys, time, torch
     torch.set_num_threads(1)
     from qk_core.capture import capture_model
-    from qk_core.corpus import local_corpus
-    from qk_core.registry import load_registry
-    from qk_core.storage import Storage
+    from qk_core.corpus.build import local_corpus
+    from qk_core.config.registry import load_registry
+    from qk_core.io.storage import Storage
     reg = load_registry(sys.argv[1])
     entry = reg.model("m")
     df = local_corpus(reg.corpus("tiny").params)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core.capture_store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file
+from qk_core.io.storage import Storage
 
 D = 8
 N_Q, N_KV = 4, 2

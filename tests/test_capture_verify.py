@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core import capture_store
-from qk_core.capture_store import (
+from qk_core.capture import store as capture_store
+from qk_core.capture.store import (
     CaptureError,
     CaptureReader,
     CaptureWriter,
@@ -22,7 +22,7 @@ from qk_core.capture_store import (
     head_file,
     verify_capture,
 )
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 D = 8
 HEADS = [(1, 0), (1, 3), (2, 1)]  # (layer, q_head); kv = q_head // 2
@@ -206,7 +206,7 @@ def test_keep_doc_files_does_not_change_the_fingerprint(tmp_path: Path) -> None:
     import tiny_models as tm
 
     from qk_core.capture.run import sampler_settings
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
 
     tm.write_corpus_jsonl(tmp_path / "c.jsonl", ["a text"])
     entries = {key: {"family": "llama", "source": {"local": str(tmp_path / "model")}, "window": 64,

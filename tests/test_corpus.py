@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qk_core.corpus import CorpusError, build_corpus, package_files_corpus, path_id, sha256_text
-from qk_core.registry import CorpusEntry, RegistryError, load_registry
+from qk_core.config.registry import CorpusEntry, RegistryError, load_registry
+from qk_core.corpus.build import CorpusError, build_corpus, package_files_corpus, path_id, sha256_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,7 +164,7 @@ def test_package_files_registry_schema_names_the_field(tmp_path: Path, extra: st
 def test_code_demo_corpus_is_real_deterministic_and_long_enough_for_both_demo_models() -> None:
     """The second demo corpus (SPEC 10): Python source, pinned; at least 16 qualifying modules, each at least
     the demo window (2048 tokens) long for both demo tokenizers; the demo reads the first 8."""
-    from qk_core.model_loading import load_tokenizer
+    from qk_core.models.loading import load_tokenizer
 
     reg = load_registry(REPO / "data" / "registry.toml")
     entry = reg.corpus("code-demo")

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_cloud, random_axes, stratified_positions
 
-from qk_core.capture_store import HeadData
-from qk_core.cross_corpus import (
+from qk_core.capture.store import HeadData
+from qk_core.cross_corpus.compare import (
     CorpusInputs,
     CrossCorpusOptions,
     bias_from_moments,
@@ -26,8 +26,8 @@ from qk_core.cross_corpus import (
     doc_moments,
     variance_shares,
 )
+from qk_core.geometry.rotation import analyse_rotation, run_rotation
 from qk_core.plasticity import PlasticityOptions, analyse_model
-from qk_core.rotation import analyse_rotation, run_rotation
 
 D, L, B, PER_BUCKET = 16, 1024, 64, 4
 HEADS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
@@ -91,7 +91,7 @@ def test_same_geometry_gives_differences_whose_intervals_cover_zero(corpora: dic
 
 
 def test_p_clause_never_reads_p_equals_less_than() -> None:
-    from qk_core.stats import METHOD_MC, p_clause
+    from qk_core.stats.correlation import METHOD_MC, p_clause
 
     assert p_clause(1 / 20001, METHOD_MC, 20000) == "p < 1/20000"
     assert p_clause(0.0123) == "p = 0.012"
@@ -194,7 +194,7 @@ def test_figures_draw_every_corpus(corpora: dict) -> None:
 def test_report_section_states_every_verdict_with_its_numbers(corpora: dict) -> None:
     import markupsafe
 
-    from qk_core.report_html import ReportInputs, render_report
+    from qk_core.report.html import ReportInputs, render_report
 
     res = compare_corpora("planted", [corpora["prose"][0], corpora["code-drift"][0]])
     tables = {"cross_corpus_metrics": {"planted": res.metrics},
@@ -216,7 +216,7 @@ def test_bc_interval_is_the_resample_quantiles_at_the_shifted_levels() -> None:
     quantiles at Phi(2 z0 -/+ z_0.975); z0 = 0 gives the percentile interval, NaN resamples are left out."""
     from scipy.stats import norm
 
-    from qk_core.plasticity.bootstrap import bc_interval, percentile_interval
+    from qk_core.stats.bootstrap import bc_interval, percentile_interval
 
     rng = np.random.default_rng(7)
     boot = rng.normal(0.0, 1.0, size=(201, 3))
@@ -259,7 +259,7 @@ def test_small_coverage_check_basic_beats_percentile_on_planted_bias_strength() 
     resamples, and both hold their point value exactly as often (the same condition, |z0| < 1.96)."""
     from planted_bias import Regime, plant, truth
 
-    from qk_core.plasticity.bootstrap import basic_interval, doc_weights, percentile_interval
+    from qk_core.stats.bootstrap import basic_interval, doc_weights, percentile_interval
 
     r = Regime("test geometry", d=16, docs=12, L=1024, per_bucket=4, heads=6, tau_u=0.0, tau_v=0.0)
     true = truth(r)

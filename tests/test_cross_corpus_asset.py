@@ -34,7 +34,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import CORPUS_DIM, MODEL_DIM, model_corpus_partitions, pair_key
     from qk_assets.resources import RayClusterResource, StorageResource
-    from qk_core.storage import Storage
+    from qk_core.io.storage import Storage
 
     root = tmp_path_factory.mktemp("cross_corpus") / "storage"
     storage = Storage(str(root))

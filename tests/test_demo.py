@@ -18,8 +18,8 @@ from dagster import AssetKey, DagsterInstance, instance_for_test, materialize, p
 from qk_assets.dagster_api import partitions_of, webserver
 from qk_assets.demo import REPORT_KEY, group_steps, run_demo, select_nodes
 from qk_assets.partitions import sync_instance
-from qk_core.registry import load_registry
-from qk_core.storage import Storage
+from qk_core.config.registry import load_registry
+from qk_core.io.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -233,15 +233,15 @@ def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypat
     from qk_assets.assets import corpus as corpus_module
 
     closure = dict(versioning.module_closure("qk_assets.assets.corpus"))
-    assert {"qk_assets.assets.corpus", "qk_core.corpus", "qk_core.registry"} <= set(closure)
-    assert "qk_core.joins" not in closure and "qk_assets.definitions" not in closure
+    assert {"qk_assets.assets.corpus", "qk_core.corpus.build", "qk_core.config.registry"} <= set(closure)
+    assert "qk_core.benchmarks.joins" not in closure and "qk_assets.definitions" not in closure
 
     # the version is a hash of exactly those files: editing one of them changes it
     before = versioning.source_version("qk_assets.assets.corpus")
     copies = []
     for name, path in versioning.module_closure("qk_assets.assets.corpus"):
         copy = tmp_path / Path(path).name
-        copy.write_bytes(Path(path).read_bytes() + (b"\n# edited\n" if name == "qk_core.corpus" else b""))
+        copy.write_bytes(Path(path).read_bytes() + (b"\n# edited\n" if name == "qk_core.corpus.build" else b""))
         copies.append((name, str(copy)))
     monkeypatch.setattr(versioning, "module_closure", lambda _name: tuple(copies))
     assert versioning.source_version("qk_assets.assets.corpus") != before

@@ -32,12 +32,12 @@ import torch
 from faults import NA, FaultTable, MotoProcess, kill_when, run_child, snapshot
 from s3 import BUCKET
 
-from qk_core.benchmarks import BENCHMARK_DIR, BenchmarkDataError, load_scores, score_files
+from qk_core.benchmarks.scores import BENCHMARK_DIR, BenchmarkDataError, load_scores, score_files
 from qk_core.capture import capture_model
-from qk_core.capture_store import CaptureError, CaptureReader, CaptureWriter, verify_capture
-from qk_core.corpus import CorpusError, build_corpus, local_corpus
-from qk_core.registry import CorpusEntry, RegistryError, load_registry
-from qk_core.storage import Storage, StorageError
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, verify_capture
+from qk_core.config.registry import CorpusEntry, RegistryError, load_registry
+from qk_core.corpus.build import CorpusError, build_corpus, local_corpus
+from qk_core.io.storage import Storage, StorageError
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 N_DOCS = 6
@@ -53,9 +53,9 @@ CAPTURE_CHILD = textwrap.dedent("""
     import os, sys, time, torch
     torch.set_num_threads(1)
     from qk_core.capture import capture_model
-    from qk_core.corpus import local_corpus
-    from qk_core.registry import load_registry
-    from qk_core.storage import Storage
+    from qk_core.corpus.build import local_corpus
+    from qk_core.config.registry import load_registry
+    from qk_core.io.storage import Storage
     if os.environ.get("SLOW_HEADS"):
         import contextlib
         plain = Storage.atomic_local_file
@@ -220,7 +220,7 @@ def test_finalize_killed(world: dict[str, Any], table: FaultTable, monkeypatch: 
 ASSET_CHILD = textwrap.dedent("""
     import sys, time
     import pyarrow as pa, pyarrow.parquet as pq
-    from qk_core.storage import Storage
+    from qk_core.io.storage import Storage
     plain = pq.write_table
     def write_then_hang(*a, **k):
         plain(*a, **k)
@@ -475,7 +475,7 @@ def test_damaged_capture(world: dict[str, Any], table: FaultTable) -> None:
         heads[1].write_bytes(a)
 
     def foreign_manifest(p: Path) -> None:
-        from qk_core.capture_store import file_record, fingerprint
+        from qk_core.capture.store import file_record, fingerprint
 
         man = json.loads(p.read_text())
         man["identity"]["window"] = 64

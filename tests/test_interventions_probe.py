@@ -20,8 +20,8 @@ from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSes
 from qk_core.interventions.model import backbone_of
 from qk_core.interventions.options import InterventionOptions
 from qk_core.interventions.probe import NEEDLE, ProbeError, build_trial, candidate_ids, score_trial, trial_outcome
-from qk_core.interventions.stats import mean_interval, wilson
 from qk_core.interventions.study import contrast, summarise
+from qk_core.stats.means import mean_interval, wilson
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

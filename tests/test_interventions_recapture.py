@@ -15,13 +15,13 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
-from qk_core.capture_store import CaptureError, CaptureReader
-from qk_core.corpus import local_corpus
+from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.geometry.rotation import analyse_rotation
 from qk_core.interventions.hook import DebiasAxis, Intervention
-from qk_core.model_loading import load_model
-from qk_core.registry import load_registry
-from qk_core.rotation import analyse_rotation
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
+from qk_core.models.loading import load_model
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 LAYER = {"llama": 1, "mistral": 1, "ministral3": 1, "qwen3": 1, "smollm3": 1, "gemma3": 2, "mllama": 2}

@@ -15,8 +15,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from qk_core.benchmarks import SourceFile, load_aliases, load_model_types, load_reference, load_scores
-from qk_core.joins import (
+from qk_core.benchmarks.joins import (
     THESIS_LBP_MODELS,
     build_model_report,
     compute_stats,
@@ -25,8 +24,9 @@ from qk_core.joins import (
     metric_values,
     overall_scores,
 )
-from qk_core.metrics import COLUMNS, metric_row, metrics_frame
-from qk_core.stats import correlations
+from qk_core.benchmarks.scores import SourceFile, load_aliases, load_model_types, load_reference, load_scores
+from qk_core.io.metrics import COLUMNS, metric_row, metrics_frame
+from qk_core.stats.correlation import correlations
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = REPO / "data" / "benchmarks"
@@ -194,7 +194,7 @@ def test_model_types_join(report: pd.DataFrame, aliases: pd.DataFrame, scores: p
 
 
 def test_report_rejects_malformed_measured_frames(reference: pd.DataFrame) -> None:
-    from qk_core.benchmarks import BenchmarkDataError
+    from qk_core.benchmarks.scores import BenchmarkDataError
 
     bad = metrics_frame([_measured("qwen3-8b", "ap_drop", 0.5)]).drop(columns=["median"])
     with pytest.raises(BenchmarkDataError, match=r"assets/rotation_metrics/qwen3-8b.parquet: field 'median'"):

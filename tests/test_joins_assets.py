@@ -21,8 +21,8 @@ from qk_assets.assets import model_report as report_assets
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.partitions import model_corpus_partitions, registry, sync_instance
 from qk_assets.resources import StorageResource
-from qk_core.metrics import metric_row, metrics_frame
-from qk_core.storage import Storage
+from qk_core.io.metrics import metric_row, metrics_frame
+from qk_core.io.storage import Storage
 
 SOURCES = ["benchmark_scores", "model_aliases", "benchmark_models", "reference_metrics"]
 DOWNSTREAM = ["model_report", "benchmark_joins", "benchmark_length_joins", "benchmark_stats"]
@@ -239,7 +239,7 @@ def test_first_tick_with_a_registry_lacking_aliased_models(tmp_path: Path, monke
     the aliases of the missing models are reported (file, line, field) and ignored; a malformed alias file
     still fails, naming file, line and field."""
     from qk_assets import partitions
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
 
     reg = tmp_path / "registry.toml"
     reg.write_text(SMALL_REGISTRY)

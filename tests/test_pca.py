@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from synthetic import CloudSpec, HeadSpec, plant_head, random_orthogonal
 
-from qk_core.pca import (
+from qk_core.geometry.pca import (
     TAXONOMY,
     HeadInputError,
     PCAOptions,
@@ -175,7 +175,7 @@ def test_options_validate_names() -> None:
 
 
 def test_blas_thread_limit_is_scoped_and_leaves_results_unchanged() -> None:
-    from qk_core.blas import available, blas_threads, current_threads
+    from qk_core.runtime.blas import available, blas_threads, current_threads
 
     q, tq, k, tk = anisotropic_head(seed=9)
     free = analyse_pca(q, tq, k, tk)

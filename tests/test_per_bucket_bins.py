@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from qk_core.capture.sampling import stratified_positions
-from qk_core.capture_store import HeadData
+from qk_core.capture.store import HeadData
+from qk_core.config.registry import CaptureOptions, load_registry
 from qk_core.plasticity import PlasticityOptions, analyse_head
-from qk_core.registry import CaptureOptions, load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -162,7 +162,7 @@ def test_cross_model_deciles(materialised) -> None:
 
 def test_registry_analysis_table_overrides_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import qk_assets.assets.plasticity as mod
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
 
     reg = tmp_path / "registry.toml"
     reg.write_text("""

@@ -18,9 +18,9 @@ import math
 import numpy as np
 import pytest
 
-from qk_core.capture_store import HeadData
+from qk_core.capture.store import HeadData
 from qk_core.plasticity import PlasticityOptions, analyse_head, analyse_model
-from qk_core.plasticity.bootstrap import BOOTSTRAP_STREAM
+from qk_core.stats.bootstrap import BOOTSTRAP_STREAM
 
 L, B, D, N_DOCS = 2048, 256, 12, 30  # J = 8 buckets; 2 keys per document and bucket
 J = L // B

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from qk_core.capture_store import HeadData
+from qk_core.capture.store import HeadData
 from qk_core.plasticity import PlasticityOptions, PlasticityOptionsError, analyse_head
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.bootstrap import doc_bucket_sums, doc_weights, resampled_profiles
 from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs, unrank_pairs
 from qk_core.plasticity.query_model import fit_query_model, householder, ledoit_wolf
+from qk_core.stats.bootstrap import doc_bucket_sums, doc_weights, resampled_profiles
 
 
 # ---- planted Gaussian heads ------------------------------------------------------------------------

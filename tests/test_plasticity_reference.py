@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qk_core.capture_store import HeadData
+from qk_core.capture.store import HeadData
 from qk_core.plasticity import PlasticityOptions, analyse_model
 
 L, B, D, N_DOCS = 4096, 256, 32, 60

@@ -28,9 +28,9 @@ from servers import wait_for
 
 from qk_core.capture import capture_model
 from qk_core.capture.sharded import capture_sharded, shard_documents
-from qk_core.corpus import local_corpus
-from qk_core.registry import load_registry
-from qk_core.storage import Storage
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.io.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
 N_DOCS, CHARS, WINDOW = 16, 900, 1024
@@ -165,8 +165,8 @@ def test_analyses_run_as_cpu_tasks_on_the_cluster(lab: dict, monkeypatch: pytest
 
     from qk_assets.io_manager import ParquetIOManager
     from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+    from qk_core.geometry.rotation import geometry_of_capture
     from qk_core.plasticity import analyse_capture
-    from qk_core.rotation import geometry_of_capture
 
     cluster: RayCluster = lab["cluster"]
     root = lab["s3"].root("analyses")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from qk_core.registry import RegistryError, load_registry
+from qk_core.config.registry import RegistryError, load_registry
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "data" / "registry.toml"
@@ -176,9 +176,9 @@ def test_local_path_with_braces(tmp_path: Path) -> None:
 
 def test_run_config_overrides_use_the_same_schema() -> None:
     """Registry table < run config, both checked strictly (PCA, rotation, plasticity options)."""
-    from qk_core.pca import PCAOptions
+    from qk_core.geometry.pca import PCAOptions
+    from qk_core.geometry.rotation import RotationOptions
     from qk_core.plasticity import PlasticityOptions, PlasticityOptionsError
-    from qk_core.rotation import RotationOptions
 
     assert PlasticityOptions.from_analysis({"plasticity": {"seed": 1}}, seed=3).seed == 3
     with pytest.raises(PlasticityOptionsError, match=r"'keep_pairs'.*valid boolean"):

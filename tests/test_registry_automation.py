@@ -20,7 +20,7 @@ from dagster import (
     evaluate_automation_conditions,
 )
 
-from qk_core.registry import load_registry
+from qk_core.config.registry import load_registry
 
 CORPUS = '[corpora.c]\nkind = "local_file"\npath = "docs.jsonl"\n'
 

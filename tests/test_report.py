@@ -19,9 +19,9 @@ from qk_assets.assets import report as report_module
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.resources import StorageResource
-from qk_core.metrics import metric_row, metrics_frame
-from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, caption_for, render_report
-from qk_core.storage import Storage
+from qk_core.io.metrics import metric_row, metrics_frame
+from qk_core.io.storage import Storage
+from qk_core.report.html import AssetState, Figure, ModelInfo, ReportInputs, caption_for, render_report
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
@@ -207,7 +207,7 @@ def test_report_is_requested_after_an_upstream_update(tmp_path: Path, monkeypatc
 def test_statistics_table_shows_n_method_and_exact_p_never_zero() -> None:
     """SPEC 5 via the real statistics: Spearman rho = 1 at n = 3 is p = 1/3 exactly (printed, with its
     6 permutations), and a Monte Carlo p at its resolution reads '< 1/permutations', never 0."""
-    from qk_core.stats import correlations
+    from qk_core.stats.correlation import correlations
 
     rows = []
     for metric, (x, y) in {"ap_drop": ([1, 2, 3], [1, 2, 3]),

@@ -12,8 +12,8 @@ import pandas.testing as pd_testing
 import pytest
 from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal
 
-from qk_core.pca import HeadInputError, pooled_moments
-from qk_core.rotation import (
+from qk_core.geometry.pca import HeadInputError, pooled_moments
+from qk_core.geometry.rotation import (
     RotationOptions,
     analyse_rotation,
     circular_linear_r,
@@ -306,9 +306,9 @@ def test_missing_pairs_and_undefined_b_are_notes_not_failures() -> None:
 def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
     from synthetic import SyntheticHead, write_synthetic_capture
 
-    from qk_core.pca import PCAOptions, iter_capture_heads, run_pca
-    from qk_core.rotation import run_geometry, run_rotation
-    from qk_core.storage import Storage
+    from qk_core.geometry.pca import PCAOptions, iter_capture_heads, run_pca
+    from qk_core.geometry.rotation import run_geometry, run_rotation
+    from qk_core.io.storage import Storage
 
     storage = Storage(tmp_path)
     # GQA: four query heads per KV head, so the cached K-side moments are reused

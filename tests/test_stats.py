@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from qk_core.stats import METHOD_EXACT, METHOD_MC, correlations, format_p
+from qk_core.stats.correlation import METHOD_EXACT, METHOD_MC, correlations, format_p
 
 
 def ranks(v: np.ndarray) -> np.ndarray:

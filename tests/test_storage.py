@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from s3 import CREDENTIALS, MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core.storage import TMP_PREFIX, Storage, StorageError
+from qk_core.io.storage import TMP_PREFIX, Storage, StorageError
 
 
 @pytest.fixture(params=["local", "s3"])

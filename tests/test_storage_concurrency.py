@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = (200, 30_000)  # rows of the small and the large version (about 3 KB and 500 KB of Parquet)
@@ -156,7 +156,7 @@ def test_a_writer_that_never_pauses_cannot_starve_a_reader(storage: Storage) -> 
 
 WRITER = """
 import os, signal, sys, time
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 storage = Storage(sys.argv[1], os.environ.get("QK_S3_ENDPOINT_URL"))
 with storage.atomic_local_file("f/data.bin") as tmp:
     tmp.write_bytes(b"x" * 100_000)

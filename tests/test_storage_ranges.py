@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 from s3 import CountingProxy, MotoS3, moto_s3  # noqa: F401  (session fixture)
 
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 ROWS, GROUPS = 4000, 8
 

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qk_core.metrics import metric_row, metrics_frame
+from qk_core.config.settings import DATA_DIR
+from qk_core.io.metrics import metric_row, metrics_frame
 from qk_core.plots.trajectory import trajectory_figures
-from qk_core.settings import DATA_DIR
-from qk_core.trajectory import (
+from qk_core.trajectory.series import (
     Checkpoint,
     TrajectoryError,
     checkpoint_config,

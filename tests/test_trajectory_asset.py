@@ -20,9 +20,9 @@ import pytest
 import qk_assets  # noqa: F401  (build the code location with the shipped registry before any test swaps it)
 from qk_assets.io_manager import ParquetIOManager, asset_rel
 from qk_assets.resources import StorageResource
-from qk_core.capture_store import file_record
-from qk_core.metrics import metric_row, metrics_frame
-from qk_core.storage import Storage
+from qk_core.capture.store import file_record
+from qk_core.io.metrics import metric_row, metrics_frame
+from qk_core.io.storage import Storage
 
 REVS = ["s1-step-10", "s1-step-20", "lc-step-5"]
 # registry windows (what a hard-coded or registry-derived value would give) ...
@@ -147,7 +147,7 @@ def test_partitions_and_registry_growth(traj: ModuleType, tmp_path: Path) -> Non
     """Checkpoints are (model, corpus) partitions; a revision added to the registry is a new partition,
     requested by the registry sensor's logic without reloading anything."""
     from qk_assets import partitions
-    from qk_core.registry import load_registry
+    from qk_core.config.registry import load_registry
 
     keys = [f"tser@{r}" for r in REVS]
     instance = partitioned_instance()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from tiny_models import build_tiny_model, sample_texts, write_corpus_jsonl
 
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,8 @@ import dagster as dg
 from qk_assets import defs
 from qk_assets.definitions import per_model_keys
 from qk_assets.partitions import registry, sync_instance
-from qk_core.storage import Storage
-from qk_core.settings import Settings
+from qk_core.io.storage import Storage
+from qk_core.config.settings import Settings
 
 keys, out = sys.argv[1:4], sys.argv[4]
 inst = dg.DagsterInstance.ephemeral()

@@ -18,8 +18,8 @@ import tiny_models as tm
 import torch
 from safetensors.torch import load_file
 
-from qk_core.model_loading import ModelSourceError, load_model
-from qk_core.registry import load_registry
+from qk_core.config.registry import load_registry
+from qk_core.models.loading import ModelSourceError, load_model
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 SHA = "89abcdef0123456789abcdef0123456789abcdef"

@@ -1,7 +1,7 @@
 """Benchmark source assets (SPEC 5): every file of the storage root's ``benchmarks/`` and ``reference/``.
 
 - ``benchmark_scores``: every score file (long CSV, per-length CSV, LongBench-Pro summary JSON)
-  normalised to one long table (:data:`qk_core.benchmarks.SCORE_COLUMNS`).
+  normalised to one long table (:data:`qk_core.benchmarks.scores.SCORE_COLUMNS`).
 - ``model_aliases``: ``benchmarks/model_aliases.csv`` (registry model -> benchmark entry). Aliases of models
   the registry does not list are kept in the table but reported (run log, ``not_in_registry``) and ignored
   by the joins; a malformed file fails naming file, line and field.
@@ -20,7 +20,7 @@ from dagster import AssetExecutionContext, Failure, MetadataValue, asset
 from qk_assets.metadata import table_value
 from qk_assets.partitions import registry
 from qk_assets.resources import StorageResource
-from qk_core.benchmarks import (
+from qk_core.benchmarks.scores import (
     ALIASES_FILE,
     BENCHMARK_DIR,
     MODEL_TYPES_FILES,
@@ -37,7 +37,7 @@ from qk_core.benchmarks import (
     registry_aliases,
     score_files,
 )
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
 
 GROUP = "benchmarks"
 

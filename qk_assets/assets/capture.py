@@ -63,7 +63,7 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     from qk_core.capture import capture_model
     from qk_core.capture.run import layers_frame
     from qk_core.capture.sharded import capture_sharded
-    from qk_core.capture_store import verify_capture
+    from qk_core.capture.store import verify_capture
 
     model, corpus_name = split_key(context.partition_key)
     entry = registry().model(model)

@@ -6,7 +6,7 @@ from dagster import AssetExecutionContext, AutomationCondition, MetadataValue, a
 
 from qk_assets.metadata import table_value
 from qk_assets.partitions import corpus_partitions, registry
-from qk_core.corpus import build_corpus
+from qk_core.corpus.build import build_corpus
 
 
 @asset(partitions_def=corpus_partitions(), group_name="corpus", kinds={"parquet"},

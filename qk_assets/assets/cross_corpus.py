@@ -2,12 +2,12 @@
 
 Partitioned by the ``model`` dimension alone. For a model whose registry entry lists two or more corpora it
 reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_heads`` and
-``plasticity_pairs`` from the storage root and calls :func:`qk_core.cross_corpus.compare_corpora`. Outputs:
+``plasticity_pairs`` from the storage root and calls :func:`qk_core.cross_corpus.compare.compare_corpora`. Outputs:
 
 - ``cross_corpus_metrics``: AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the
   difference of every corpus to the first one with a bootstrap interval (documents resampled within each
   corpus), its verdict and a statement with the numbers; every interval is the basic (reverse percentile)
-  bootstrap interval (column ``interval``; SPEC 4.6, 10; why: :mod:`qk_core.cross_corpus`), with the
+  bootstrap interval (column ``interval``; SPEC 4.6, 10; why: :mod:`qk_core.cross_corpus.compare`), with the
   bootstrap bias (``boot_bias`` = mean of the resamples - value), z0 and the plain percentile interval beside
   it; figure: values and differences;
 - ``cross_corpus_correlations``: Spearman rho (exact / Monte Carlo p, n) over heads of per-head AP_overall and
@@ -42,10 +42,10 @@ from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_partitions, pair_key, registry
 from qk_assets.resources import StorageResource
-from qk_core.capture_store import CaptureError, CaptureReader
-from qk_core.cross_corpus import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
+from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.cross_corpus.compare import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
+from qk_core.io.storage import Storage, StorageError
 from qk_core.plasticity import PlasticityOptions
-from qk_core.storage import Storage, StorageError
 
 GROUP = "cross_corpus"
 CAPTURE = "qk_capture"

@@ -3,11 +3,11 @@
 One multi-asset, ``geometry``, with six outputs: ``pca_heads``, ``pca_layers``, ``pca_metrics``,
 ``rotation_heads``, ``rotation_layers``, ``rotation_metrics``. It reads the capture one head at a time
 (``qk_capture`` lists the heads and where the capture lives) and runs both analyses in one pass
-(:func:`qk_core.rotation.run_geometry`): each head's files are read once and its float64 moments are
+(:func:`qk_core.geometry.rotation.run_geometry`): each head's files are read once and its float64 moments are
 shared. Selecting only the PCA or only the rotation outputs runs only that analysis.
 
-Options, lowest to highest precedence: the defaults of :class:`qk_core.pca.PCAOptions` /
-:class:`qk_core.rotation.RotationOptions`, the registry entry's ``analysis.pca`` / ``analysis.rotation``
+Options, lowest to highest precedence: the defaults of :class:`qk_core.geometry.pca.PCAOptions` /
+:class:`qk_core.geometry.rotation.RotationOptions`, the registry entry's ``analysis.pca`` / ``analysis.rotation``
 tables, the run config (``pca_*`` / ``rotation_*`` fields). They are recorded in every output (``options``
 column / JSON) with L, B and the skipped heads.
 """
@@ -31,10 +31,10 @@ from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
-from qk_core.cluster import on_cpu_worker
-from qk_core.pca import PCA_UNITS, TAXONOMY, PCAOptions
-from qk_core.rotation import ROTATION_UNITS, RotationOptions, geometry_of_capture
-from qk_core.summaries import missing_heads, skipped_summary
+from qk_core.geometry.pca import PCA_UNITS, TAXONOMY, PCAOptions
+from qk_core.geometry.rotation import ROTATION_UNITS, RotationOptions, geometry_of_capture
+from qk_core.geometry.summaries import missing_heads, skipped_summary
+from qk_core.runtime.cluster import on_cpu_worker
 
 GROUP = "geometry"
 PCA_OUTS = ("pca_heads", "pca_layers", "pca_metrics")

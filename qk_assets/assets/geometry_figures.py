@@ -15,7 +15,7 @@ from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, registry
 from qk_assets.resources import StorageResource
-from qk_core.summaries import ok_mask, wide_by_model
+from qk_core.geometry.summaries import ok_mask, wide_by_model
 
 SHOWN = ["pca_share_position_dominated", "pca_share_q_positional", "pca_share_k_positional", "pca_share_content",
          "pca_share_mixed", "abs_r_q_a", "abs_r_k_a", "bias_strength", "bias_strength_window", "separation_strength",

@@ -81,10 +81,10 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
                   device: TorchDeviceResource, qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
                   rotation_heads: pd.DataFrame, corpus: pd.DataFrame):
     """SPEC 11 on one model: probe, ablate / debias head sets, contrast, plasticity under debias."""
-    from qk_core.capture_store import CaptureError
+    from qk_core.capture.store import CaptureError
     from qk_core.interventions.options import InterventionOptions
     from qk_core.interventions.study import run_study
-    from qk_core.model_loading import load_model
+    from qk_core.models.loading import load_model
     from qk_core.plasticity import PlasticityOptions
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 

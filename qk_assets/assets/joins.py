@@ -44,8 +44,7 @@ from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
 from qk_assets.partitions import registry
 from qk_assets.resources import StorageResource
-from qk_core.benchmarks import check_aliases, classify, ensure_seed_files, registry_aliases, scan_files
-from qk_core.joins import (
+from qk_core.benchmarks.joins import (
     STAT_METRICS,
     THESIS_LBP_MODELS,
     compute_stats,
@@ -53,9 +52,10 @@ from qk_core.joins import (
     join_model,
     metric_values,
 )
+from qk_core.benchmarks.scores import check_aliases, classify, ensure_seed_files, registry_aliases, scan_files
+from qk_core.io.storage import Storage
 from qk_core.plots.benchmarks import fig_length, fig_scores_vs_metrics, slug
-from qk_core.stats import MIN_N
-from qk_core.storage import Storage
+from qk_core.stats.correlation import MIN_N
 
 GROUP = "benchmarks"
 FIGURE_FOLDER = "benchmarks"

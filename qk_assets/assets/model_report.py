@@ -23,8 +23,8 @@ from dagster import (
 
 from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, registry
-from qk_core.benchmarks import BenchmarkDataError
-from qk_core.joins import MEASURED_ASSETS, build_model_report
+from qk_core.benchmarks.joins import MEASURED_ASSETS, build_model_report
+from qk_core.benchmarks.scores import BenchmarkDataError
 
 METRIC_ASSETS = tuple(MEASURED_ASSETS)
 

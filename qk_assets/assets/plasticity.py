@@ -16,7 +16,7 @@ calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
 - ``plasticity_heatmap``: non-empty cells of the pooled 2-D heatmap (bin edges in raw tokens, pairs,
   mean PP closed form and empirical);
 - ``plasticity_components``: per head and original query coordinate: R^2 on position and weight;
-- ``plasticity_metrics``: the long metrics format (qk_core.metrics) with model-level bootstrap lo / hi.
+- ``plasticity_metrics``: the long metrics format (qk_core.io.metrics) with model-level bootstrap lo / hi.
 
 ``plasticity_deciles`` (unpartitioned) collects the ``ap_decile`` rows of every model that has them.
 
@@ -44,9 +44,9 @@ from qk_assets.metadata import table_value
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
-from qk_core.capture_store import CaptureError
-from qk_core.cluster import on_cpu_worker
+from qk_core.capture.store import CaptureError
 from qk_core.plasticity import PlasticityOptions, analyse_capture
+from qk_core.runtime.cluster import on_cpu_worker
 
 GROUP = "plasticity"
 # every output: eager for the pairs the registry lists (new partitions, upstream updates; model_automation_sensor)

@@ -56,7 +56,7 @@ from qk_assets.partitions import (
     partition_requests,
     registry_pairs,
 )
-from qk_core.registry import Registry, RegistryError, load_registry
+from qk_core.config.registry import Registry, RegistryError, load_registry
 
 REGISTRY_ENTRY = AssetKey("registry_entry")
 SENSOR_INTERVAL_S = 5

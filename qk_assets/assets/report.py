@@ -2,7 +2,7 @@
 
 Thin: it reads what the other assets stored (their Parquet values, their figure files, the metadata and
 provenance of their latest materialisations from the Dagster instance), copies the figures next to the
-page and calls :func:`qk_core.report_html.render_report`. It depends on every other asset of the code
+page and calls :func:`qk_core.report.html.render_report`. It depends on every other asset of the code
 location by key, so it is stale whenever any of them is recomputed; assets that are missing (not yet
 materialised, or not yet defined) appear in the page as "not yet computed". With the daemon running
 (``make ui``), ``automation_sensor`` rebuilds the page after upstream updates, in the same run as the
@@ -33,8 +33,8 @@ from qk_assets import assets as assets_pkg
 from qk_assets.io_manager import asset_rel
 from qk_assets.partitions import registry, split_key
 from qk_assets.resources import StorageResource
-from qk_core.report_html import AssetState, Figure, ModelInfo, ReportInputs, render_report
-from qk_core.storage import Storage
+from qk_core.io.storage import Storage
+from qk_core.report.html import AssetState, Figure, ModelInfo, ReportInputs, render_report
 
 REPORT_DIR = "report"
 PAGE = f"{REPORT_DIR}/index.html"

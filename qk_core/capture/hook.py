@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from qk_core.capture.layers import CallInfo
-from qk_core.capture_store import HeadRows
+from qk_core.capture.store import HeadRows
 
 PREFIX = "qkcapture_"
 _ACTIVE: ContextVar[CaptureSession | None] = ContextVar("qk_capture_session", default=None)

@@ -25,7 +25,7 @@ import pandas as pd
 
 from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers
 from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_heads, stratified_positions
-from qk_core.capture_store import (
+from qk_core.capture.store import (
     SCHEMA_VERSION,
     CaptureError,
     CaptureReader,
@@ -34,7 +34,9 @@ from qk_core.capture_store import (
     fingerprint,
     head_file,
 )
-from qk_core.model_loading import (
+from qk_core.config.registry import ModelEntry
+from qk_core.io.storage import Storage
+from qk_core.models.loading import (
     LoadedModel,
     load_config,
     load_model,
@@ -43,8 +45,6 @@ from qk_core.model_loading import (
     resolve_device,
     resolve_dtype,
 )
-from qk_core.registry import ModelEntry
-from qk_core.storage import Storage
 
 CAPTURE_VERSION = 1  # bump when a change alters captured values for the same options
 VALUE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",

@@ -26,9 +26,9 @@ from typing import Any
 import pandas as pd
 
 from qk_core.capture.run import CaptureResult, _result_from_storage, capture_model
-from qk_core.capture_store import CaptureError, CaptureWriter
-from qk_core.registry import ModelEntry
-from qk_core.storage import Storage
+from qk_core.capture.store import CaptureError, CaptureWriter
+from qk_core.config.registry import ModelEntry
+from qk_core.io.storage import Storage
 
 
 def shard_documents(example_ids: list[int], n_shards: int) -> list[list[int]]:

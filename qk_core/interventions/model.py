@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qk_core.model_loading import text_backbone
+from qk_core.models.loading import text_backbone
 
 
 def backbone_of(model: Any) -> Any:

@@ -1,6 +1,6 @@
 """Options of the intervention study (SPEC 11); registry `analysis.interventions` overrides the defaults.
 
-The fields are annotated with :mod:`qk_core.options_schema` types, so the registry's table and a run-config
+The fields are annotated with :mod:`qk_core.config.schema` types, so the registry's table and a run-config
 override are checked by one strict schema (unknown keys, types and ranges name the field).
 """
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, Str, UnitFloat, validate_options
+from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosInt, Str, UnitFloat, validate_options
 
 DEFAULT_DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 

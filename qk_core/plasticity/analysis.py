@@ -24,23 +24,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.blas import blas_threads as limit_blas
-from qk_core.capture_store import CaptureError, CaptureReader, HeadData
-from qk_core.metrics import metric_row, metrics_frame
+from qk_core.capture.store import CaptureError, CaptureReader, HeadData
+from qk_core.geometry.summaries import require_complete
+from qk_core.io.metrics import metric_row, metrics_frame
+from qk_core.io.storage import Storage, StorageError
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.bootstrap import (
-    doc_bucket_sums,
-    doc_weights,
-    percentile_interval,
-    resampled_profiles,
-)
 from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
 from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.options import PlasticityOptions, n_buckets
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_sorted_queries
-from qk_core.storage import Storage, StorageError
-from qk_core.summaries import require_complete
+from qk_core.runtime.blas import blas_threads as limit_blas
+from qk_core.stats.bootstrap import (
+    doc_bucket_sums,
+    doc_weights,
+    percentile_interval,
+    resampled_profiles,
+)
 
 FIRST_BUCKET = "first_bucket"
 NO_ELIGIBLE_PAIRS = "no_eligible_pairs"
@@ -446,7 +446,7 @@ METRIC_NAMES = {"gap_mean": "ap_gap_closed_minus_empirical", "beta_norm_window":
 def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarray, boots: np.ndarray, L: int,
                   B: int, opts: PlasticityOptions, record: dict[str, Any],
                   boots_empirical: np.ndarray | None = None) -> pd.DataFrame:
-    """Long-format model metrics (qk_core.metrics, SPEC 4.5-4.6).
+    """Long-format model metrics (qk_core.io.metrics, SPEC 4.5-4.6).
 
     value / median over heads; lo / hi from the model-level bootstrap: boots (H, R, J) are the heads'
     resampled profiles under one shared document weight matrix, a resample's model value is the mean
@@ -495,7 +495,8 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
 def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[tuple[int, int]],
                     opts: PlasticityOptions, progress: Callable[[int, HeadResult], None] | None = None) -> ModelResult:
     """:func:`analyse_model` over the capture stored at ``prefix``: self-contained (reader opened here), so
-    it can run as one task on any worker that reaches the storage root (:func:`qk_core.cluster.on_cpu_worker`)."""
+    it can run as one task on any worker that reaches the storage root
+    (:func:`qk_core.runtime.cluster.on_cpu_worker`)."""
     reader = CaptureReader(storage, prefix)
     doc_ids = reader.doc_tokens()["example_id"].to_numpy()
     return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress)

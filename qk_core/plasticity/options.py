@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosInt, UnitFloat, validate_options
+from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosInt, UnitFloat, validate_options
 
 COVARIANCES = ("full", "diagonal")
 #: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
@@ -89,7 +89,7 @@ class PlasticityOptions:
     @classmethod
     def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
         """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table) and overrides,
-        strictly checked (:mod:`qk_core.options_schema`)."""
+        strictly checked (:mod:`qk_core.config.schema`)."""
         table = (analysis or {}).get("plasticity", {})
         if not isinstance(table, dict):
             raise PlasticityOptionsError(f"analysis.plasticity must be a table of options, got {table!r}")

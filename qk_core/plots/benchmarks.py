@@ -19,8 +19,8 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from qk_core.benchmarks import parse_length
-from qk_core.stats import format_p, trend_line
+from qk_core.benchmarks.scores import parse_length
+from qk_core.stats.correlation import format_p, trend_line
 
 METRIC_LABELS = {"ap_overall": "AP_overall", "ap_first20": "AP_first20", "ap_last20": "AP_last20",
                  "ap_drop": "AP_drop = AP_first20 - AP_last20", "bias_strength": "bias_strength (per token)",

@@ -7,7 +7,7 @@ maps of any per-head quantity), :func:`fig_plane_scatter` (Q and K rows in the {
 Across models: :func:`fig_pc_roles` (Fig. 6.1), :func:`fig_rq_rk_bars` (Fig. 6.2),
 :func:`fig_bias_distributions` (Fig. A.2), :func:`fig_bias_vs_separation` (Fig. A.3).
 
-Inputs are the per-head tables and long metrics of :mod:`qk_core.pca` / :mod:`qk_core.rotation`; only
+Inputs are the per-head tables and long metrics of :mod:`qk_core.geometry.pca` / :mod:`qk_core.geometry.rotation`; only
 heads with status ``ok`` are drawn, and every title says how many heads were skipped. Figures are built
 on :class:`matplotlib.figure.Figure` directly (no pyplot state; rendered with Agg).
 """
@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from qk_core.summaries import describe, ok_mask
+from qk_core.geometry.summaries import describe, ok_mask
 
 TAXONOMY_STYLE = {
     "position_dominated": ("position-dominated", "#6a3d9a"),

@@ -3,9 +3,9 @@
 :func:`render_report` takes a :class:`ReportInputs` (asset values as DataFrames, figure paths relative
 to the page with their pixel sizes, links to the stored Parquet files, per-asset provenance, the registry
 entries of the models) and returns the HTML text of ``report/index.html``. The page is rendered by
-Jinja2 from ``qk_core/templates/report/`` (``page.html.j2``, one template per section, ``macros.html.j2``
+Jinja2 from ``qk_core/report/templates/report/`` (``page.html.j2``, one template per section, ``macros.html.j2``
 for tables and figures, ``style.css``); this module only assembles the data each template shows
-(tables as cells: :mod:`qk_core.report_tables`). It performs no I/O and knows nothing about Dagster; the
+(tables as cells: :mod:`qk_core.report.tables`). It performs no I/O and knows nothing about Dagster; the
 ``report_html`` asset gathers the inputs. Sections follow the spec: models and capture settings (SPEC 1,
 9), model summary (4.5), plasticity (4), PCA (2), rotation (3), across-model figures (7), benchmarks (5),
 trajectory (6), then the provenance of every asset partition. An asset that is defined but not yet
@@ -23,7 +23,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
-from qk_core.report_tables import (
+from qk_core.report.tables import (
     Cell,
     Entries,
     Table,

@@ -6,7 +6,7 @@ GPU (Ray places it on a node with a free CPU, never holding a GPU the captures n
 result. Scheduling, placement and retries are Ray's; a task whose worker dies is retried (``max_retries``),
 which is safe because analyses only read the capture and return values. Without a cluster ``fn`` runs
 here and nothing else changes, so results are the same either way. Only what ``fn`` is given travels
-with the task: a :class:`qk_core.storage.Storage` pickles as its root and endpoint URL, never
+with the task: a :class:`qk_core.io.storage.Storage` pickles as its root and endpoint URL, never
 credentials; workers read ``AWS_*`` from their own environment.
 """
 

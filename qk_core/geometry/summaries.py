@@ -161,7 +161,7 @@ def skipped_summary(df: pd.DataFrame, status_col: str = "status") -> dict[str, i
 
 
 def wide_by_model(metrics: pd.DataFrame, names: Sequence[str] | None = None, column: str = "value") -> pd.DataFrame:
-    """Long-format metrics (qk_core.metrics) -> one row per model, one column per metric (``metric[key]``)."""
+    """Long-format metrics (qk_core.io.metrics) -> one row per model, one column per metric (``metric[key]``)."""
     df = metrics if names is None else metrics[metrics["metric"].isin(list(names))]
     if df.empty:
         return pd.DataFrame({"model": pd.Series(dtype=str)})

@@ -23,7 +23,7 @@ def doc_weights(n_docs: int, n_resamples: int, seed: int, stream: int = 0) -> np
     """(R, D) multiplicities of D documents in R resamples with replacement (rows sum to D).
 
     ``stream`` > 0 draws resamples independent of stream 0's for the same (seed, D): SPEC 10 resamples each
-    corpus of a model independently (:mod:`qk_core.cross_corpus`); stream 0 is what every analysis uses.
+    corpus of a model independently (:mod:`qk_core.cross_corpus.compare`); stream 0 is what every analysis uses.
     """
     rng = np.random.default_rng([int(seed), BOOTSTRAP_STREAM, *([int(stream)] if stream else [])])
     if n_resamples <= 0 or n_docs <= 0:

@@ -10,7 +10,7 @@ profile AP_j (SPEC 4.4-4.5, from the valid pairs: AP_j = mean PP of bucket j); b
 the heads whose rotation is ``ok`` of mu_Q^a · alpha_K (SPEC 3, per token).
 
 Intervals (SPEC 4.6, 10): a document cluster bootstrap *within* each corpus, corpora resampled independently.
-Corpus i draws its D_i documents with replacement R times (:func:`qk_core.plasticity.bootstrap.doc_weights`,
+Corpus i draws its D_i documents with replacement R times (:func:`qk_core.stats.bootstrap.doc_weights`,
 stream i: the reference corpus's resamples are those of its plasticity asset, so the plain percentile interval
 of its AP resamples, columns ``pct_lo`` / ``pct_hi``, equals ``plasticity_metrics``' lo / hi). In a resample with
 document multiplicities w_d:
@@ -24,7 +24,7 @@ document multiplicities w_d:
 
 Reading the interval off the resamples (option ``interval``, recorded in the options and in every row's
 ``interval`` column): ``basic`` (default), the basic or reverse-percentile interval [2 theta - q_97.5,
-2 theta - q_2.5] (Davison & Hinkley 1997, eq. 5.6; :func:`qk_core.plasticity.bootstrap.basic_interval`), not
+2 theta - q_2.5] (Davison & Hinkley 1997, eq. 5.6; :func:`qk_core.stats.bootstrap.basic_interval`), not
 the plain percentile interval [q_2.5, q_97.5] of SPEC 4.6's plasticity asset. Why: a resample refits the drift
 axis on duplicated documents, a noisier, more misaligned axis, and misalignment shrinks mu_Q^a · alpha_K, so the
 bias_strength resamples sit below the point value (z0 about +0.7: some 75% of them below it) - and the point
@@ -56,7 +56,7 @@ is too wide to call the metric the same).
 
 Per head (SPEC 10, "are the same heads plastic on prose and on code?"): over the heads with a value on both
 corpora, the Spearman rho of per-head AP_overall and of per-head bias_strength between the corpora, with the
-permutation p-value of :func:`qk_core.stats.correlations` (exact enumeration for n <= 9, else seeded Monte
+permutation p-value of :func:`qk_core.stats.correlation.correlations` (exact enumeration for n <= 9, else seeded Monte
 Carlo, permutations recorded). And how much of a per-head metric x_hc (H heads, C corpora) is the model's and
 how much the text's: the two-way decomposition without replication (an addition to SPEC 10)
 SS_head = C sum_h (xbar_h - xbar)^2 (which head: the model), SS_corpus = H sum_c (xbar_c - xbar)^2 (a shift of
@@ -76,11 +76,11 @@ import numpy as np
 import pandas as pd
 import scipy.sparse
 
-from qk_core.capture_store import HeadData
+from qk_core.capture.store import HeadData
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval
 from qk_core.plasticity.options import n_buckets
-from qk_core.stats import correlations, p_clause
+from qk_core.stats.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval
+from qk_core.stats.correlation import correlations, p_clause
 
 #: The model values compared between corpora (SPEC 10) and their units.
 METRICS = {"ap_overall": "AP", "ap_drop": "AP", "bias_strength": "per token"}

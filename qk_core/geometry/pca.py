@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture_store import CaptureError, CaptureReader, HeadData
-from qk_core.metrics import metric_row, metrics_frame, options_json
-from qk_core.options_schema import STRICT_TABLE, Bool, PosInt, UnitFloat, validate_options
-from qk_core.storage import Storage, StorageError
-from qk_core.summaries import layer_and_model_summary, ok_mask, require_complete, skipped_summary
+from qk_core.capture.store import CaptureError, CaptureReader, HeadData
+from qk_core.config.schema import STRICT_TABLE, Bool, PosInt, UnitFloat, validate_options
+from qk_core.geometry.summaries import layer_and_model_summary, ok_mask, require_complete, skipped_summary
+from qk_core.io.metrics import metric_row, metrics_frame, options_json
+from qk_core.io.storage import Storage, StorageError
 
 TAXONOMY = ("position_dominated", "q_positional", "k_positional", "content", "mixed")
 
@@ -377,7 +377,7 @@ def run_options(options: dict[str, Any], window: int | None, bucket: int | None,
                 heads: pd.DataFrame, model: str = "") -> dict[str, Any]:
     """The options recorded with every model-level output: analysis options, L, B, skipped and missing heads.
 
-    Raises :class:`qk_core.summaries.IncompleteResultError` when heads could not be read or analysed and
+    Raises :class:`qk_core.geometry.summaries.IncompleteResultError` when heads could not be read or analysed and
     the options do not allow partial results (before anything is written).
     """
     name = options.get("analysis", "")

@@ -1,6 +1,6 @@
 """Planar rotation per head (SPEC 3): drift axis a, separation axis b and the positional bias strength.
 
-Built on the pooled Q+K cloud of SPEC 2 (:func:`qk_core.pca.pooled_moments`). Units: positions t are raw
+Built on the pooled Q+K cloud of SPEC 2 (:func:`qk_core.geometry.pca.pooled_moments`). Units: positions t are raw
 0-based tokens; slopes alpha are vector units per token ("per token") and, multiplied by the capture
 window L, "window-normalised (x L)"; mean projections mu are in vector units (uncentred projections);
 bias_strength = mu_Q^a · alpha_K per token, bias_strength_window = the same times L; correlations are
@@ -18,11 +18,9 @@ import numpy as np
 import pandas as pd
 import scipy.linalg
 
-from qk_core.blas import blas_threads
-from qk_core.capture_store import HeadData
-from qk_core.metrics import metric_row, metrics_frame, options_json
-from qk_core.options_schema import STRICT_TABLE, Bool, PosInt, UnitFloat
-from qk_core.pca import (
+from qk_core.capture.store import HeadData
+from qk_core.config.schema import STRICT_TABLE, Bool, PosInt, UnitFloat
+from qk_core.geometry.pca import (
     HeadInputError,
     HeadItem,
     KindMoments,
@@ -40,8 +38,10 @@ from qk_core.pca import (
     run_options,
     validate_head,
 )
-from qk_core.storage import Storage
-from qk_core.summaries import layer_and_model_summary, ok_mask
+from qk_core.geometry.summaries import layer_and_model_summary, ok_mask
+from qk_core.io.metrics import metric_row, metrics_frame, options_json
+from qk_core.io.storage import Storage
+from qk_core.runtime.blas import blas_threads
 
 SEPARATION_AXES = ("centroid", "eigen")
 
@@ -452,7 +452,7 @@ def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca
                         progress: Callable[[int, int], None] | None = None) -> dict[str, tuple]:
     """:func:`run_geometry` over the heads a ``qk_capture`` table lists, read from ``storage`` one at a time:
     self-contained, so it can run as one task on any worker that reaches the storage root
-    (:func:`qk_core.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
+    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
     items = iter_capture_heads(storage, capture)
     if progress is not None:
         items = _counted(items, len(capture), progress)
@@ -472,7 +472,7 @@ def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions 
 
     The float64 moments of a head are computed once and shared by both analyses; the K-side moments are
     reused by consecutive query heads of the same KV head (GQA). Results are identical to
-    :func:`qk_core.pca.run_pca` / :func:`run_rotation`. Returns ``{"pca": (heads, layers, metrics),
+    :func:`qk_core.geometry.pca.run_pca` / :func:`run_rotation`. Returns ``{"pca": (heads, layers, metrics),
     "rotation": (heads, layers, metrics, points)}`` for the analyses that ran.
     """
     pca_rows: list[dict[str, Any]] = []

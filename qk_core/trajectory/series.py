@@ -1,7 +1,7 @@
 """The training trajectory of a checkpoint series (SPEC 6).
 
 Inputs per checkpoint (one model key ``<series>@<revision>``): its long-format metric tables
-(:mod:`qk_core.metrics`: PCA, rotation, plasticity), its plasticity profile per head and bucket, and the
+(:mod:`qk_core.io.metrics`: PCA, rotation, plasticity), its plasticity profile per head and bucket, and the
 configuration recorded in its capture manifest (window L, bucket B, rope_theta,
 max_position_embeddings). Nothing is hard-coded per revision: each checkpoint's L and B come from its
 own capture, and window-normalised values use that L.
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.settings import DATA_DIR
+from qk_core.config.settings import DATA_DIR
 
 REFERENCE_CSV = DATA_DIR / "reference" / "thesis_metrics.csv"
 

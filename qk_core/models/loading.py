@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qk_core.corpus import CACHE_DIR
-from qk_core.registry import ModelEntry, Source
+from qk_core.config.registry import ModelEntry, Source
+from qk_core.corpus.build import CACHE_DIR
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 

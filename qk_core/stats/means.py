@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qk_core.plasticity.bootstrap import doc_weights, percentile_interval
+from qk_core.stats.bootstrap import doc_weights, percentile_interval
 
 
 def wilson(successes: float, n: float, z: float = 1.959964) -> tuple[float, float]:

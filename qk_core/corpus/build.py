@@ -37,8 +37,8 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.registry import CorpusEntry
-from qk_core.settings import REPO_ROOT
+from qk_core.config.registry import CorpusEntry
+from qk_core.config.settings import REPO_ROOT
 
 CACHE_DIR = Path(os.environ.get("QK_CACHE_DIR", str(REPO_ROOT / ".cache")))
 COLUMNS = ["example_id", "content_sha256", "title", "text", "n_chars"]

@@ -47,8 +47,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qk_core.storage import Storage, StorageError
-from qk_core.temporaries import scratch_dir
+from qk_core.io.storage import Storage, StorageError
+from qk_core.io.temporaries import scratch_dir
 
 SCHEMA_VERSION = 1
 COMPLETE_VERSION = 2  # complete.json with checksums (1: row counts only, not verifiable)

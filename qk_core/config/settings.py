@@ -11,7 +11,7 @@
 |                     | ones are an error naming the file                            |                          |
 | QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (everything runs   |
 |                     | that captures are sharded onto (qk_core.capture.sharded)     | in the Dagster step)     |
-|                     | and analyses run on as CPU tasks (qk_core.cluster)           |                          |
+|                     | and analyses run on as CPU tasks (qk_core.runtime.cluster)   |                          |
 | QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
 """
@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
 
 

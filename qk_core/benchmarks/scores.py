@@ -1,6 +1,6 @@
 """Benchmark scores, model aliases, model types and the thesis reference values (SPEC 5).
 
-Everything here reads files through :class:`qk_core.storage.Storage` from two folders under the
+Everything here reads files through :class:`qk_core.io.storage.Storage` from two folders under the
 storage root: ``benchmarks/`` (score files, ``model_aliases.csv``, ``longbench_pro_models.csv``) and
 ``reference/`` (``thesis_metrics.csv``). The seed files shipped in ``data/benchmarks`` and
 ``data/reference`` are copied there once (:func:`ensure_seed_files`), never over a user's file.
@@ -42,9 +42,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import pandas as pd
 
-from qk_core.metrics import COLUMNS as METRIC_COLUMNS
-from qk_core.settings import DATA_DIR, Settings
-from qk_core.storage import Storage
+from qk_core.config.settings import DATA_DIR, Settings
+from qk_core.io.metrics import COLUMNS as METRIC_COLUMNS
+from qk_core.io.storage import Storage
 
 BENCHMARK_DIR = "benchmarks"
 REFERENCE_DIR = "reference"

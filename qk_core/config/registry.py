@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from qk_core.options_schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, error_lines
+from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, error_lines
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -212,13 +212,13 @@ class EntryFields(BaseModel):
 def analysis_option_classes() -> dict[str, type]:
     """Every per-model analysis with an options table in ``analysis = { <name> = {...} }``.
 
-    Add an analysis here (its options dataclass annotated with :mod:`qk_core.options_schema` types) and
+    Add an analysis here (its options dataclass annotated with :mod:`qk_core.config.schema` types) and
     its table is validated in the registry like the others.
     """
+    from qk_core.geometry.pca import PCAOptions
+    from qk_core.geometry.rotation import RotationOptions
     from qk_core.interventions.options import InterventionOptions
-    from qk_core.pca import PCAOptions
     from qk_core.plasticity.options import PlasticityOptions
-    from qk_core.rotation import RotationOptions
 
     return {"pca": PCAOptions, "rotation": RotationOptions, "plasticity": PlasticityOptions,
             "interventions": InterventionOptions}
@@ -375,7 +375,7 @@ def _tables(path: Path, doc: dict[str, Any], name: str) -> dict[str, Any]:
 def load_registry(path: str | Path | None = None) -> Registry:
     """Parse and validate the registry file (default: ``Settings.from_env().registry_path``)."""
     if path is None:
-        from qk_core.settings import Settings
+        from qk_core.config.settings import Settings
 
         path = Settings.from_env().registry_path
     path = Path(path)

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from qk_core.benchmarks import REFERENCE_COLUMNS, BenchmarkDataError, analysis_of, bin_upper_tokens
-from qk_core.metrics import COLUMNS as METRIC_COLUMNS
-from qk_core.stats import MIN_N, STAT_FIELDS, correlations
+from qk_core.benchmarks.scores import REFERENCE_COLUMNS, BenchmarkDataError, analysis_of, bin_upper_tokens
+from qk_core.io.metrics import COLUMNS as METRIC_COLUMNS
+from qk_core.stats.correlation import MIN_N, STAT_FIELDS, correlations
 
 REPORT_COLUMNS = REFERENCE_COLUMNS
 MEASURED_ASSETS = {"pca_metrics": "pca", "rotation_metrics": "rotation", "plasticity_metrics": "plasticity"}
@@ -47,7 +47,7 @@ STATS_COLUMNS = ["analysis", "benchmark", "suite", "mode", "score_basis", "value
 def build_model_report(measured: Mapping[str, Mapping[str, pd.DataFrame]], reference: pd.DataFrame) -> pd.DataFrame:
     """Measured metrics of every model (``{asset: {partition: frame}}``) and the reference values.
 
-    Measured frames must carry the long-format columns (qk_core.metrics.COLUMNS); a missing column or
+    Measured frames must carry the long-format columns (qk_core.io.metrics.COLUMNS); a missing column or
     a (model, metric, key) given twice is a :class:`BenchmarkDataError` naming the asset partition.
     Both sources are kept, labelled by ``value_source``; precedence is applied by :func:`metric_values`.
     """

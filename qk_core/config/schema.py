@@ -3,7 +3,7 @@
 The option dataclasses (capture, PCA, rotation, plasticity, ...) annotate their fields with the types
 below; :func:`validate_options` checks a table against those annotations: types without coercion
 (``"true"`` is not a boolean, ``"3"`` and ``3.5`` are not integers, NaN is not a number), ranges, and
-unknown keys. The registry (:mod:`qk_core.registry`) nests the same dataclasses in its entry schema,
+unknown keys. The registry (:mod:`qk_core.config.registry`) nests the same dataclasses in its entry schema,
 so a registry table and a run-config override are checked by one schema. Direct construction in code
 keeps the dataclasses' own ``__post_init__`` checks.
 """

@@ -26,7 +26,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qk_core.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
+from qk_core.io.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
 
 T = TypeVar("T")
 S3_ATTEMPTS = 2
@@ -34,7 +34,7 @@ S3_ATTEMPTS = 2
 
 def s3_timeout_s() -> float:
     """Seconds an S3 connect or read may wait for the endpoint (``QK_S3_TIMEOUT_S``, default 30)."""
-    from qk_core.settings import _int_env
+    from qk_core.config.settings import _int_env
 
     return float(_int_env("QK_S3_TIMEOUT_S", 30))
 
@@ -70,7 +70,7 @@ class Storage:
 
     @classmethod
     def from_settings(cls, settings: Any = None) -> Storage:
-        from qk_core.settings import Settings
+        from qk_core.config.settings import Settings
 
         settings = settings or Settings.from_env()
         return cls(settings.storage_root, settings.s3_endpoint_url)
@@ -158,7 +158,7 @@ class Storage:
 
         On error the temporary is deleted and ``rel`` (if it existed) stays as it was. Temporaries of
         killed writers (in the target folder, or in the system temp folder for an S3 root) are deleted
-        the first time this process writes there (:mod:`qk_core.temporaries`).
+        the first time this process writes there (:mod:`qk_core.io.temporaries`).
         """
         folder = Path(tempfile.gettempdir()) if self.is_s3 else Path(self.full(rel)).parent
         folder.mkdir(parents=True, exist_ok=True)
