@@ -44,10 +44,12 @@ from planted_bias import Regime, plant, truth  # noqa: E402
 from synthetic import CloudSpec, HeadSpec, plant_cloud, random_axes, stratified_positions  # noqa: E402
 
 from qk_core.capture.store import HeadData  # noqa: E402
+from qk_core.config.options import PlasticityOptions  # noqa: E402
 from qk_core.cross_corpus.compare import ap_resamples, bias_from_moments  # noqa: E402
-from qk_core.plasticity import PlasticityOptions, analyse_model  # noqa: E402
 from qk_core.plasticity import aggregates as agg  # noqa: E402
-from qk_core.stats.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval  # noqa: E402
+from qk_core.plasticity import analyse_model  # noqa: E402
+from qk_core.stats.bootstrap import doc_weights  # noqa: E402
+from qk_core.stats.intervals import basic_interval, bc_interval, percentile_interval  # noqa: E402
 
 CI = 0.95
 METHODS = ("percentile", "basic", "bc", "bca")

@@ -31,15 +31,15 @@ import pandas as pd  # noqa: E402
 
 from qk_core.capture import capture_model  # noqa: E402
 from qk_core.capture.store import CaptureReader  # noqa: E402
+from qk_core.config.options import InterventionOptions, PlasticityOptions  # noqa: E402
 from qk_core.config.registry import load_registry  # noqa: E402
 from qk_core.corpus.build import build_corpus  # noqa: E402
-from qk_core.geometry.pca import iter_capture_heads  # noqa: E402
-from qk_core.geometry.rotation import run_rotation  # noqa: E402
-from qk_core.interventions.options import InterventionOptions  # noqa: E402
+from qk_core.geometry.driver import run_rotation  # noqa: E402
+from qk_core.geometry.heads import iter_capture_heads  # noqa: E402
 from qk_core.interventions.study import run_study  # noqa: E402
 from qk_core.io.storage import Storage  # noqa: E402
 from qk_core.models.loading import load_model  # noqa: E402
-from qk_core.plasticity import PlasticityOptions, analyse_model  # noqa: E402
+from qk_core.plasticity import analyse_model  # noqa: E402
 
 
 def floats(s: str) -> tuple[float, ...]:

@@ -81,8 +81,11 @@ def child_arrays(args: argparse.Namespace) -> dict:
 def _arrays(args: argparse.Namespace) -> dict:
     import numpy as np
 
-    from qk_core.geometry.pca import PCAOptions, analyse_pca, pca_from_moments, pooled_moments, validate_head
-    from qk_core.geometry.rotation import RotationOptions, analyse_rotation
+    from qk_core.config.options import PCAOptions, RotationOptions
+    from qk_core.geometry.heads import validate_head
+    from qk_core.geometry.moments import pooled_moments
+    from qk_core.geometry.pca import analyse_pca, pca_from_moments
+    from qk_core.geometry.rotation import analyse_rotation
 
     pool = [planted_head(1000 + i, args.rows, args.d, args.window) for i in range(args.pool)]
     popt, ropt = PCAOptions(), RotationOptions()
@@ -121,8 +124,9 @@ def child_stream(args: argparse.Namespace, trace: bool) -> dict:
     import pandas as pd
     import pyarrow as pa
 
-    from qk_core.geometry.pca import PCAOptions, iter_capture_heads
-    from qk_core.geometry.rotation import RotationOptions, run_geometry
+    from qk_core.config.options import PCAOptions, RotationOptions
+    from qk_core.geometry.driver import run_geometry
+    from qk_core.geometry.heads import iter_capture_heads
     from qk_core.io.storage import Storage
     from qk_core.runtime.blas import blas_threads
 

@@ -36,8 +36,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from qk_core.capture.store import CaptureReader, CaptureWriter, HeadData, HeadRows  # noqa: E402
+from qk_core.config.options import PlasticityOptions  # noqa: E402
 from qk_core.io.storage import Storage  # noqa: E402
-from qk_core.plasticity import PlasticityOptions, analyse_head, analyse_model  # noqa: E402
+from qk_core.plasticity import analyse_head, analyse_model  # noqa: E402
 from qk_core.stats.bootstrap import doc_weights  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

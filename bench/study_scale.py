@@ -139,8 +139,9 @@ def child(stage: str, args: argparse.Namespace) -> dict:
     elif stage == "geometry":
         import pandas as pd
 
-        from qk_core.geometry.pca import PCAOptions, iter_capture_heads
-        from qk_core.geometry.rotation import RotationOptions, run_geometry
+        from qk_core.config.options import PCAOptions, RotationOptions
+        from qk_core.geometry.driver import run_geometry
+        from qk_core.geometry.heads import iter_capture_heads
         from qk_core.runtime.blas import blas_threads
 
         cap = pd.DataFrame([{**h, "capture_prefix": prefix} for h in man["heads"]])
@@ -151,7 +152,8 @@ def child(stage: str, args: argparse.Namespace) -> dict:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from qk_core.plasticity import PlasticityOptions, analyse_model
+        from qk_core.config.options import PlasticityOptions
+        from qk_core.plasticity import analyse_model
 
         t_wall, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         reader = CaptureReader(storage, prefix)

@@ -18,6 +18,7 @@ import pytest
 from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_cloud, random_axes, stratified_positions
 
 from qk_core.capture.store import HeadData
+from qk_core.config.options import PlasticityOptions
 from qk_core.cross_corpus.compare import (
     CorpusInputs,
     CrossCorpusOptions,
@@ -26,8 +27,9 @@ from qk_core.cross_corpus.compare import (
     doc_moments,
     variance_shares,
 )
-from qk_core.geometry.rotation import analyse_rotation, run_rotation
-from qk_core.plasticity import PlasticityOptions, analyse_model
+from qk_core.geometry.driver import run_rotation
+from qk_core.geometry.rotation import analyse_rotation
+from qk_core.plasticity import analyse_model
 
 D, L, B, PER_BUCKET = 16, 1024, 64, 4
 HEADS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
@@ -216,7 +218,7 @@ def test_bc_interval_is_the_resample_quantiles_at_the_shifted_levels() -> None:
     quantiles at Phi(2 z0 -/+ z_0.975); z0 = 0 gives the percentile interval, NaN resamples are left out."""
     from scipy.stats import norm
 
-    from qk_core.stats.bootstrap import bc_interval, percentile_interval
+    from qk_core.stats.intervals import bc_interval, percentile_interval
 
     rng = np.random.default_rng(7)
     boot = rng.normal(0.0, 1.0, size=(201, 3))
@@ -259,7 +261,8 @@ def test_small_coverage_check_basic_beats_percentile_on_planted_bias_strength() 
     resamples, and both hold their point value exactly as often (the same condition, |z0| < 1.96)."""
     from planted_bias import Regime, plant, truth
 
-    from qk_core.stats.bootstrap import basic_interval, doc_weights, percentile_interval
+    from qk_core.stats.bootstrap import doc_weights
+    from qk_core.stats.intervals import basic_interval, percentile_interval
 
     r = Regime("test geometry", d=16, docs=12, L=1024, per_bucket=4, heads=6, tau_u=0.0, tau_v=0.0)
     true = truth(r)

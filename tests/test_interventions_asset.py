@@ -40,12 +40,13 @@ def test_interventions_asset_materialises(tmp_path: Path, monkeypatch: pytest.Mo
         from qk_assets.resources import StorageResource, TorchDeviceResource
         from qk_core.capture import capture_model
         from qk_core.capture.store import CaptureReader
+        from qk_core.config.options import PlasticityOptions
         from qk_core.corpus.build import local_corpus
-        from qk_core.geometry.pca import iter_capture_heads
-        from qk_core.geometry.rotation import run_rotation
+        from qk_core.geometry.driver import run_rotation
+        from qk_core.geometry.heads import iter_capture_heads
         from qk_core.io.storage import Storage
         from qk_core.models.loading import load_model
-        from qk_core.plasticity import PlasticityOptions, analyse_model
+        from qk_core.plasticity import analyse_model
 
         reg = partitions.registry()
         entry = reg.model("t")

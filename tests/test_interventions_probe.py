@@ -15,13 +15,14 @@ import pytest
 import tiny_models as tm
 import torch
 
+from qk_core.config.options import InterventionOptions
 from qk_core.interventions.head_sets import HEADSET_STREAM, head_sets, k_values, matched_draw
 from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.interventions.model import backbone_of
-from qk_core.interventions.options import InterventionOptions
 from qk_core.interventions.probe import NEEDLE, ProbeError, build_trial, candidate_ids, score_trial, trial_outcome
 from qk_core.interventions.study import contrast, summarise
-from qk_core.stats.means import mean_interval, wilson
+from qk_core.stats.bootstrap import mean_interval
+from qk_core.stats.intervals import wilson
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -12,15 +12,15 @@ import torch
 
 from qk_core.capture import capture_model
 from qk_core.capture.store import CaptureReader
+from qk_core.config.options import InterventionOptions, PlasticityOptions
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
-from qk_core.geometry.pca import iter_capture_heads
-from qk_core.geometry.rotation import run_rotation
-from qk_core.interventions.options import InterventionOptions
+from qk_core.geometry.driver import run_rotation
+from qk_core.geometry.heads import iter_capture_heads
 from qk_core.interventions.study import run_study
 from qk_core.io.storage import Storage
 from qk_core.models.loading import load_model
-from qk_core.plasticity import PlasticityOptions, analyse_model
+from qk_core.plasticity import analyse_model
 from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
 torch.set_num_threads(min(2, torch.get_num_threads()))

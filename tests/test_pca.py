@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 from synthetic import CloudSpec, HeadSpec, plant_head, random_orthogonal
 
-from qk_core.geometry.pca import (
-    TAXONOMY,
-    HeadInputError,
-    PCAOptions,
-    analyse_pca,
-    classify,
-    components_of,
-    pca_record,
-    sign_flips,
-)
+from qk_core.config.options import PCAOptions
+from qk_core.geometry.heads import HeadInputError
+from qk_core.geometry.pca import TAXONOMY, analyse_pca, classify, components_of, pca_record, sign_flips
 
 
 def anisotropic_head(seed: int = 0, d: int = 24, n: int = 1500):

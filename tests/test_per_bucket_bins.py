@@ -16,8 +16,9 @@ import pytest
 
 from qk_core.capture.sampling import stratified_positions
 from qk_core.capture.store import HeadData
-from qk_core.config.registry import CaptureOptions, load_registry
-from qk_core.plasticity import PlasticityOptions, analyse_head
+from qk_core.config.options import CaptureOptions, PlasticityOptions
+from qk_core.config.registry import load_registry
+from qk_core.plasticity import analyse_head
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from qk_core.capture.store import HeadData
-from qk_core.plasticity import PlasticityOptions, analyse_head, analyse_model
+from qk_core.config.options import PlasticityOptions
+from qk_core.plasticity import analyse_head, analyse_model
 from qk_core.stats.bootstrap import BOOTSTRAP_STREAM
 
 L, B, D, N_DOCS = 2048, 256, 12, 30  # J = 8 buckets; 2 keys per document and bucket

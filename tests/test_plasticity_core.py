@@ -12,8 +12,9 @@ import pytest
 from scipy import stats
 
 from qk_core.capture.store import HeadData
-from qk_core.plasticity import PlasticityOptions, PlasticityOptionsError, analyse_head
+from qk_core.config.options import PlasticityOptions, PlasticityOptionsError
 from qk_core.plasticity import aggregates as agg
+from qk_core.plasticity import analyse_head
 from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs, unrank_pairs
 from qk_core.plasticity.query_model import fit_query_model, householder, ledoit_wolf

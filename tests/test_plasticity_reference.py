@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 from qk_core.capture.store import HeadData
-from qk_core.plasticity import PlasticityOptions, analyse_model
+from qk_core.config.options import PlasticityOptions
+from qk_core.plasticity import analyse_model
 
 L, B, D, N_DOCS = 4096, 256, 32, 60
 HEADS = [(0, 1), (0, 3), (2, 0)]

@@ -165,7 +165,7 @@ def test_analyses_run_as_cpu_tasks_on_the_cluster(lab: dict, monkeypatch: pytest
 
     from qk_assets.io_manager import ParquetIOManager
     from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
-    from qk_core.geometry.rotation import geometry_of_capture
+    from qk_core.geometry.driver import geometry_of_capture
     from qk_core.plasticity import analyse_capture
 
     cluster: RayCluster = lab["cluster"]

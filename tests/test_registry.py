@@ -176,9 +176,7 @@ def test_local_path_with_braces(tmp_path: Path) -> None:
 
 def test_run_config_overrides_use_the_same_schema() -> None:
     """Registry table < run config, both checked strictly (PCA, rotation, plasticity options)."""
-    from qk_core.geometry.pca import PCAOptions
-    from qk_core.geometry.rotation import RotationOptions
-    from qk_core.plasticity import PlasticityOptions, PlasticityOptionsError
+    from qk_core.config.options import PCAOptions, PlasticityOptions, PlasticityOptionsError, RotationOptions
 
     assert PlasticityOptions.from_analysis({"plasticity": {"seed": 1}}, seed=3).seed == 3
     with pytest.raises(PlasticityOptionsError, match=r"'keep_pairs'.*valid boolean"):
@@ -216,7 +214,7 @@ def test_asset_run_config_is_checked_with_the_registry_table(tmp_path: Path, mon
     from qk_assets import partitions
     from qk_assets.assets.geometry import GeometryConfig, resolve_options
     from qk_assets.assets.plasticity import plasticity_options
-    from qk_core.plasticity import PlasticityOptionsError
+    from qk_core.config.options import PlasticityOptionsError
 
     partitions.registry.cache_clear()
     try:

@@ -12,9 +12,10 @@ import pandas.testing as pd_testing
 import pytest
 from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal
 
-from qk_core.geometry.pca import HeadInputError, pooled_moments
+from qk_core.config.options import RotationOptions
+from qk_core.geometry.heads import HeadInputError
+from qk_core.geometry.moments import pooled_moments
 from qk_core.geometry.rotation import (
-    RotationOptions,
     analyse_rotation,
     circular_linear_r,
     position_capture,
@@ -306,8 +307,10 @@ def test_missing_pairs_and_undefined_b_are_notes_not_failures() -> None:
 def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
     from synthetic import SyntheticHead, write_synthetic_capture
 
-    from qk_core.geometry.pca import PCAOptions, iter_capture_heads, run_pca
-    from qk_core.geometry.rotation import run_geometry, run_rotation
+    from qk_core.config.options import PCAOptions
+    from qk_core.geometry.driver import run_geometry, run_rotation
+    from qk_core.geometry.heads import iter_capture_heads
+    from qk_core.geometry.pca import run_pca
     from qk_core.io.storage import Storage
 
     storage = Storage(tmp_path)

@@ -43,9 +43,9 @@ from qk_assets.metadata import table_value
 from qk_assets.partitions import model_partitions, pair_key, registry
 from qk_assets.resources import StorageResource
 from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.config.options import PlasticityOptions
 from qk_core.cross_corpus.compare import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
 from qk_core.io.storage import Storage, StorageError
-from qk_core.plasticity import PlasticityOptions
 
 GROUP = "cross_corpus"
 CAPTURE = "qk_capture"

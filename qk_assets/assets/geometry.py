@@ -31,8 +31,10 @@ from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
-from qk_core.geometry.pca import PCA_UNITS, TAXONOMY, PCAOptions
-from qk_core.geometry.rotation import ROTATION_UNITS, RotationOptions, geometry_of_capture
+from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.geometry.driver import geometry_of_capture
+from qk_core.geometry.pca import PCA_UNITS, TAXONOMY
+from qk_core.geometry.rotation import ROTATION_UNITS
 from qk_core.geometry.summaries import missing_heads, skipped_summary
 from qk_core.runtime.cluster import on_cpu_worker
 

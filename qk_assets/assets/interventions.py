@@ -82,10 +82,9 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
                   rotation_heads: pd.DataFrame, corpus: pd.DataFrame):
     """SPEC 11 on one model: probe, ablate / debias head sets, contrast, plasticity under debias."""
     from qk_core.capture.store import CaptureError
-    from qk_core.interventions.options import InterventionOptions
+    from qk_core.config.options import InterventionOptions, PlasticityOptions
     from qk_core.interventions.study import run_study
     from qk_core.models.loading import load_model
-    from qk_core.plasticity import PlasticityOptions
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
     model, corpus_name = split_key(context.partition_key)

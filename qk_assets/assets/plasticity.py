@@ -45,7 +45,8 @@ from qk_assets.partitions import by_model, model_corpus_partitions, registry, sp
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.capture.store import CaptureError
-from qk_core.plasticity import PlasticityOptions, analyse_capture
+from qk_core.config.options import PlasticityOptions
+from qk_core.plasticity import analyse_capture
 from qk_core.runtime.cluster import on_cpu_worker
 
 GROUP = "plasticity"

@@ -29,7 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, error_lines
+from qk_core.config.options import ANALYSIS_OPTIONS, CaptureOptions
+from qk_core.config.schema import Bool, NonNegInt, PosInt, Str, error_lines
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -64,27 +65,6 @@ class Source:
         if self.kind == "local":
             return f"local:{self.path}"
         return f"gguf:{self.package}/{self.file or 'assemble()'}"
-
-
-@dataclass(frozen=True)
-class CaptureOptions:
-    """Sampling options of a capture (SPEC 1.4-1.6); ``bernoulli_rate`` is expected positions per bucket."""
-
-    __pydantic_config__ = STRICT_TABLE
-
-    heads: PosInt = 300
-    seed: NonNegInt = 0
-    position_sampler: Literal["stratified", "bernoulli"] = "stratified"
-    per_bucket: PosInt = 2  # SPEC 1.6: two keys of one document below query bucket 1 (1 = the thesis's budget)
-    bernoulli_rate: PosFloat = 1.0
-    include_sliding: Bool = False
-    max_docs: PosInt | None = None
-    layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
-    keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
-    # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
-    # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
-    shards: PosInt = 1
-    num_gpus: PosFloat = 1.0
 
 
 @dataclass(frozen=True)
@@ -209,25 +189,10 @@ class EntryFields(BaseModel):
     description: Str = ""
 
 
-def analysis_option_classes() -> dict[str, type]:
-    """Every per-model analysis with an options table in ``analysis = { <name> = {...} }``.
-
-    Add an analysis here (its options dataclass annotated with :mod:`qk_core.config.schema` types) and
-    its table is validated in the registry like the others.
-    """
-    from qk_core.geometry.pca import PCAOptions
-    from qk_core.geometry.rotation import RotationOptions
-    from qk_core.interventions.options import InterventionOptions
-    from qk_core.plasticity.options import PlasticityOptions
-
-    return {"pca": PCAOptions, "rotation": RotationOptions, "plasticity": PlasticityOptions,
-            "interventions": InterventionOptions}
-
-
 @cache
 def entry_schema() -> type[EntryFields]:
     """:class:`EntryFields` plus ``analysis``: a table of the known analyses' option tables only."""
-    tables: dict[str, Any] = {name: (cls | None, None) for name, cls in analysis_option_classes().items()}
+    tables: dict[str, Any] = {name: (cls | None, None) for name, cls in ANALYSIS_OPTIONS.items()}
     analysis = create_model("AnalysisTables", __config__=_TABLE, **tables)
     return create_model("ModelEntrySchema", __base__=EntryFields, analysis=(analysis, Field(default_factory=analysis)))
 

@@ -77,10 +77,11 @@ import pandas as pd
 import scipy.sparse
 
 from qk_core.capture.store import HeadData
+from qk_core.config.options import n_buckets
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.options import n_buckets
-from qk_core.stats.bootstrap import basic_interval, bc_interval, doc_weights, percentile_interval
+from qk_core.stats.bootstrap import doc_weights
 from qk_core.stats.correlation import correlations, p_clause
+from qk_core.stats.intervals import INTERVAL_METHODS, percentile_interval, read_interval
 
 #: The model values compared between corpora (SPEC 10) and their units.
 METRICS = {"ap_overall": "AP", "ap_drop": "AP", "bias_strength": "per token"}
@@ -95,10 +96,6 @@ CORR_COLUMNS = ["model", "metric", "corpus", "reference", "n_heads", "spearman_r
                 "share_corpus", "share_rest", "verdict", "statement"]
 PROFILE_COLUMNS = ["model", "corpus", "bucket", "tau_tokens", "tau_frac", "ap", "lo", "hi", "interval", "n_heads",
                    "L", "B"]
-#: How an interval is read off the resamples (module docstring): basic, bias-corrected (BC) or plain percentile.
-INTERVAL_METHODS = {"basic": "basic (reverse percentile) interval, Davison & Hinkley 1997 eq. 5.6",
-                    "bc": "bias-corrected (BC) percentile interval, Efron 1982",
-                    "percentile": "percentile interval"}
 HEAD_COLUMNS = ["model", "corpus", "layer", "q_head", "ap_overall", "ap_drop", "bias_strength"]
 VERDICT_COLUMNS = ["model", "scope", "metric", "corpus", "reference", "verdict", "statement"]
 
@@ -353,24 +350,6 @@ def verdict(metric: str, ref: str, corpus: str, v_ref: float, v_c: float, diff: 
                          "at this resolution a property of the model."), rel
     return "cannot tell", (f"{head}: the interval covers 0 but reaches {reach:.0%} of the value "
                            f"({widths}), so the data cannot tell whether the text matters."), rel
-
-
-def read_interval(boot: np.ndarray, point: np.ndarray | float, ci: float, method: str
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(lo, hi, z0, bootstrap bias) of resamples ``boot`` (axis 0) around ``point`` by ``method`` (SPEC 4.6, 10):
-    ``basic`` (reverse percentile), ``bc`` (bias-corrected percentile) or ``percentile``; z0 and the bias always."""
-    bc = bc_interval(boot, point, ci)
-    if method == "bc":
-        return bc.lo, bc.hi, bc.z0, bc.bias
-    lo, hi = basic_interval(boot, point, ci) if method == "basic" else percentile_interval(boot, ci)
-    return lo, hi, bc.z0, bc.bias
-
-
-def interval_rule(table: pd.DataFrame) -> str:
-    """The rule a cross-corpus table's intervals were read by, with its citation (its ``interval`` column;
-    a table written before that column: the percentile interval)."""
-    given = table["interval"].dropna() if "interval" in table else pd.Series(dtype=object)
-    return INTERVAL_METHODS.get(str(given.iloc[0]) if len(given) else "percentile", INTERVAL_METHODS["percentile"])
 
 
 def _interval(x: np.ndarray, point: float, opts: CrossCorpusOptions) -> dict[str, float]:

@@ -13,177 +13,24 @@ the pooled cloud's total variance.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.store import CaptureError, CaptureReader, HeadData
-from qk_core.config.schema import STRICT_TABLE, Bool, PosInt, UnitFloat, validate_options
-from qk_core.geometry.summaries import layer_and_model_summary, ok_mask, require_complete, skipped_summary
+from qk_core.capture.store import HeadData
+from qk_core.config.options import PCAOptions
+from qk_core.geometry.heads import HeadInputError, HeadItem, first_int, head_columns, run_options, validate_head
+from qk_core.geometry.moments import PooledMoments, pooled_moments, projection_pearson
+from qk_core.geometry.summaries import layer_and_model_summary, ok_mask
 from qk_core.io.metrics import metric_row, metrics_frame, options_json
-from qk_core.io.storage import Storage, StorageError
 
 TAXONOMY = ("position_dominated", "q_positional", "k_positional", "content", "mixed")
 
 
-class HeadInputError(ValueError):
-    """A head's rows cannot be analysed; ``status`` is a short code, the message says why."""
-
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-def options_from_dict(cls: type, values: dict[str, Any] | None, name: str) -> Any:
-    """``cls`` from a table (registry ``analysis.<name>`` merged with the run config), strictly checked."""
-    return validate_options(cls, values, name)
-
-
-@dataclass(frozen=True)
-class PCAOptions:
-    """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
-
-    __pydantic_config__ = STRICT_TABLE
-
-    n_components: PosInt = 10
-    sign_threshold: UnitFloat = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
-    taxonomy_low: UnitFloat = 0.3
-    taxonomy_high: UnitFloat = 0.7
-    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
-    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
-
-    def __post_init__(self) -> None:
-        if self.n_components < 1:
-            raise ValueError(f"n_components must be >= 1, got {self.n_components}")
-        if not 0 <= self.taxonomy_low <= self.taxonomy_high <= 1:
-            raise ValueError("need 0 <= taxonomy_low <= taxonomy_high <= 1")
-        if self.min_rows < 3:
-            raise ValueError("min_rows must be >= 3 (a Pearson correlation needs 3 rows)")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> PCAOptions:
-        return options_from_dict(cls, values, "pca")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 # ---- the pooled cloud ----------------------------------------------------------------------------
-
-
-def validate_head(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray, min_rows: int) -> None:
-    """Raise :class:`HeadInputError` when the head cannot be analysed (too few rows, non-finite, ...)."""
-    if q.ndim != 2 or k.ndim != 2 or q.shape[1] != k.shape[1] or q.shape[1] < 2:
-        raise HeadInputError("bad_shape", f"Q {q.shape} and K {k.shape} are not (n, d) with one d >= 2")
-    if len(q_pos) != len(q) or len(k_pos) != len(k):
-        raise HeadInputError("bad_shape", f"{len(q)} Q rows with {len(q_pos)} positions, "
-                                          f"{len(k)} K rows with {len(k_pos)} positions")
-    if len(q) < min_rows or len(k) < min_rows:
-        raise HeadInputError("too_few_rows", f"{len(q)} Q rows and {len(k)} K rows; need >= {min_rows} each")
-    bad_q = int((~np.isfinite(q)).any(axis=1).sum())
-    bad_k = int((~np.isfinite(k)).any(axis=1).sum())
-    if bad_q or bad_k:
-        raise HeadInputError("non_finite", f"{bad_q} Q rows and {bad_k} K rows hold NaN or inf")
-    for name, pos in (("Q", q_pos), ("K", k_pos)):
-        if np.ptp(np.asarray(pos)) == 0:
-            raise HeadInputError("constant_positions", f"all {name} rows sit at position {int(pos[0])}")
-
-
-@dataclass
-class PooledMoments:
-    """Float64 sufficient statistics of one head's Q rows, K rows and the pooled cloud (SPEC 2, 3).
-
-    ``S_*`` are centred scatter matrices (sums, not divided by n), ``s_*t`` centred cross-scatter of the
-    vectors with position, ``stt_*`` the centred scatter of position.
-    """
-
-    n_q: int
-    n_k: int
-    mu_q: np.ndarray
-    mu_k: np.ndarray
-    tq_mean: float
-    tk_mean: float
-    S_q: np.ndarray
-    S_k: np.ndarray
-    s_qt: np.ndarray
-    s_kt: np.ndarray
-    stt_q: float
-    stt_k: float
-    mu: np.ndarray = field(init=False)
-    t_mean: float = field(init=False)
-    S: np.ndarray = field(init=False)
-    s_xt: np.ndarray = field(init=False)
-    stt: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        n = self.n_q + self.n_k
-        self.mu = (self.n_q * self.mu_q + self.n_k * self.mu_k) / n
-        self.t_mean = (self.n_q * self.tq_mean + self.n_k * self.tk_mean) / n
-        dq, dk = self.mu_q - self.mu, self.mu_k - self.mu
-        eq, ek = self.tq_mean - self.t_mean, self.tk_mean - self.t_mean
-        self.S = self.S_q + self.S_k + self.n_q * np.outer(dq, dq) + self.n_k * np.outer(dk, dk)
-        self.s_xt = self.s_qt + self.s_kt + self.n_q * dq * eq + self.n_k * dk * ek
-        self.stt = self.stt_q + self.stt_k + self.n_q * eq * eq + self.n_k * ek * ek
-
-    @property
-    def n(self) -> int:
-        return self.n_q + self.n_k
-
-    @property
-    def d(self) -> int:
-        return int(self.mu.shape[0])
-
-    @property
-    def total_scatter(self) -> float:
-        return float(np.trace(self.S))
-
-
-def _kind_moments(x32: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, np.ndarray, float]:
-    xc = np.array(x32, dtype=np.float64)  # a float64 copy, centred in place
-    t = np.asarray(pos, dtype=np.float64)
-    mu = xc.mean(axis=0)
-    xc -= mu
-    tm = float(t.mean())
-    tc = t - tm
-    return mu, tm, xc.T @ xc, tc @ xc, float(tc @ tc)
-
-
-KindMoments = tuple[np.ndarray, float, np.ndarray, np.ndarray, float]
-
-
-def kind_moments(x: np.ndarray, pos: np.ndarray) -> KindMoments:
-    """(mean, mean position, centred scatter, cross-scatter with position, position scatter) of one kind."""
-    return _kind_moments(x, pos)
-
-
-def pooled_moments(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
-                   k_stats: KindMoments | None = None) -> PooledMoments:
-    """Sufficient statistics of the pooled Q+K cloud X (SPEC 2: Q rows stacked on K rows).
-
-    ``k_stats`` (from :func:`kind_moments` of the same K rows) skips recomputing the K side, e.g. for
-    query heads that share a KV head (GQA).
-    """
-    mq, tq, Sq, sq, tqq = _kind_moments(q, q_pos)
-    mk, tk, Sk, sk, tkk = k_stats if k_stats is not None else _kind_moments(k, k_pos)
-    return PooledMoments(len(q), len(k), mq, mk, tq, tk, Sq, Sk, sq, sk, tqq, tkk)
-
-
-def projection_pearson(V: np.ndarray, S: np.ndarray, s_t: np.ndarray, stt: float) -> np.ndarray:
-    """Pearson(x·v_j, t) for every column v_j of V, from centred scatter S, cross-scatter s_t, stt.
-
-    SPEC 2 r_q(j), r_k(j) and SPEC 3 r_q_a, r_k_a: Pearson is shift-invariant, so the pooled-mean
-    centring of the projections does not matter. NaN where the projection (or t) has no variance.
-    """
-    num = V.T @ s_t
-    var = np.einsum("ij,ij->j", V, S @ V)
-    den = np.sqrt(np.clip(var, 0.0, None) * stt)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(den > 0, num / den, np.nan)
-    return np.clip(r, -1.0, 1.0)
 
 
 # ---- PCA (SPEC 2) --------------------------------------------------------------------------------
@@ -327,65 +174,6 @@ def components_of(row: dict[str, Any] | Any) -> np.ndarray:
 
 # ---- a model: every sampled head of a capture, one at a time ---------------------------------------
 
-HeadItem = tuple[dict[str, Any], "HeadData | HeadInputError"]
-
-
-def iter_capture_heads(storage: Storage, capture: pd.DataFrame) -> Iterator[HeadItem]:
-    """Yield (head metadata, HeadData) for each row of a ``qk_capture`` table, one head in memory at a time.
-
-    A head whose files cannot be read yields a ``read_error`` :class:`HeadInputError` instead; a capture
-    that cannot be opened at all (missing or incomplete) raises :class:`CaptureError`.
-    """
-    readers: dict[str, CaptureReader] = {}
-    rows = capture.sort_values(["layer", "q_head"], kind="stable").to_dict("records")
-    for row in rows:
-        prefix = str(row["capture_prefix"])
-        if prefix not in readers:
-            readers[prefix] = CaptureReader(storage, prefix)
-        reader = readers[prefix]
-        meta = {"layer": int(row["layer"]), "q_head": int(row["q_head"]),
-                "kv_head": _int_or(row.get("kv_head"), -1), "d": _int_or(row.get("d"), 0),
-                "window": reader.window, "bucket": reader.bucket,
-                "attention_type": str(row.get("attention_type", "")),
-                "rope_applied": bool(row.get("rope_applied", True))}
-        try:
-            head: HeadData | HeadInputError = reader.read_head(meta["layer"], meta["q_head"])
-        except (CaptureError, StorageError) as exc:
-            head = HeadInputError("read_error", str(exc))
-        yield meta, head
-
-
-def _int_or(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputError) -> dict[str, Any]:
-    """The identity columns of one per-head row (counts, d, L, B come from the rows actually read)."""
-    out = {"model": model, **meta}
-    if isinstance(head, HeadData):
-        out.update(d=head.d, kv_head=head.kv_head, window=head.window, bucket=head.bucket,
-                   n_q=len(head.q), n_k=len(head.k))
-    else:
-        out.update(n_q=0, n_k=0)
-    return out
-
-
-def run_options(options: dict[str, Any], window: int | None, bucket: int | None,
-                heads: pd.DataFrame, model: str = "") -> dict[str, Any]:
-    """The options recorded with every model-level output: analysis options, L, B, skipped and missing heads.
-
-    Raises :class:`qk_core.geometry.summaries.IncompleteResultError` when heads could not be read or analysed and
-    the options do not allow partial results (before anything is written).
-    """
-    name = options.get("analysis", "")
-    missing = require_complete(heads, f"{model}: {name}", bool(options.get("allow_partial")),
-                               f"analysis.{name}.allow_partial (or the run config)")
-    return {**options, "window": window, "bucket": bucket, "n_heads_total": len(heads),
-            "n_heads_skipped": int((~ok_mask(heads)).sum()), "skipped": skipped_summary(heads), **missing}
-
 
 def pca_head(head: HeadData | HeadInputError, options: PCAOptions,
              moments: PooledMoments | None = None) -> dict[str, Any]:
@@ -418,13 +206,6 @@ def run_pca(model: str, heads: Iterable[HeadItem], options: PCAOptions | None = 
     options = options or PCAOptions()
     rows = [{**head_columns(model, meta, head), **pca_head(head, options)} for meta, head in heads]
     return pca_tables(model, rows, options)
-
-
-def first_int(table: pd.DataFrame, col: str) -> int | None:
-    if col not in table:
-        return None
-    vals = pd.to_numeric(table[col], errors="coerce").dropna()
-    return int(vals.iloc[0]) if len(vals) else None
 
 
 def pca_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -> pd.DataFrame:

@@ -10,75 +10,24 @@ a fraction of the same-position pair-difference energy E|delta|^2.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import scipy.linalg
 
 from qk_core.capture.store import HeadData
-from qk_core.config.schema import STRICT_TABLE, Bool, PosInt, UnitFloat
-from qk_core.geometry.pca import (
+from qk_core.config.options import RotationOptions
+from qk_core.geometry.heads import (
     HeadInputError,
-    HeadItem,
-    KindMoments,
-    PCAOptions,
-    PooledMoments,
     first_int,
-    head_columns,
-    iter_capture_heads,
-    kind_moments,
-    options_from_dict,
-    pca_head,
-    pca_tables,
-    pooled_moments,
-    projection_pearson,
     run_options,
     validate_head,
 )
+from qk_core.geometry.moments import PooledMoments, pooled_moments, projection_pearson
 from qk_core.geometry.summaries import layer_and_model_summary, ok_mask
 from qk_core.io.metrics import metric_row, metrics_frame, options_json
-from qk_core.io.storage import Storage
-from qk_core.runtime.blas import blas_threads
-
-SEPARATION_AXES = ("centroid", "eigen")
-
-
-@dataclass(frozen=True)
-class RotationOptions:
-    """Options of the planar rotation (SPEC 3); recorded with every output."""
-
-    __pydantic_config__ = STRICT_TABLE
-
-    # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
-    separation: Literal["centroid", "eigen"] = "centroid"
-    complement: Bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
-    complement_pairs: PosInt = 4  # consecutive singular-vector pairs analysed
-    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
-    min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
-    stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
-    capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
-    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
-
-    def __post_init__(self) -> None:
-        if self.separation not in SEPARATION_AXES:
-            raise ValueError(f"separation must be one of {SEPARATION_AXES}, got {self.separation!r}")
-        if self.complement_pairs < 1:
-            raise ValueError("complement_pairs must be >= 1")
-        if self.min_rows < 3 or self.min_pairs < 1:
-            raise ValueError("min_rows must be >= 3 and min_pairs >= 1")
-        for name in ("stability_min", "capture_min"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
-        return options_from_dict(cls, values, "rotation")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -434,77 +383,6 @@ def rotation_tables(model: str, rows: list[dict[str, Any]], options: RotationOpt
     rec_opts = run_options(opts, first_int(table, "window"), first_int(table, "bucket"), table, model)
     layers = layer_and_model_summary(table, ROTATION_UNITS, model)
     return table, layers, rotation_metrics(table, model, rec_opts)
-
-
-def run_rotation(model: str, heads: Iterable[HeadItem], options: RotationOptions | None = None,
-                 keep_points: int = 400) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
-    """SPEC 3 for every head of a model: (per-head table, per-layer/model summary, long metrics, points).
-
-    ``points`` maps (layer, q_head) of every analysed head to up to ``keep_points`` evenly spaced Q and K
-    rows projected on {a, b} (bounded memory, for the plane scatter figure).
-    """
-    out = run_geometry(model, heads, None, options or RotationOptions(), keep_points)
-    return out["rotation"]
-
-
-def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca_options: PCAOptions | None,
-                        rotation_options: RotationOptions | None, keep_points: int = 400, blas: int | None = 1,
-                        progress: Callable[[int, int], None] | None = None) -> dict[str, tuple]:
-    """:func:`run_geometry` over the heads a ``qk_capture`` table lists, read from ``storage`` one at a time:
-    self-contained, so it can run as one task on any worker that reaches the storage root
-    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
-    items = iter_capture_heads(storage, capture)
-    if progress is not None:
-        items = _counted(items, len(capture), progress)
-    with blas_threads(blas):
-        return run_geometry(model, items, pca_options, rotation_options, keep_points=keep_points)
-
-
-def _counted(items: Iterable[HeadItem], total: int, progress: Callable[[int, int], None]) -> Iterator[HeadItem]:
-    for i, item in enumerate(items, 1):
-        progress(i, total)
-        yield item
-
-
-def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions | None,
-                 rotation_options: RotationOptions | None, keep_points: int = 400) -> dict[str, tuple]:
-    """SPEC 2 and/or SPEC 3 in one pass over the heads, each head read once (None skips an analysis).
-
-    The float64 moments of a head are computed once and shared by both analyses; the K-side moments are
-    reused by consecutive query heads of the same KV head (GQA). Results are identical to
-    :func:`qk_core.geometry.pca.run_pca` / :func:`run_rotation`. Returns ``{"pca": (heads, layers, metrics),
-    "rotation": (heads, layers, metrics, points)}`` for the analyses that ran.
-    """
-    pca_rows: list[dict[str, Any]] = []
-    rot_rows: list[dict[str, Any]] = []
-    points: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-    mins = [o.min_rows for o in (pca_options, rotation_options) if o is not None]
-    k_cache: tuple[tuple[int, int], KindMoments] | None = None
-    for meta, head in heads:
-        base = head_columns(model, meta, head)
-        moments = None
-        if isinstance(head, HeadData) and mins:
-            try:
-                validate_head(head.q, head.q_pos, head.k, head.k_pos, min(mins))
-                kv = (head.layer, head.kv_head)
-                if k_cache is None or k_cache[0] != kv:
-                    k_cache = (kv, kind_moments(head.k, head.k_pos))
-                moments = pooled_moments(head.q, head.q_pos, head.k, head.k_pos, k_stats=k_cache[1])
-            except HeadInputError:
-                moments = None  # each analysis reports it in its own record
-        if pca_options is not None:
-            pca_rows.append({**base, **pca_head(head, pca_options, moments)})
-        if rotation_options is not None:
-            rec, pts = rotation_head(head, rotation_options, moments, keep_points)
-            rot_rows.append({**base, **rec})
-            if pts is not None:
-                points[(int(meta["layer"]), int(meta["q_head"]))] = pts
-    out: dict[str, tuple] = {}
-    if pca_options is not None:
-        out["pca"] = pca_tables(model, pca_rows, pca_options)
-    if rotation_options is not None:
-        out["rotation"] = (*rotation_tables(model, rot_rows, rotation_options), points)
-    return out
 
 
 #: Per-model metrics (long format) and the per-head column each is the mean of. Names follow

@@ -13,13 +13,14 @@ import pandas as pd
 
 from qk_core.capture.run import capture_model
 from qk_core.capture.store import CaptureReader
+from qk_core.config.options import PlasticityOptions
 from qk_core.geometry.rotation import analyse_rotation
 from qk_core.interventions.hook import DebiasAxis, Intervention
 from qk_core.io.storage import Storage
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.analysis import analyse_head
-from qk_core.plasticity.options import PlasticityOptions
-from qk_core.stats.bootstrap import doc_weights, percentile_interval
+from qk_core.stats.bootstrap import doc_weights
+from qk_core.stats.intervals import percentile_interval
 
 HEADLINE = ("ap_overall", "ap_first20", "ap_last20", "ap_drop")
 

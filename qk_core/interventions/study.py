@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from qk_core.config.options import InterventionOptions
 from qk_core.interventions.head_sets import HeadSet
 from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
-from qk_core.interventions.options import InterventionOptions
 from qk_core.interventions.probe import Trial, build_trial, candidate_ids, score_trial, trial_outcome
-from qk_core.stats.bootstrap import doc_weights, percentile_interval
-from qk_core.stats.means import boot_means, doc_sums, wilson
+from qk_core.stats.bootstrap import boot_means, doc_sums, doc_weights
+from qk_core.stats.intervals import percentile_interval, wilson
 
 _log = logging.getLogger(__name__)
 TRIAL_COLUMNS = ["doc_id", "depth", "depth_tokens", "repeat", "n_tokens", "snapped", "intervention", "head_set",

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qk_core.interventions.options import InterventionOptions
-from qk_core.stats.means import wilson
+from qk_core.config.options import InterventionOptions
+from qk_core.stats.intervals import wilson
 
 FAR = 0.5  # depths below this are "distant": the needle sits in the first half of the prompt
 COLUMNS = ["hypothesis", "intervention", "k", "estimate", "lo", "hi", "unit", "evidence", "verdict", "statement"]

@@ -1,8 +1,8 @@
 """Attention plasticity (SPEC 4): query model, key pairs, closed-form and empirical estimators,
 profiles, aggregates, document bootstrap, per-pair records, heatmap, component weights, diagnostics."""
 
+from qk_core.config.options import PlasticityOptions, PlasticityOptionsError
 from qk_core.plasticity.analysis import HeadResult, ModelResult, analyse_capture, analyse_head, analyse_model
-from qk_core.plasticity.options import PlasticityOptions, PlasticityOptionsError
 
 __all__ = ["HeadResult", "ModelResult", "PlasticityOptions", "PlasticityOptionsError", "analyse_capture",
            "analyse_head", "analyse_model"]

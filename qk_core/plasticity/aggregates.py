@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qk_core.plasticity.options import PlasticityOptions, n_buckets
+from qk_core.config.options import PlasticityOptions, n_buckets
 
 HEADLINE = ("ap_overall", "ap_first20", "ap_last20", "ap_drop")
 BIN_METRICS = ("ap_quintile", "ap_decile", "ap_length_bin", "ap_length_bin_ruler", "ap_position_bin")

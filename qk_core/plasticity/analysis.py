@@ -25,22 +25,18 @@ import numpy as np
 import pandas as pd
 
 from qk_core.capture.store import CaptureError, CaptureReader, HeadData
+from qk_core.config.options import PlasticityOptions, n_buckets
 from qk_core.geometry.summaries import require_complete
 from qk_core.io.metrics import metric_row, metrics_frame
 from qk_core.io.storage import Storage, StorageError
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
 from qk_core.plasticity.heatmap import HeatmapAccumulator
-from qk_core.plasticity.options import PlasticityOptions, n_buckets
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_sorted_queries
 from qk_core.runtime.blas import blas_threads as limit_blas
-from qk_core.stats.bootstrap import (
-    doc_bucket_sums,
-    doc_weights,
-    percentile_interval,
-    resampled_profiles,
-)
+from qk_core.stats.bootstrap import doc_bucket_sums, doc_weights, resampled_profiles
+from qk_core.stats.intervals import percentile_interval
 
 FIRST_BUCKET = "first_bucket"
 NO_ELIGIBLE_PAIRS = "no_eligible_pairs"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qk_core.plasticity.options import COVARIANCES
+from qk_core.config.options import COVARIANCES
 
 #: per-bucket status values (SPEC 4, bad input is reported per bucket, never a silent NaN)
 OK = "ok"

@@ -15,9 +15,9 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from qk_core.cross_corpus.compare import interval_rule
 from qk_core.plots.plasticity import _empty, _frac_axis, _token_axis
 from qk_core.stats.correlation import p_clause
+from qk_core.stats.intervals import interval_rule
 
 LABELS = {"ap_overall": "AP_overall", "ap_drop": "AP_drop", "bias_strength": "bias_strength (per token)"}
 

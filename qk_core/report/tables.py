@@ -20,9 +20,9 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.cross_corpus.compare import interval_rule
 from qk_core.io.metrics import COLUMNS as METRIC_COLUMNS
 from qk_core.stats.correlation import format_p
+from qk_core.stats.intervals import interval_rule
 
 PREVIEW_ROWS = 3  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
 PREVIEW_COLUMNS = 8

@@ -1,0 +1,321 @@
+"""Every options table of the platform in one place: capture (SPEC 1), PCA (SPEC 2), rotation (SPEC 3),
+plasticity (SPEC 4) and the intervention study (SPEC 11).
+
+Each dataclass annotates its fields with :mod:`qk_core.config.schema` types, so a registry table and a
+run-config override are checked by one strict schema (unknown keys, types and ranges name the field);
+:data:`ANALYSIS_OPTIONS` names the analyses whose table sits under a registry entry's ``analysis``.
+Defaults follow the SPEC; a model overrides any of them through its registry entry::
+
+    [models.x]
+    analysis = { plasticity = { pairs_per_bucket = 512, covariance = "diagonal" } }
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, UnitFloat, validate_options
+
+COVARIANCES = ("full", "diagonal")
+#: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
+LENGTH_BIN_EDGES = (0, 8192, 16384, 32768, 65536, 131072)
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class PlasticityOptionsError(ValueError):
+    """An analysis option is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class PlasticityOptions:
+    """Estimator and aggregation settings (SPEC 4.1-4.7).
+
+    pairs_per_bucket: key pairs drawn per query bucket without replacement (4.2).
+    covariance: ``full`` (Ledoit-Wolf shrunk detrended d x d bucket covariance) or ``diagonal``
+        (thesis eqs. 4.11-4.12) (4.1).
+    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals (4.6).
+    seed: seeds pair sampling (with layer, head, bucket) and the bootstrap.
+    ci: central interval mass of the bootstrap intervals.
+    min_queries_per_bucket: a bucket with fewer queries gets status ``too_few_queries``.
+    length_bin_edges: raw-token edges of the benchmark length bins; last bin closed (4.5).
+    ruler_lengths: benchmark lengths X; each matches query positions (X/2, X] (4.5).
+    position_bin_edges: absolute token bins; ``None`` means 0, B, 2B, 4B, ... up to L.
+    heatmap_bin: heatmap cell width in tokens; ``None`` means B (4.7).
+    keep_pairs: keep the per-pair records (4.7).
+    allow_partial: publish results when heads could not be read or analysed; otherwise the run fails
+        and the previous outputs stay (the outputs record ``n_heads_missing`` and ``missing_reasons``).
+    """
+
+    __pydantic_config__ = STRICT_TABLE
+
+    pairs_per_bucket: PosInt = 1024
+    covariance: Literal["full", "diagonal"] = "full"
+    bootstrap: NonNegInt = 200
+    seed: NonNegInt = 0
+    ci: UnitFloat = 0.95
+    min_queries_per_bucket: PosInt = 10
+    length_bin_edges: tuple[NonNegInt, ...] = LENGTH_BIN_EDGES
+    ruler_lengths: tuple[PosInt, ...] = RULER_LENGTHS
+    position_bin_edges: tuple[NonNegInt, ...] | None = None
+    heatmap_bin: PosInt | None = None
+    keep_pairs: Bool = True
+    allow_partial: Bool = False
+
+    def __post_init__(self) -> None:
+        if self.covariance not in COVARIANCES:
+            raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
+        for name in ("pairs_per_bucket", "min_queries_per_bucket"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise PlasticityOptionsError(f"{name} must be an integer >= 1, got {val!r}")
+        if self.min_queries_per_bucket < 2:
+            raise PlasticityOptionsError("min_queries_per_bucket must be >= 2 (a covariance needs two rows)")
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 0:
+            raise PlasticityOptionsError(f"bootstrap must be an integer >= 0, got {self.bootstrap!r}")
+        if not 0.0 < self.ci < 1.0:
+            raise PlasticityOptionsError(f"ci must lie in (0, 1), got {self.ci!r}")
+        for name in ("length_bin_edges", "position_bin_edges"):
+            edges = getattr(self, name)
+            if edges is None:
+                continue
+            if len(edges) < 2 or any(b <= a for a, b in itertools.pairwise(edges)) or edges[0] < 0:
+                raise PlasticityOptionsError(f"{name} must be >= 2 increasing non-negative token edges")
+        if not self.ruler_lengths or any(x < 2 for x in self.ruler_lengths):
+            raise PlasticityOptionsError("ruler_lengths must be benchmark lengths >= 2 tokens")
+        if self.heatmap_bin is not None and self.heatmap_bin < 1:
+            raise PlasticityOptionsError("heatmap_bin must be >= 1 token")
+
+    @classmethod
+    def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
+        """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table) and overrides,
+        strictly checked (:mod:`qk_core.config.schema`)."""
+        table = (analysis or {}).get("plasticity", {})
+        if not isinstance(table, dict):
+            raise PlasticityOptionsError(f"analysis.plasticity must be a table of options, got {table!r}")
+        return validate_options(cls, {**table, **overrides}, "plasticity", PlasticityOptionsError)
+
+    def with_(self, **changes: Any) -> PlasticityOptions:
+        return replace(self, **changes)
+
+    # ---- resolution against a capture's L and B ---------------------------------------------
+    def resolved_position_edges(self, L: int, B: int) -> tuple[int, ...]:
+        """Absolute token bin edges: the option, or 0, B, 2B, 4B, ... capped at L (SPEC 4.5)."""
+        if self.position_bin_edges is not None:
+            return self.position_bin_edges
+        edges = [0]
+        x = B
+        while x < L:
+            edges.append(x)
+            x *= 2
+        edges.append(L)
+        return tuple(edges)
+
+    def resolved_heatmap_bin(self, B: int) -> int:
+        return int(self.heatmap_bin or B)
+
+    def record(self, L: int, B: int) -> dict[str, Any]:
+        """Everything that produced a value: the options, L, B (raw tokens) and the resolved bins."""
+        out = asdict(self)
+        out.update({
+            "L": int(L), "B": int(B), "n_buckets": n_buckets(L, B), "estimator": "closed_form",
+            "check_estimator": "empirical", "position_unit": "raw tokens",
+            "position_bin_edges": list(self.resolved_position_edges(L, B)),
+            "heatmap_bin": self.resolved_heatmap_bin(B),
+            "length_bin_edges": list(self.length_bin_edges), "ruler_lengths": list(self.ruler_lengths),
+        })
+        return out
+
+    def record_json(self, L: int, B: int) -> str:
+        return json.dumps(self.record(L, B), sort_keys=True)
+
+
+def n_buckets(L: int, B: int) -> int:
+    """Number of buckets covering the window: ceil(L / B)."""
+    return -(-int(L) // int(B))
+
+
+DEFAULT_DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
+
+
+class InterventionOptionsError(ValueError):
+    """An intervention option is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class InterventionOptions:
+    """SPEC 11 options; every output records them (:meth:`record`).
+
+    window: probe window L_p in tokens (the prompt and its continuations fit it); None: the capture window.
+    depths: relative needle depths delta, measured in tokens of the final prompt.
+    n_docs: corpus documents used as haystacks (the first n). repeats: trials per (document, depth),
+    each with its own seeded name and codes. candidates: K (the correct code + K - 1 distractors).
+    snap_chars: a sentence boundary within this many characters of the target depth is used.
+    interventions: ``ablate`` and / or ``debias``; ablation: ``zero`` or ``mean`` (per-prompt baseline mean).
+    k_fractions: k = round(f x captured heads) per fraction; random_sets: random head sets per k.
+    bootstrap: document bootstrap resamples; ci: central interval mass.
+    remeasure: recapture the `lowest` heads with and without `debias` and re-run SPEC 3 and 4 (also when the
+    probe runs `ablate` only; head sets then hold heads with a drift axis only);
+    remeasure_docs: documents of those recaptures (None: all of the corpus the capture read).
+    corpora: the model's corpora the study runs on (SPEC 10; None: every one); on any other corpus the
+    study's outputs are empty and say why (:meth:`runs_on`).
+    """
+
+    __pydantic_config__ = STRICT_TABLE
+
+    window: PosInt | None = None
+    depths: tuple[UnitFloat, ...] = DEFAULT_DEPTHS
+    n_docs: PosInt = 20
+    repeats: PosInt = 1
+    candidates: PosInt = 10
+    seed: NonNegInt = 0
+    snap_chars: NonNegInt = 400
+    interventions: tuple[Literal["ablate", "debias"], ...] = ("ablate", "debias")
+    ablation: Literal["zero", "mean"] = "mean"
+    k_fractions: tuple[UnitFloat, ...] = (0.05, 0.15)
+    random_sets: NonNegInt = 5
+    bootstrap: NonNegInt = 1000
+    ci: UnitFloat = 0.95
+    remeasure: Bool = True
+    remeasure_docs: PosInt | None = None
+    corpora: tuple[Str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+        if self.corpora is not None:
+            object.__setattr__(self, "corpora", tuple(self.corpora))
+        object.__setattr__(self, "interventions", tuple(self.interventions))
+        object.__setattr__(self, "k_fractions", tuple(float(f) for f in self.k_fractions))
+        where = "analysis.interventions"
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise InterventionOptionsError(f"{where}.depths: each depth must lie in [0, 1], got {list(self.depths)}")
+        if self.candidates < 2:
+            raise InterventionOptionsError(f"{where}.candidates: need at least 2, got {self.candidates}")
+        if set(self.interventions) - {"ablate", "debias"}:
+            raise InterventionOptionsError(f"{where}.interventions: ablate, debias; got {list(self.interventions)}")
+        if self.ablation not in ("zero", "mean"):
+            raise InterventionOptionsError(f"{where}.ablation: zero or mean, got {self.ablation!r}")
+        if not self.k_fractions or any(not 0 < f <= 1 for f in self.k_fractions):
+            raise InterventionOptionsError(f"{where}.k_fractions: each in (0, 1], got {list(self.k_fractions)}")
+        if self.window is not None and self.window < 64:
+            raise InterventionOptionsError(f"{where}.window: at least 64 tokens, got {self.window}")
+        if not 0.0 < self.ci < 1.0:
+            raise InterventionOptionsError(f"{where}.ci: must lie in (0, 1), got {self.ci}")
+
+    def runs_on(self, corpus: str) -> bool:
+        """Whether the study runs on ``corpus`` (``corpora`` unset: on every corpus of the model)."""
+        return self.corpora is None or corpus in self.corpora
+
+    @classmethod
+    def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> InterventionOptions:
+        """Options from a registry entry's ``analysis.interventions`` table and overrides, strictly checked."""
+        table = (analysis or {}).get("interventions") or {}
+        if not isinstance(table, dict):
+            raise InterventionOptionsError(f"analysis.interventions must be a table of options, got {table!r}")
+        return validate_options(cls, {**table, **overrides}, "interventions", InterventionOptionsError)
+
+    def with_(self, **changes: Any) -> InterventionOptions:
+        return replace(self, **changes)
+
+    def record(self, window: int) -> dict[str, Any]:
+        rec = asdict(self)
+        rec["window"] = int(self.window or window)
+        return rec
+
+    def record_json(self, window: int) -> str:
+        return json.dumps(self.record(window), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class PCAOptions:
+    """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
+
+    __pydantic_config__ = STRICT_TABLE
+
+    n_components: PosInt = 10
+    sign_threshold: UnitFloat = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
+    taxonomy_low: UnitFloat = 0.3
+    taxonomy_high: UnitFloat = 0.7
+    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+
+    def __post_init__(self) -> None:
+        if self.n_components < 1:
+            raise ValueError(f"n_components must be >= 1, got {self.n_components}")
+        if not 0 <= self.taxonomy_low <= self.taxonomy_high <= 1:
+            raise ValueError("need 0 <= taxonomy_low <= taxonomy_high <= 1")
+        if self.min_rows < 3:
+            raise ValueError("min_rows must be >= 3 (a Pearson correlation needs 3 rows)")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> PCAOptions:
+        return validate_options(cls, values, "pca")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SEPARATION_AXES = ("centroid", "eigen")
+
+
+@dataclass(frozen=True)
+class RotationOptions:
+    """Options of the planar rotation (SPEC 3); recorded with every output."""
+
+    __pydantic_config__ = STRICT_TABLE
+
+    # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
+    separation: Literal["centroid", "eigen"] = "centroid"
+    complement: Bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
+    complement_pairs: PosInt = 4  # consecutive singular-vector pairs analysed
+    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
+    stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
+    capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
+    allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+
+    def __post_init__(self) -> None:
+        if self.separation not in SEPARATION_AXES:
+            raise ValueError(f"separation must be one of {SEPARATION_AXES}, got {self.separation!r}")
+        if self.complement_pairs < 1:
+            raise ValueError("complement_pairs must be >= 1")
+        if self.min_rows < 3 or self.min_pairs < 1:
+            raise ValueError("min_rows must be >= 3 and min_pairs >= 1")
+        for name in ("stability_min", "capture_min"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
+        return validate_options(cls, values, "rotation")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """Sampling options of a capture (SPEC 1.4-1.6); ``bernoulli_rate`` is expected positions per bucket."""
+
+    __pydantic_config__ = STRICT_TABLE
+
+    heads: PosInt = 300
+    seed: NonNegInt = 0
+    position_sampler: Literal["stratified", "bernoulli"] = "stratified"
+    per_bucket: PosInt = 2  # SPEC 1.6: two keys of one document below query bucket 1 (1 = the thesis's budget)
+    bernoulli_rate: PosFloat = 1.0
+    include_sliding: Bool = False
+    max_docs: PosInt | None = None
+    layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
+    keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
+    # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
+    # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
+    shards: PosInt = 1
+    num_gpus: PosFloat = 1.0
+
+
+#: Every per-model analysis with an options table in a registry entry's ``analysis = { <name> = {...} }``.
+ANALYSIS_OPTIONS: dict[str, type] = {"pca": PCAOptions, "rotation": RotationOptions,
+                                     "plasticity": PlasticityOptions, "interventions": InterventionOptions}

@@ -1,0 +1,91 @@
+"""The geometry pass over a stored capture (SPEC 2, 3): every head read once, its pooled moments computed
+once, PCA and rotation from the same moments; tables per model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qk_core.capture.store import HeadData
+from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.geometry.heads import HeadInputError, HeadItem, head_columns, iter_capture_heads, validate_head
+from qk_core.geometry.moments import KindMoments, kind_moments, pooled_moments
+from qk_core.geometry.pca import pca_head, pca_tables
+from qk_core.geometry.rotation import rotation_head, rotation_tables
+from qk_core.io.storage import Storage
+from qk_core.runtime.blas import blas_threads
+
+
+def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca_options: PCAOptions | None,
+                        rotation_options: RotationOptions | None, keep_points: int = 400, blas: int | None = 1,
+                        progress: Callable[[int, int], None] | None = None) -> dict[str, tuple]:
+    """:func:`run_geometry` over the heads a ``qk_capture`` table lists, read from ``storage`` one at a time:
+    self-contained, so it can run as one task on any worker that reaches the storage root
+    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
+    items = iter_capture_heads(storage, capture)
+    if progress is not None:
+        items = _counted(items, len(capture), progress)
+    with blas_threads(blas):
+        return run_geometry(model, items, pca_options, rotation_options, keep_points=keep_points)
+
+
+def _counted(items: Iterable[HeadItem], total: int, progress: Callable[[int, int], None]) -> Iterator[HeadItem]:
+    for i, item in enumerate(items, 1):
+        progress(i, total)
+        yield item
+
+
+def run_geometry(model: str, heads: Iterable[HeadItem], pca_options: PCAOptions | None,
+                 rotation_options: RotationOptions | None, keep_points: int = 400) -> dict[str, tuple]:
+    """SPEC 2 and/or SPEC 3 in one pass over the heads, each head read once (None skips an analysis).
+
+    The float64 moments of a head are computed once and shared by both analyses; the K-side moments are
+    reused by consecutive query heads of the same KV head (GQA). Results are identical to
+    :func:`qk_core.geometry.pca.run_pca` / :func:`run_rotation`. Returns ``{"pca": (heads, layers, metrics),
+    "rotation": (heads, layers, metrics, points)}`` for the analyses that ran.
+    """
+    pca_rows: list[dict[str, Any]] = []
+    rot_rows: list[dict[str, Any]] = []
+    points: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    mins = [o.min_rows for o in (pca_options, rotation_options) if o is not None]
+    k_cache: tuple[tuple[int, int], KindMoments] | None = None
+    for meta, head in heads:
+        base = head_columns(model, meta, head)
+        moments = None
+        if isinstance(head, HeadData) and mins:
+            try:
+                validate_head(head.q, head.q_pos, head.k, head.k_pos, min(mins))
+                kv = (head.layer, head.kv_head)
+                if k_cache is None or k_cache[0] != kv:
+                    k_cache = (kv, kind_moments(head.k, head.k_pos))
+                moments = pooled_moments(head.q, head.q_pos, head.k, head.k_pos, k_stats=k_cache[1])
+            except HeadInputError:
+                moments = None  # each analysis reports it in its own record
+        if pca_options is not None:
+            pca_rows.append({**base, **pca_head(head, pca_options, moments)})
+        if rotation_options is not None:
+            rec, pts = rotation_head(head, rotation_options, moments, keep_points)
+            rot_rows.append({**base, **rec})
+            if pts is not None:
+                points[(int(meta["layer"]), int(meta["q_head"]))] = pts
+    out: dict[str, tuple] = {}
+    if pca_options is not None:
+        out["pca"] = pca_tables(model, pca_rows, pca_options)
+    if rotation_options is not None:
+        out["rotation"] = (*rotation_tables(model, rot_rows, rotation_options), points)
+    return out
+
+
+def run_rotation(model: str, heads: Iterable[HeadItem], options: RotationOptions | None = None,
+                 keep_points: int = 400) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
+    """SPEC 3 for every head of a model: (per-head table, per-layer/model summary, long metrics, points).
+
+    ``points`` maps (layer, q_head) of every analysed head to up to ``keep_points`` evenly spaced Q and K
+    rows projected on {a, b} (bounded memory, for the plane scatter figure).
+    """
+    out = run_geometry(model, heads, None, options or RotationOptions(), keep_points)
+    return out["rotation"]
