@@ -60,10 +60,9 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -256,9 +255,6 @@ def forward_flops(backbone: Any, n_tokens: int) -> float:
 
 
 # ---- the model's own attention logits at sampled positions ------------------------------------
-_REF: ContextVar[RefProbe | None] = ContextVar("qk_bench_ref", default=None)
-
-
 @dataclass
 class RefProbe:
     """Records, in one forward, what each attention layer was handed and the reference for chosen layers.
@@ -273,10 +269,12 @@ class RefProbe:
     weights: dict[int, np.ndarray] = field(default_factory=dict)
     inputs: dict[int, Any] = field(default_factory=dict)
 
-    def record(self, module: Any, query: Any, key: Any, value: Any, mask: Any, kwargs: dict[str, Any]) -> None:
+    writes: ClassVar[bool] = False  # a read hook of the attention session (qk_core.capture.attention)
+
+    def read(self, module: Any, layer: int, query: Any, key: Any, value: Any, mask: Any,
+             kwargs: dict[str, Any]) -> None:
         import torch
 
-        layer = int(module.layer_idx)
         self.masks[layer] = "None (is_causal)" if mask is None else (
             f"{type(mask).__name__}{tuple(mask.shape)}" if hasattr(mask, "shape") else type(mask).__name__)
         if layer not in self.want:
@@ -297,35 +295,13 @@ class RefProbe:
         self.weights[layer] = w[0].index_select(2, torch.as_tensor(k_pos, device=dev)).cpu().numpy()
 
 
-def _ref_fn(backend: str) -> Callable[..., Any]:
-    from qk_core.capture import hook
-
-    def qk_reference_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any,
-                               **kwargs: Any) -> Any:
-        probe = _REF.get()
-        if probe is not None:
-            probe.record(module, query, key, value, attention_mask, kwargs)
-        fn = hook._backend_fn(backend, module)
-        if "flash" in backend:
-            with hook._impl_name(module.config, backend):
-                return fn(module, query, key, value, attention_mask, *args, **kwargs)
-        return fn(module, query, key, value, attention_mask, *args, **kwargs)
-
-    return qk_reference_attention
-
-
 @contextlib.contextmanager
 def reference_forward(backbone: Any, probe: RefProbe) -> Iterator[None]:
-    """Run the backbone under a reference attention function (registered like the capture one)."""
+    """Run the backbone with ``probe`` as a read hook of its attention session (the capture's own mechanism)."""
     import torch
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
 
-    backend = backbone.config._attn_implementation
-    name = f"qkref_{backend}"
-    AttentionInterface.register(name, _ref_fn(backend))
-    if backend in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[backend])
+    from qk_core.capture.attention import attach
+
     hooks = []
     for layer in probe.want:
         attn = backbone.layers[layer].self_attn
@@ -335,13 +311,10 @@ def reference_forward(backbone: Any, probe: RefProbe) -> Iterator[None]:
             probe.inputs[layer] = h[0].index_select(0, torch.as_tensor(probe.want[layer][0], device=h.device))
 
         hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-    backbone.set_attn_implementation(name)
-    token = _REF.set(probe)
     try:
-        yield
+        with attach(backbone, probe):
+            yield
     finally:
-        _REF.reset(token)
-        backbone.set_attn_implementation(backend)
         for h in hooks:
             h.remove()
 

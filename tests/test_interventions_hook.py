@@ -58,10 +58,10 @@ def test_empty_head_set_is_bit_identical(fam_model: tuple[str, Any, Any, torch.T
     plain = logits(model, ids)
     for iv in (Intervention(), Intervention("ablate", (), "zero"), Intervention("debias", ())):
         with InterventionSession(backbone, iv):
-            assert backbone.config._attn_implementation.startswith("qkinterv_")
+            assert backbone.config._attn_implementation.startswith("qk_")
             got = logits(model, ids)
         assert torch.equal(got, plain), f"{fam}: {iv.kind} with no heads changed the outputs"
-    assert not backbone.config._attn_implementation.startswith("qkinterv_")
+    assert not backbone.config._attn_implementation.startswith("qk_")
 
 
 @pytest.mark.parametrize("mode", ["zero", "mean"])

@@ -19,8 +19,8 @@ from qk_core.config.options import InterventionOptions
 from qk_core.interventions.head_sets import HEADSET_STREAM, head_sets, k_values, matched_draw
 from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.interventions.model import backbone_of
+from qk_core.interventions.outcomes import contrast, summarise
 from qk_core.interventions.probe import NEEDLE, ProbeError, build_trial, candidate_ids, score_trial, trial_outcome
-from qk_core.interventions.study import contrast, summarise
 from qk_core.stats.bootstrap import mean_interval
 from qk_core.stats.intervals import wilson
 

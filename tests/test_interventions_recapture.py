@@ -19,7 +19,7 @@ from qk_core.capture.store import CaptureError, CaptureReader
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
 from qk_core.geometry.rotation import analyse_rotation
-from qk_core.interventions.hook import DebiasAxis, Intervention
+from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.io.storage import Storage
 from qk_core.models.loading import load_model
 
@@ -53,7 +53,8 @@ def test_recapture_under_debias_has_zero_bias(fam: str, tmp_path: Path, corpus_f
     assert abs(before.bias_strength) > 1e-4, f"{fam}: the tiny head has no bias to remove"
     iv = Intervention("debias", ((layer, head),),
                       axes={(layer, head): DebiasAxis(before.a, before.alpha_k, float(hd.k_pos.mean()))})
-    re = capture_model(entry, docs, storage, loaded=loaded, intervention=iv, heads=[(layer, head), (layer, 0)])
+    re = capture_model(entry, docs, storage, loaded=loaded, intervention=InterventionSession(loaded.backbone, iv),
+                       heads=[(layer, head), (layer, 0)])
     assert re.prefix != base.prefix and not re.already_complete
     reader = CaptureReader(storage, re.prefix)
     plan = {(h["layer"], h["q_head"]): h["kv_head"] for h in re.manifest["heads"]}
@@ -69,4 +70,5 @@ def test_recapture_under_debias_has_zero_bias(fam: str, tmp_path: Path, corpus_f
     # a capture cannot run under per-prompt mean ablation
     with pytest.raises(CaptureError, match="mean ablation"):
         mean = Intervention("ablate", ((layer, head),), "mean", means={(layer, head): np.zeros(16)})
-        capture_model(entry, docs, storage, loaded=loaded, heads=[(layer, head)], intervention=mean)
+        capture_model(entry, docs, storage, loaded=loaded, heads=[(layer, head)],
+                      intervention=InterventionSession(loaded.backbone, mean))

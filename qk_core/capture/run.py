@@ -133,14 +133,16 @@ def _software() -> dict[str, str]:
 
 # ---- layers and heads ------------------------------------------------------------------------
 def _under(loaded: LoadedModel, intervention: Any) -> contextlib.AbstractContextManager[Any]:
-    """The intervention session (inside a capture session: it runs first, the capture sees its result)."""
+    """The write hook a capture runs under (SPEC 11.3), attached to the backbone's attention session beside
+    the capture: it runs first, the capture sees its result."""
     if intervention is None:
         return contextlib.nullcontext()
-    from qk_core.interventions.hook import InterventionSession
+    from qk_core.capture.attention import attach  # torch loads only when capture runs
 
-    if intervention.kind == "ablate" and intervention.mode == "mean":
-        raise CaptureError("a capture cannot run under mean ablation (the means are per prompt); use zero")
-    return InterventionSession(loaded.backbone, intervention)
+    problem = intervention.capture_problem()
+    if problem:
+        raise CaptureError(problem)
+    return attach(loaded.backbone, intervention)
 
 
 def probe_layers(loaded: LoadedModel, include_sliding: bool, intervention: Any = None) -> list[LayerInfo]:
@@ -266,7 +268,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     One shard of a capture (:mod:`qk_core.capture.sharded`): ``only_docs`` restricts the documents this
     call forwards (the capture's identity stays the whole corpus), ``finalize=False`` leaves the
     fan-out to whoever commits the last shard; the result then holds no row counts (``heads`` with 0).
-    ``intervention`` (a :class:`qk_core.interventions.hook.Intervention`) is active during every forward
+    ``intervention`` (a write hook of :mod:`qk_core.capture.attention` with ``identity()`` and
+    ``capture_problem()``, e.g. :class:`qk_core.interventions.hook.InterventionSession`) is active during every forward
     and ``heads`` replaces the head sampler: the recapture of SPEC 11.3. Both enter the fingerprint.
     Under ``debias`` a layer's kernel gets one key head per query head, so there kv_head = q_head.
     """

@@ -1,11 +1,8 @@
-"""Head interventions through an attention function registered in AttentionInterface (SPEC 11.2).
+"""Head interventions: a write hook on the backbone's attention session (SPEC 11.2).
 
-Like the capture function (:mod:`qk_core.capture.hook`), one function is registered per backend under
-``qkinterv_<backend>`` (with that backend's mask builder), and an :class:`InterventionSession` only
-switches the text backbone's attention implementation to it and back. No modeling file is copied and no
-module forward is patched. The function wraps whatever implementation was active when the session
-started, so it composes with the capture: entered inside a :class:`~qk_core.capture.hook.CaptureSession`
-it runs first and hands the capture exactly what the kernel then sees (``qkinterv_qkcapture_sdpa``).
+An :class:`InterventionSession` rides on :mod:`qk_core.capture.attention`, like the capture: write hooks
+run before the read hooks, so a capture active at the same time sees exactly what the kernel then sees.
+No modeling file is copied and no module forward is patched.
 
 - ``ablate`` replaces a chosen head's attention output (before the output projection) by zero or by a
   given mean vector (the head's mean over the baseline run's positions, recorded with ``record_means``).
@@ -19,18 +16,13 @@ it runs first and hands the capture exactly what the kernel then sees (``qkinter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from qk_core.capture.hook import _backend_fn, _impl_name, register_wrapper
-
-PREFIX = "qkinterv_"
-_ACTIVE: ContextVar[InterventionSession | None] = ContextVar("qk_intervention_session", default=None)
+from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 
 Kind = Literal["none", "ablate", "debias"]
 
@@ -92,69 +84,19 @@ class Intervention:
         return ident
 
 
-def intervention_impl_name(inner: str) -> str:
-    return f"{PREFIX}{inner}"
-
-
-@contextlib.contextmanager
-def _kv_groups(module: torch.nn.Module, groups: int) -> Iterator[None]:
-    had = hasattr(module, "num_key_value_groups")
-    saved = getattr(module, "num_key_value_groups", None)
-    module.num_key_value_groups = groups
-    try:
-        yield
-    finally:
-        if had:
-            module.num_key_value_groups = saved
-        else:
-            del module.num_key_value_groups
-
-
-def _make_fn(inner: str) -> Callable[..., Any]:
-    def qk_intervention_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                  value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        fn = _backend_fn(inner, module)
-
-        def call(k: torch.Tensor, v: torch.Tensor) -> Any:
-            if "flash" in inner:
-                with _impl_name(module.config, inner):
-                    return fn(module, query, k, v, attention_mask, *args, **kwargs)
-            return fn(module, query, k, v, attention_mask, *args, **kwargs)
-
-        session = _ACTIVE.get()
-        if session is None or id(module) not in session.module_ids:
-            return call(key, value)
-        layer = int(getattr(module, "layer_idx", -1))
-        debias = session.debias.get(layer)
-        if debias:
-            key, value = session.debiased_kv(layer, module, query, key, value, kwargs, debias)
-            with _kv_groups(module, 1):
-                out = call(key, value)
-        else:
-            out = call(key, value)
-        return session.edit_output(layer, out)
-
-    qk_intervention_attention.__qualname__ = f"qk_intervention_attention[{inner}]"
-    return qk_intervention_attention
-
-
-def ensure_registered(inner: str) -> str:
-    """Register the intervention function wrapping ``inner`` (and ``inner``'s mask builder); return its name."""
-    return register_wrapper(intervention_impl_name(inner), inner, _make_fn)
-
-
-class InterventionSession:
+class InterventionSession(AttentionHook):
     """Applies one :class:`Intervention` to a text backbone while active (a context manager).
 
     With ``record_means`` the session also accumulates, per layer, each head's attention output summed
     over positions while :attr:`recording` is true (:meth:`head_means` returns the means).
     """
 
+    writes = True
+
     def __init__(self, backbone: torch.nn.Module, intervention: Intervention | None = None,
                  record_means: bool = False):
         self.backbone = backbone
         self.intervention = intervention or Intervention()
-        self.module_ids = {id(m) for m in backbone.modules()}
         iv = self.intervention
         self.ablate = iv.by_layer() if iv.kind == "ablate" else {}
         self.debias = iv.by_layer() if iv.kind == "debias" else {}
@@ -166,33 +108,39 @@ class InterventionSession:
         self.recording = record_means
         self._sums: dict[int, torch.Tensor] = {}
         self._counts: dict[int, int] = {}
-        self._token = None
-        self._saved_impl: str | None = None
+        self._stack = contextlib.ExitStack()
         self._axes: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def __enter__(self) -> InterventionSession:
-        if _ACTIVE.get() is not None:
-            raise InterventionError("an intervention session is already active in this context")
-        current = self.backbone.config._attn_implementation
-        if current is None or current.startswith(PREFIX):
-            raise InterventionError(f"unexpected attention implementation {current!r} on the backbone")
-        name = ensure_registered(current)
-        self._saved_impl = current
-        self.backbone.set_attn_implementation(name)
-        if self.backbone.config._attn_implementation != name:
-            self.backbone.set_attn_implementation(current)
-            raise InterventionError(f"{type(self.backbone).__name__} does not dispatch attention through "
-                                    "AttentionInterface; heads cannot be intervened on")
-        self._token = _ACTIVE.set(self)
+        self._stack = contextlib.ExitStack()
+        try:
+            self._stack.enter_context(attach(self.backbone, self))
+        except AttentionHookError as exc:
+            raise InterventionError(f"{exc}; heads cannot be intervened on") from exc
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            _ACTIVE.reset(self._token)
-            self._token = None
-        if self._saved_impl is not None:
-            self.backbone.set_attn_implementation(self._saved_impl)
-            self._saved_impl = None
+        self._stack.close()
+
+    def identity(self) -> dict[str, Any]:
+        """The intervention's description (part of a capture's fingerprint when one runs under it)."""
+        return self.intervention.identity()
+
+    def capture_problem(self) -> str | None:
+        """Why a capture cannot run under this intervention, or None."""
+        iv = self.intervention
+        if iv.kind == "ablate" and iv.mode == "mean":
+            return "a capture cannot run under mean ablation (the means are per prompt); use zero"
+        return None
+
+    # ---- the hook -----------------------------------------------------------------------------------
+    def edit_kv(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        heads = self.debias.get(layer)
+        if not heads:
+            return key, value, None
+        key, value = self.debiased_kv(layer, module, query, key, value, kwargs, heads)
+        return key, value, 1  # one key head per query head: the backend must not repeat them again
 
     # ---- debias ------------------------------------------------------------------------------------
     def _axis(self, layer: int, h: int, device: torch.device) -> torch.Tensor:
@@ -227,7 +175,7 @@ class InterventionSession:
         return key, value
 
     # ---- ablate and mean recording -----------------------------------------------------------------
-    def edit_output(self, layer: int, out: Any) -> Any:
+    def edit_output(self, module: torch.nn.Module, layer: int, out: Any) -> Any:
         heads = self.ablate.get(layer)
         if not heads and not self.recording:
             return out

@@ -15,7 +15,7 @@ from qk_core.capture.run import capture_model
 from qk_core.capture.store import CaptureReader
 from qk_core.config.options import PlasticityOptions
 from qk_core.geometry.rotation import analyse_rotation
-from qk_core.interventions.hook import DebiasAxis, Intervention
+from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.io.storage import Storage
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.analysis import analyse_head
@@ -52,7 +52,8 @@ def remeasure(entry: Any, corpus: pd.DataFrame, storage: Storage, loaded: Any, h
     iv = Intervention("debias", heads, axes={h: axes[h] for h in heads})
     caps = {"baseline": capture_model(e, corpus, storage, loaded=loaded, heads=list(heads), log=log,
                                       corpus_name=corpus_name),
-            "debias": capture_model(e, corpus, storage, loaded=loaded, heads=list(heads), intervention=iv,
+            "debias": capture_model(e, corpus, storage, loaded=loaded, heads=list(heads),
+                                    intervention=InterventionSession(loaded.backbone, iv),
                                     log=log, corpus_name=corpus_name)}
     L, B = int(entry.window), int(entry.bucket)
     tau = agg.bucket_tau(L, B)

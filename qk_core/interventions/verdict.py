@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.config.options import InterventionOptions
+from qk_core.interventions.outcomes import contrast
 from qk_core.stats.intervals import wilson
 
 FAR = 0.5  # depths below this are "distant": the needle sits in the first half of the prompt
@@ -60,7 +61,6 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
              head_sets: pd.DataFrame | None = None) -> pd.DataFrame:
     """H1 per (intervention, k) and H2 per k; ``head_sets`` (the study's head set table) adds the overlap of
     the random sets with `lowest` to H1."""
-    from qk_core.interventions.study import contrast
 
     rows = []
     far = trials[trials["depth"] < FAR]
