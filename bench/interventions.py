@@ -31,7 +31,7 @@ import pandas as pd  # noqa: E402
 
 from qk_core.capture import capture_model  # noqa: E402
 from qk_core.capture.store import CaptureReader  # noqa: E402
-from qk_core.config.options import InterventionOptions, PlasticityOptions  # noqa: E402
+from qk_core.config.options import InterventionOptions, resolve_options  # noqa: E402
 from qk_core.config.registry import load_registry  # noqa: E402
 from qk_core.corpus.build import build_corpus  # noqa: E402
 from qk_core.geometry.driver import run_rotation  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> None:
     t0 = time.perf_counter()
     loaded = load_model(entry, "cpu", with_head=True)
     times["load_s"] = time.perf_counter() - t0
-    popts = PlasticityOptions.from_analysis(entry.analysis)
+    popts = resolve_options("plasticity", entry.analysis)
     if args.from_storage:  # a finished demo's capture and its plasticity_heads / rotation_heads assets
         src = Path(args.from_storage)
         prefix = f"captures/{args.model}/{args.capture_id}"

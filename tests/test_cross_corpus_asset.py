@@ -59,7 +59,8 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
                            partition_key=str(pair_key(MODEL, corpus)), resources=resources, instance=inst).success
         assert materialize(defs, selection=list(plasticity.keys), partition_key=str(pair_key(MODEL, corpus)),
                            resources=resources, instance=inst,
-                           run_config={"ops": {"plasticity": {"config": {"pairs_per_bucket": 128}}}}).success
+                           run_config={"ops": {"plasticity": {"config": {"options": {
+                               "plasticity": {"pairs_per_bucket": 128}}}}}}).success
     out = {}
     for model in (MODEL, "qwen3-8b"):
         result = materialize(defs, selection=[AssetKey(k) for k in CROSS], partition_key=model, resources=resources,

@@ -33,7 +33,8 @@ PRIMACY = HeadSpec(q=CloudSpec(slope=3e-3, m_a=2.0, m_b=-1.5, sigma=0.4, content
 
 
 # smollm2-135m has a head with NaN vectors and one without files: opting into partial results (issue 14)
-PARTIAL = {"ops": {"geometry": {"config": {"pca_allow_partial": True, "rotation_allow_partial": True}}}}
+PARTIAL = {"ops": {"geometry": {"config": {"options": {"pca": {"allow_partial": True},
+                                                         "rotation": {"allow_partial": True}}}}}}
 
 
 def heads_for(model: str) -> list[SyntheticHead]:
@@ -170,8 +171,8 @@ def test_subset_and_run_config_options(tmp_path: Path) -> None:
     storage, resources, capture_stand_in = stage_synthetic_models(
         tmp_path / "storage", {"smollm2-135m": heads_for("gemma3-270m")[:4]}, d=D, window=WINDOW, bucket=BUCKET,
         per_bucket=PER_BUCKET, doc_tokens=DOCS)
-    config = {"ops": {"geometry": {"config": {"rotation_separation": "eigen", "rotation_complement": True,
-                                              "rotation_complement_pairs": 2}}}}
+    config = {"ops": {"geometry": {"config": {"options": {"rotation": {
+        "separation": "eigen", "complement": True, "complement_pairs": 2}}}}}}
     result = materialize([capture_stand_in, geometry], selection=[AssetKey(k) for k in ("rotation_heads",
                          "rotation_metrics")], partition_key=pair("smollm2-135m"), run_config=config,
                          resources=resources, instance=partitions_instance(["smollm2-135m"]))

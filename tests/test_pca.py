@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from synthetic import CloudSpec, HeadSpec, plant_head, random_orthogonal
 
-from qk_core.config.options import PCAOptions
+from qk_core.config.options import PCAOptions, resolve_options
 from qk_core.geometry.heads import HeadInputError
 from qk_core.geometry.pca import TAXONOMY, analyse_pca, classify, components_of, pca_record, sign_flips
 
@@ -162,9 +162,9 @@ def test_bad_heads_raise_a_named_status() -> None:
 
 
 def test_options_validate_names() -> None:
-    assert PCAOptions.from_dict({"n_components": 4}).n_components == 4
+    assert resolve_options("pca", {"pca": {"n_components": 4}}).n_components == 4
     with pytest.raises(ValueError, match="n_componets"):
-        PCAOptions.from_dict({"n_componets": 4})
+        resolve_options("pca", {"pca": {"n_componets": 4}})
 
 
 def test_blas_thread_limit_is_scoped_and_leaves_results_unchanged() -> None:

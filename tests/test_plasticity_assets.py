@@ -48,7 +48,8 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
     for model in MODELS:
         results[model] = materialize([capture_stand_in, plasticity], selection=[AssetKey(k) for k in outs],
                                      partition_key=pair(model), resources=resources, instance=inst,
-                                     run_config={"ops": {"plasticity": {"config": {"allow_partial": True}}}})
+                                     run_config={"ops": {"plasticity": {"config": {"options": {
+                                         "plasticity": {"allow_partial": True}}}}}})
         assert results[model].success
     cross = materialize([capture_stand_in, plasticity, plasticity_deciles],
                         selection=[AssetKey("plasticity_deciles")], resources=resources, instance=inst)
@@ -162,6 +163,7 @@ def test_cross_model_deciles(materialised) -> None:
 
 def test_registry_analysis_table_overrides_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import qk_assets.assets.plasticity as mod
+    import qk_assets.options as options_mod
     from qk_core.config.registry import load_registry
 
     reg = tmp_path / "registry.toml"
@@ -177,10 +179,11 @@ window = 4096
 corpus = "c"
 analysis = { plasticity = { pairs_per_bucket = 128, covariance = "diagonal" }, pca = { n_components = 3 } }
 """)
-    monkeypatch.setattr(mod, "registry", lambda: load_registry(reg))
+    monkeypatch.setattr(options_mod, "registry", lambda: load_registry(reg))
     opts = mod.plasticity_options("m")
     assert opts.pairs_per_bucket == 128 and opts.covariance == "diagonal" and opts.bootstrap == 200
-    assert mod.plasticity_options("m", {"bootstrap": 10}).bootstrap == 10
+    cfg = options_mod.AnalysisConfig(options={"plasticity": {"bootstrap": 10}})
+    assert mod.plasticity_options("m", cfg).bootstrap == 10
     assert mod.plasticity_options("not-in-registry").pairs_per_bucket == 1024
 
 

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from qk_core.capture.store import HeadData
-from qk_core.config.options import PlasticityOptions, PlasticityOptionsError
+from qk_core.config.options import PlasticityOptions, PlasticityOptionsError, resolve_options
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity import analyse_head
 from qk_core.plasticity.heatmap import HeatmapAccumulator
@@ -491,14 +491,14 @@ def test_head_with_no_usable_bucket_and_unfit_queries() -> None:
 
 
 def test_options_from_registry_analysis_table() -> None:
-    opts = PlasticityOptions.from_analysis({"plasticity": {"pairs_per_bucket": 64, "length_bin_edges": [0, 4096, 8192]},
-                                            "pca": {"n_components": 4}})
+    opts = resolve_options("plasticity", {"plasticity": {"pairs_per_bucket": 64, "length_bin_edges": [0, 4096, 8192]},
+                                          "pca": {"n_components": 4}})
     assert opts.pairs_per_bucket == 64 and opts.length_bin_edges == (0, 4096, 8192)
-    assert PlasticityOptions.from_analysis(None) == PlasticityOptions()
+    assert resolve_options("plasticity", None) == PlasticityOptions()
     rec = opts.record(4096, 256)
     assert rec["L"] == 4096 and rec["B"] == 256 and rec["n_buckets"] == 16 and rec["heatmap_bin"] == 256
     with pytest.raises(PlasticityOptionsError, match="unknown plasticity options"):
-        PlasticityOptions.from_analysis({"plasticity": {"pairs": 3}})
+        resolve_options("plasticity", {"plasticity": {"pairs": 3}})
     with pytest.raises(PlasticityOptionsError, match="covariance"):
         PlasticityOptions(covariance="banded")
 

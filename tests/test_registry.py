@@ -176,17 +176,19 @@ def test_local_path_with_braces(tmp_path: Path) -> None:
 
 def test_run_config_overrides_use_the_same_schema() -> None:
     """Registry table < run config, both checked strictly (PCA, rotation, plasticity options)."""
-    from qk_core.config.options import PCAOptions, PlasticityOptions, PlasticityOptionsError, RotationOptions
+    from qk_core.config.options import PlasticityOptionsError, resolve_options
 
-    assert PlasticityOptions.from_analysis({"plasticity": {"seed": 1}}, seed=3).seed == 3
+    assert resolve_options("plasticity", {"plasticity": {"seed": 1}}, {"seed": 3}).seed == 3
     with pytest.raises(PlasticityOptionsError, match=r"'keep_pairs'.*valid boolean"):
-        PlasticityOptions.from_analysis({}, keep_pairs="false")
+        resolve_options("plasticity", {}, {"keep_pairs": "false"})
     with pytest.raises(PlasticityOptionsError, match=r"'pairs_per_bucket'.*greater"):
-        PlasticityOptions.from_analysis({"plasticity": {"pairs_per_bucket": 4}}, pairs_per_bucket=-1)
+        resolve_options("plasticity", {"plasticity": {"pairs_per_bucket": 4}}, {"pairs_per_bucket": -1})
     with pytest.raises(ValueError, match=r"'n_components'.*valid integer"):
-        PCAOptions.from_dict({"n_components": "3"})
+        resolve_options("pca", None, {"n_components": "3"})
     with pytest.raises(ValueError, match="'separation'"):
-        RotationOptions.from_dict({"separation": "centriod"})
+        resolve_options("rotation", {"rotation": {"separation": "centriod"}})
+    with pytest.raises(ValueError, match="unknown analysis 'pcaa'"):
+        resolve_options("pcaa")
 
 
 def test_registry_that_is_not_utf8_names_the_file(tmp_path: Path) -> None:
@@ -214,18 +216,21 @@ def test_asset_run_config_is_checked_with_the_registry_table(tmp_path: Path, mon
     from qk_assets import partitions
     from qk_assets.assets.geometry import GeometryConfig, resolve_options
     from qk_assets.assets.plasticity import plasticity_options
+    from qk_assets.options import AnalysisConfig
     from qk_core.config.options import PlasticityOptionsError
 
     partitions.registry.cache_clear()
     try:
-        pca, rot = resolve_options("m", GeometryConfig(rotation_separation="eigen"))
+        pca, rot = resolve_options("m", GeometryConfig(options={"rotation": {"separation": "eigen"}}))
         assert (pca.n_components, rot.separation) == (4, "eigen")
         with pytest.raises(ValueError, match=r"pca options: field 'n_components': Input should be greater than"):
-            resolve_options("m", GeometryConfig(pca_n_components=0))
+            resolve_options("m", GeometryConfig(options={"pca": {"n_components": 0}}))
         with pytest.raises(ValueError, match=r"rotation options: field 'separation'"):
-            resolve_options("m", GeometryConfig(rotation_separation="centriod"))
-        assert plasticity_options("m", {"seed": 2}).bootstrap == 7
+            resolve_options("m", GeometryConfig(options={"rotation": {"separation": "centriod"}}))
+        with pytest.raises(ValueError, match=r"\['plasticity'\] not read by this asset"):
+            resolve_options("m", GeometryConfig(options={"plasticity": {"seed": 1}}))
+        assert plasticity_options("m", AnalysisConfig(options={"plasticity": {"seed": 2}})).bootstrap == 7
         with pytest.raises(PlasticityOptionsError, match=r"field 'bootstrap'.*greater than or equal to 0"):
-            plasticity_options("m", {"bootstrap": -1})
+            plasticity_options("m", AnalysisConfig(options={"plasticity": {"bootstrap": -1}}))
     finally:
         partitions.registry.cache_clear()

@@ -43,7 +43,7 @@ from qk_assets.metadata import table_value
 from qk_assets.partitions import model_partitions, pair_key, registry
 from qk_assets.resources import StorageResource
 from qk_core.capture.store import CaptureError, CaptureReader
-from qk_core.config.options import PlasticityOptions
+from qk_core.config.options import resolve_options
 from qk_core.cross_corpus.compare import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
 from qk_core.io.storage import Storage, StorageError
 
@@ -124,7 +124,7 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
             context.log.warning(f"cross_corpus {model}: {corpus}: {why}")
         else:
             inputs.append(inp)
-    popts = PlasticityOptions.from_analysis(entry.analysis)
+    popts = resolve_options("plasticity", entry.analysis)
     opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci)
     res = compare_corpora(model, inputs, opts, missing)
     figures = _figures(res, model)

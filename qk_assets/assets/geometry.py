@@ -19,7 +19,6 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
-    Config,
     MetadataValue,
     Output,
     multi_asset,
@@ -28,7 +27,8 @@ from dagster import (
 from qk_assets.automation import PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
-from qk_assets.partitions import model_corpus_partitions, registry, split_key
+from qk_assets.options import AnalysisConfig, analysis_options
+from qk_assets.partitions import model_corpus_partitions, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.config.options import PCAOptions, RotationOptions
@@ -46,43 +46,17 @@ OUT = {"group_name": GROUP, "kinds": {"parquet"}, "is_required": False,
        "automation_condition": PER_PAIR}
 
 
-class GeometryConfig(Config):
-    """Run-time overrides; unset (None) fields keep the registry / default values."""
+class GeometryConfig(AnalysisConfig):
+    """Run config: ``options`` for ``pca`` and ``rotation`` (as in the registry), and how the pass runs."""
 
-    pca_n_components: int | None = None
-    pca_sign_threshold: float | None = None
-    pca_min_rows: int | None = None
-    rotation_separation: str | None = None  # "centroid" (default) or "eigen"
-    rotation_complement: bool | None = None
-    rotation_complement_pairs: int | None = None
-    rotation_min_rows: int | None = None
-    rotation_min_pairs: int | None = None
-    pca_allow_partial: bool | None = None  # publish PCA outputs although heads could not be read/analysed
-    rotation_allow_partial: bool | None = None
     plane_points: int = 400  # Q and K rows per head kept for the {a, b}-plane figure
     blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
 
 
-def analysis_overrides(model_key: str, section: str) -> dict:
-    """The registry's ``analysis.<section>`` table of a model ({} when absent or not in the registry)."""
-    reg = registry()
-    if model_key not in reg.models:
-        return {}
-    raw = reg.model(model_key).analysis.get(section, {})
-    if not isinstance(raw, dict):
-        raise ValueError(f"{reg.path}: model '{model_key}', field 'analysis.{section}' must be a table")
-    return dict(raw)
-
-
 def resolve_options(model_key: str, config: GeometryConfig) -> tuple[PCAOptions, RotationOptions]:
     """Defaults < registry ``analysis.pca`` / ``analysis.rotation`` < run config."""
-    values = config.model_dump()
-    picked = {}
-    for section in ("pca", "rotation"):
-        prefix = f"{section}_"
-        run = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix) and v is not None}
-        picked[section] = {**analysis_overrides(model_key, section), **run}
-    return PCAOptions.from_dict(picked["pca"]), RotationOptions.from_dict(picked["rotation"])
+    pca, rotation = analysis_options(model_key, config, "pca", "rotation")
+    return pca, rotation
 
 
 def units_table(units: dict[str, str]) -> MetadataValue:

@@ -24,24 +24,14 @@ the outputs are empty - the verdicts say why in one row - and no model is loaded
 """
 
 import pandas as pd
-from dagster import AssetExecutionContext, AssetIn, AssetOut, Config, Failure, MetadataValue, Output, multi_asset
+from dagster import AssetExecutionContext, AssetIn, AssetOut, Failure, MetadataValue, Output, multi_asset
 
 from qk_assets.figures import save_figures
+from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
 
 GROUP = "interventions"
-
-
-class InterventionConfig(Config):
-    """Run-time overrides of the study options; unset fields keep the registry / default values."""
-
-    n_docs: int | None = None
-    depths: list[float] | None = None
-    repeats: int | None = None
-    random_sets: int | None = None
-    k_fractions: list[float] | None = None
-    remeasure: bool | None = None
 
 
 def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
@@ -77,12 +67,12 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
     pool="gpu",
     can_subset=False,
 )
-def interventions(context: AssetExecutionContext, config: InterventionConfig, storage: StorageResource,
+def interventions(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,
                   device: TorchDeviceResource, qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
                   rotation_heads: pd.DataFrame, corpus: pd.DataFrame):
     """SPEC 11 on one model: probe, ablate / debias head sets, contrast, plasticity under debias."""
     from qk_core.capture.store import CaptureError
-    from qk_core.config.options import InterventionOptions, PlasticityOptions
+    from qk_core.config.options import resolve_options
     from qk_core.interventions.study import run_study
     from qk_core.models.loading import load_model
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
@@ -93,12 +83,11 @@ def interventions(context: AssetExecutionContext, config: InterventionConfig, st
         raise Failure(description=(
             f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
             f"lists {list(entry.corpora)})"))
-    overrides = {k: v for k, v in config.model_dump().items() if v is not None}
-    opts = InterventionOptions.from_analysis(entry.analysis, **overrides)
+    (opts,) = analysis_options(model, config, "interventions")
     if not opts.runs_on(corpus_name):
         yield from _not_run(model, corpus_name, opts)
         return
-    popts = PlasticityOptions.from_analysis(entry.analysis)
+    popts = resolve_options("plasticity", entry.analysis)
     prefixes = sorted(set(qk_capture["capture_prefix"].astype(str))) if len(qk_capture) else []
     if len(prefixes) != 1:
         raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")

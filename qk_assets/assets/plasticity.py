@@ -31,7 +31,6 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
-    Config,
     MetadataValue,
     Output,
     asset,
@@ -41,6 +40,7 @@ from dagster import (
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
+from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
@@ -62,22 +62,10 @@ UNITS = {
 }
 
 
-class PlasticityConfig(Config):
-    """Run-time overrides of the plasticity options; unset fields keep the registry / default values."""
-
-    pairs_per_bucket: int | None = None
-    covariance: str | None = None
-    bootstrap: int | None = None
-    seed: int | None = None
-    keep_pairs: bool | None = None
-    allow_partial: bool | None = None  # publish outputs although heads could not be read or analysed
-
-
-def plasticity_options(model_key: str, overrides: dict | None = None) -> PlasticityOptions:
-    """Defaults < the registry's ``analysis.plasticity`` table < ``overrides`` (SPEC 4 options)."""
-    reg = registry()
-    analysis = reg.model(model_key).analysis if model_key in reg.models else {}
-    return PlasticityOptions.from_analysis(analysis, **(overrides or {}))
+def plasticity_options(model_key: str, config: AnalysisConfig | None = None) -> PlasticityOptions:
+    """Defaults < the registry's ``analysis.plasticity`` table < run config (SPEC 4 options)."""
+    (opts,) = analysis_options(model_key, config, "plasticity")
+    return opts
 
 
 def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
@@ -111,12 +99,11 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
     partitions_def=model_corpus_partitions(),
     can_subset=False,
 )
-def plasticity(context: AssetExecutionContext, config: PlasticityConfig, storage: StorageResource,
+def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,
                ray: RayClusterResource, qk_capture: pd.DataFrame):
     """Attention plasticity of every sampled head of one model (SPEC 4), with figures (SPEC 7)."""
     model, corpus = split_key(context.partition_key)
-    overrides = {k: v for k, v in config.model_dump().items() if v is not None}
-    opts = plasticity_options(model, overrides)
+    opts = plasticity_options(model, config)
     store = storage.get()
     if qk_capture.empty:
         raise CaptureError(f"{model}: the capture lists no heads")

@@ -14,10 +14,21 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from qk_core.config.schema import STRICT_TABLE, Bool, NonNegInt, PosFloat, PosInt, Str, UnitFloat, validate_options
+from qk_core.config.schema import (
+    STRICT_TABLE,
+    Bool,
+    NonNegInt,
+    OptionsError,
+    PosFloat,
+    PosInt,
+    Str,
+    UnitFloat,
+    validate_options,
+)
 
 COVARIANCES = ("full", "diagonal")
 #: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
@@ -87,15 +98,6 @@ class PlasticityOptions:
             raise PlasticityOptionsError("ruler_lengths must be benchmark lengths >= 2 tokens")
         if self.heatmap_bin is not None and self.heatmap_bin < 1:
             raise PlasticityOptionsError("heatmap_bin must be >= 1 token")
-
-    @classmethod
-    def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> PlasticityOptions:
-        """Options from a registry entry's ``analysis`` table (its ``plasticity`` sub-table) and overrides,
-        strictly checked (:mod:`qk_core.config.schema`)."""
-        table = (analysis or {}).get("plasticity", {})
-        if not isinstance(table, dict):
-            raise PlasticityOptionsError(f"analysis.plasticity must be a table of options, got {table!r}")
-        return validate_options(cls, {**table, **overrides}, "plasticity", PlasticityOptionsError)
 
     def with_(self, **changes: Any) -> PlasticityOptions:
         return replace(self, **changes)
@@ -208,14 +210,6 @@ class InterventionOptions:
         """Whether the study runs on ``corpus`` (``corpora`` unset: on every corpus of the model)."""
         return self.corpora is None or corpus in self.corpora
 
-    @classmethod
-    def from_analysis(cls, analysis: dict[str, Any] | None, **overrides: Any) -> InterventionOptions:
-        """Options from a registry entry's ``analysis.interventions`` table and overrides, strictly checked."""
-        table = (analysis or {}).get("interventions") or {}
-        if not isinstance(table, dict):
-            raise InterventionOptionsError(f"analysis.interventions must be a table of options, got {table!r}")
-        return validate_options(cls, {**table, **overrides}, "interventions", InterventionOptionsError)
-
     def with_(self, **changes: Any) -> InterventionOptions:
         return replace(self, **changes)
 
@@ -248,10 +242,6 @@ class PCAOptions:
             raise ValueError("need 0 <= taxonomy_low <= taxonomy_high <= 1")
         if self.min_rows < 3:
             raise ValueError("min_rows must be >= 3 (a Pearson correlation needs 3 rows)")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> PCAOptions:
-        return validate_options(cls, values, "pca")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -287,10 +277,6 @@ class RotationOptions:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> RotationOptions:
-        return validate_options(cls, values, "rotation")
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -319,3 +305,17 @@ class CaptureOptions:
 #: Every per-model analysis with an options table in a registry entry's ``analysis = { <name> = {...} }``.
 ANALYSIS_OPTIONS: dict[str, type] = {"pca": PCAOptions, "rotation": RotationOptions,
                                      "plasticity": PlasticityOptions, "interventions": InterventionOptions}
+_ERRORS: dict[str, type[ValueError]] = {"plasticity": PlasticityOptionsError, "interventions": InterventionOptionsError}
+
+
+def resolve_options(name: str, analysis: Mapping[str, Any] | None = None,
+                    overrides: Mapping[str, Any] | None = None) -> Any:
+    """The options of analysis ``name``: defaults < the registry entry's ``analysis.<name>`` table < run-config
+    ``overrides``, strictly checked against one schema (the one precedence rule of the platform)."""
+    if name not in ANALYSIS_OPTIONS:
+        raise OptionsError(f"unknown analysis {name!r}; known: {sorted(ANALYSIS_OPTIONS)}")
+    error = _ERRORS.get(name, OptionsError)
+    table = (analysis or {}).get(name) or {}
+    if not isinstance(table, Mapping):
+        raise error(f"analysis.{name} must be a table of options, got {table!r}")
+    return validate_options(ANALYSIS_OPTIONS[name], {**table, **(overrides or {})}, name, error)
