@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import fetch_pinned, is_pinned
+from qk_core.models.loading import resolve_gguf
 
 
 def main() -> None:
@@ -16,8 +17,6 @@ def main() -> None:
     for key in reg.in_group("demo"):
         src = reg.model(key).source
         if src.kind == "gguf_package":
-            from qk_core.models.loading import resolve_gguf
-
             print(f"demo model {key}: {resolve_gguf(src)}")
 
 

@@ -30,6 +30,10 @@ from qk_assets.automation import PER_PAIR
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+from qk_core.capture import capture_model
+from qk_core.capture.run import layers_frame
+from qk_core.capture.sharded import capture_sharded
+from qk_core.capture.store import verify_capture
 
 HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
                       "n_q_rows", "n_k_rows"]
@@ -60,11 +64,6 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     With a Ray cluster set (``QK_RAY_ADDRESS``) the documents are split over ``capture.shards`` Ray tasks
     of ``capture.num_gpus`` GPUs each on the cluster's workers; the stored capture is the same.
     """
-    from qk_core.capture import capture_model
-    from qk_core.capture.run import layers_frame
-    from qk_core.capture.sharded import capture_sharded
-    from qk_core.capture.store import verify_capture
-
     model, corpus_name = split_key(context.partition_key)
     entry = registry().model(model)
     if corpus_name not in entry.corpora:

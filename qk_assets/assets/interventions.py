@@ -30,6 +30,10 @@ from qk_assets.figures import save_figures
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_core.capture.store import CaptureError
+from qk_core.config.options import resolve_options
+from qk_core.interventions.verdict import COLUMNS
+from qk_core.models.loading import load_model
 
 GROUP = "interventions"
 
@@ -71,10 +75,7 @@ def interventions(context: AssetExecutionContext, config: AnalysisConfig, storag
                   device: TorchDeviceResource, qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
                   rotation_heads: pd.DataFrame, corpus: pd.DataFrame):
     """SPEC 11 on one model: probe, ablate / debias head sets, contrast, plasticity under debias."""
-    from qk_core.capture.store import CaptureError
-    from qk_core.config.options import resolve_options
-    from qk_core.interventions.study import run_study
-    from qk_core.models.loading import load_model
+    from qk_core.interventions.study import run_study  # torch only when the asset runs
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
     model, corpus_name = split_key(context.partition_key)
@@ -134,8 +135,7 @@ OUTPUTS = ("intervention_trials", "intervention_summary", "intervention_contrast
 
 def _not_run(model: str, corpus_name: str, opts) -> list[Output]:
     """Empty outputs for a corpus the registry leaves out of the study (``analysis.interventions.corpora``)."""
-    from qk_core.interventions.study import TRIAL_COLUMNS
-    from qk_core.interventions.verdict import COLUMNS
+    from qk_core.interventions.study import TRIAL_COLUMNS  # torch only when the asset runs
 
     why = (f"not run on corpus '{corpus_name}': {registry().path}, model '{model}', field "
            f"'analysis.interventions.corpora' lists {list(opts.corpora or ())}")

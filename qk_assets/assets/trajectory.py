@@ -30,6 +30,7 @@ from qk_assets.resources import StorageResource
 from qk_core.capture.store import CaptureError, CaptureReader
 from qk_core.config.registry import ModelEntry
 from qk_core.io.storage import Storage, StorageError
+from qk_core.models.loading import load_config
 from qk_core.trajectory.series import (
     Checkpoint,
     TrajectoryError,
@@ -97,8 +98,6 @@ def load_checkpoint(storage: Storage, key: str) -> tuple[Checkpoint, dict]:
 def _config_mpe(entry: ModelEntry) -> tuple[float, str]:
     """max_position_embeddings of the revision's config (transformers imported only here), NaN if unknown."""
     try:
-        from qk_core.models.loading import load_config
-
         value = getattr(load_config(entry).get_text_config(), "max_position_embeddings", None)
     except Exception as exc:  # the source may be offline: the value is then unknown
         return float("nan"), f"revision config not available: {exc}"

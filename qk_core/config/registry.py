@@ -31,6 +31,7 @@ from pydantic import (
 
 from qk_core.config.options import ANALYSIS_OPTIONS, CaptureOptions
 from qk_core.config.schema import Bool, NonNegInt, PosInt, Str, error_lines
+from qk_core.config.settings import Settings
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -340,8 +341,6 @@ def _tables(path: Path, doc: dict[str, Any], name: str) -> dict[str, Any]:
 def load_registry(path: str | Path | None = None) -> Registry:
     """Parse and validate the registry file (default: ``Settings.from_env().registry_path``)."""
     if path is None:
-        from qk_core.config.settings import Settings
-
         path = Settings.from_env().registry_path
     path = Path(path)
     try:

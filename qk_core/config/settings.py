@@ -42,12 +42,12 @@ class Settings:
             registry_path=Path(os.environ.get("QK_REGISTRY", str(DATA_DIR / "registry.toml"))),
             s3_endpoint_url=os.environ.get("QK_S3_ENDPOINT_URL") or None,
             device=os.environ.get("QK_DEVICE", "auto"),
-            benchmark_max_bytes=_int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
+            benchmark_max_bytes=int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
             ray_address=os.environ.get("QK_RAY_ADDRESS", ""),
         )
 
 
-def _int_env(name: str, default: int) -> int:
+def int_env(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default

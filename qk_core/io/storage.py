@@ -26,6 +26,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from qk_core.config.settings import Settings, int_env
 from qk_core.io.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
 
 T = TypeVar("T")
@@ -34,9 +35,7 @@ S3_ATTEMPTS = 2
 
 def s3_timeout_s() -> float:
     """Seconds an S3 connect or read may wait for the endpoint (``QK_S3_TIMEOUT_S``, default 30)."""
-    from qk_core.config.settings import _int_env
-
-    return float(_int_env("QK_S3_TIMEOUT_S", 30))
+    return float(int_env("QK_S3_TIMEOUT_S", 30))
 
 
 class StorageError(RuntimeError):
@@ -70,8 +69,6 @@ class Storage:
 
     @classmethod
     def from_settings(cls, settings: Any = None) -> Storage:
-        from qk_core.config.settings import Settings
-
         settings = settings or Settings.from_env()
         return cls(settings.storage_root, settings.s3_endpoint_url)
 
