@@ -234,3 +234,16 @@ def test_asset_run_config_is_checked_with_the_registry_table(tmp_path: Path, mon
             plasticity_options("m", AnalysisConfig(options={"plasticity": {"bootstrap": -1}}))
     finally:
         partitions.registry.cache_clear()
+
+
+@pytest.mark.parametrize(("table", "field"), [("models", "slug"), ("series", "slug"), ("corpora", "name")])
+def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path, table: str, field: str) -> None:
+    """Names are checked whole (``fullmatch``): ``"m\\n"`` would make a folder with a newline in its name."""
+    path = tmp_path / "registry.toml"
+    bodies = {"models": 'family="llama"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\n',
+              "series": 'family="llama"\nsource={hub="a/b"}\nwindow=64\ncorpus="c"\ncheckpoints=[{revision="r1"}]\n',
+              "corpora": 'kind = "local_file"\npath = "y.jsonl"\n'}
+    path.write_text(BASE + f'[{table}."x\\n"]\n{bodies[table]}')
+    with pytest.raises(RegistryError, match=f"'{field}'") as err:
+        load_registry(path)
+    assert str(path) in str(err.value)

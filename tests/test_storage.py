@@ -212,3 +212,29 @@ def test_credentials_come_from_env_and_never_reach_metadata(
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
     with pytest.raises(Exception, match=r"(?i)credentials"):
         res.get().write_bytes("x.bin", b"x")
+
+
+def test_a_link_out_of_the_root_is_refused_naming_the_link(tmp_path: Path) -> None:
+    """A symbolic link under the root that points outside it is never followed: reads fail naming the link
+    and the root, and nothing of the target reaches the error (issue 25.5)."""
+    from qk_core.benchmarks.scores import BenchmarkDataError, score_files
+
+    secret = tmp_path / "outside" / "secret.csv"
+    secret.parent.mkdir()
+    secret.write_text("TOPSECRET,line\n1,2\n")
+    root = tmp_path / "root"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "scores.csv").symlink_to(secret)
+    (root / "benchmarks" / "inside.csv").symlink_to(root / "benchmarks" / "real.csv")
+    (root / "benchmarks" / "real.csv").write_text("model,benchmark,score\n")
+    storage = Storage(root)
+    for read in (storage.read_bytes, storage.read_text, storage.parquet_file):
+        with pytest.raises(StorageError, match=r"benchmarks/scores\.csv: leads outside the storage root") as err:
+            read("benchmarks/scores.csv")
+        assert "TOPSECRET" not in str(err.value)
+    with pytest.raises(StorageError, match="leads outside"), storage.open_read("benchmarks/../../outside/secret.csv"):
+        pass
+    assert storage.read_text("benchmarks/inside.csv").startswith("model")  # a link inside the root is fine
+    with pytest.raises(BenchmarkDataError, match=r"scores\.csv: leads outside") as err:
+        score_files(storage)
+    assert "TOPSECRET" not in str(err.value)

@@ -44,7 +44,7 @@ import pandas as pd
 
 from qk_core.config.settings import DATA_DIR, Settings
 from qk_core.io.metrics import COLUMNS as METRIC_COLUMNS
-from qk_core.io.storage import Storage
+from qk_core.io.storage import Storage, StorageError
 
 BENCHMARK_DIR = "benchmarks"
 REFERENCE_DIR = "reference"
@@ -233,6 +233,12 @@ def read_files(storage: Storage, rels: Iterable[str], max_bytes: int | None = No
     limit = Settings.from_env().benchmark_max_bytes if max_bytes is None else max_bytes
     problems, files = [], []
     for rel in rels:
+        if not storage.is_s3:
+            try:
+                storage.local_read_path(rel)  # a link out of the root is refused before anything is read
+            except StorageError as exc:
+                problems.append(str(exc))
+                continue
         size = storage.size(rel)
         if size > limit:
             problems.append(f"{storage.uri(rel)}: {size:,} bytes is over the limit of {limit:,} bytes for one "

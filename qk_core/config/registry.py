@@ -357,7 +357,7 @@ def load_registry(path: str | Path | None = None) -> Registry:
 
     corpora: dict[str, CorpusEntry] = {}
     for name, raw in _tables(path, doc, "corpora").items():
-        if not SLUG_RE.match(name):
+        if not SLUG_RE.fullmatch(name):
             raise _err(path, name, "name", "corpus names use a-z, 0-9, '.', '_', '-'")
         if raw.get("kind") not in CORPUS_SCHEMAS:
             raise _err(path, name, "kind", f"must be one of {tuple(CORPUS_SCHEMAS)}, got {raw.get('kind')!r}")
@@ -370,7 +370,7 @@ def load_registry(path: str | Path | None = None) -> Registry:
     _validated(path, "defaults", entry_schema(), defaults)
     models: dict[str, ModelEntry] = {}
     for slug, raw in _tables(path, doc, "models").items():
-        if not SLUG_RE.match(slug):
+        if not SLUG_RE.fullmatch(slug):
             raise _err(path, slug, "slug", "model slugs use a-z, 0-9, '.', '_', '-' (max 64)")
         if "checkpoints" in raw:
             raise _err(path, slug, "checkpoints", "belongs under [series.*], not [models.*]")
@@ -378,7 +378,7 @@ def load_registry(path: str | Path | None = None) -> Registry:
 
     series: dict[str, Series] = {}
     for name, raw in _tables(path, doc, "series").items():
-        if not SLUG_RE.match(name):
+        if not SLUG_RE.fullmatch(name):
             raise _err(path, name, "slug", "series slugs use a-z, 0-9, '.', '_', '-'")
         if name in models:
             raise _err(path, name, "slug", "a model of the same name exists")

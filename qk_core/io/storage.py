@@ -93,6 +93,15 @@ class Storage:
         """The local filesystem path of ``rel``, or None on S3."""
         return None if self.is_s3 else Path(self.full(rel))
 
+    def local_read_path(self, rel: str) -> str:
+        """The local path of ``rel`` to read, refused when it leads outside the root (a symbolic link or
+        ``..``): the error names the link and the root, and nothing of the target is read."""
+        path = Path(self.full(rel))
+        if not path.resolve().is_relative_to(self.root):
+            raise StorageError(f"{self.uri(rel)}: leads outside the storage root {self.root} (a symbolic link or "
+                               "'..'); refused: put the file itself under the root")
+        return str(path)
+
     # ---- queries -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self.full(rel)))
@@ -135,7 +144,7 @@ class Storage:
     def open_read(self, rel: str) -> Iterator[Any]:
         """A binary file object streaming ``rel`` (one version: a local descriptor / an ETag-pinned S3 read)."""
         try:
-            fh = open(self.full(rel), "rb") if not self.is_s3 else self.fs.open(self.full(rel), "rb")  # noqa: SIM115
+            fh = open(self.local_read_path(rel), "rb") if not self.is_s3 else self.fs.open(self.full(rel), "rb")  # noqa: SIM115
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
         with fh:
@@ -232,7 +241,7 @@ class Storage:
         try:
             if self.is_s3:
                 return self.fs.cat_file(self.full(rel), max_concurrency=1)  # one GET, never ranges
-            with open(self.full(rel), "rb") as f:
+            with open(self.local_read_path(rel), "rb") as f:
                 return f.read()
         except FileNotFoundError as exc:
             raise StorageError(f"{self.uri(rel)}: no such file") from exc
@@ -279,7 +288,7 @@ class Storage:
                     return pq.ParquetFile(self.fs.open(self.full(rel), "rb", cache_type="none"), pre_buffer=True)
                 if self.is_s3:
                     return pq.ParquetFile(self.fs.open(self.full(rel), "rb"))
-                return pq.ParquetFile(self.full(rel))
+                return pq.ParquetFile(self.local_read_path(rel))
             except FileNotFoundError as exc:
                 raise StorageError(f"{self.uri(rel)}: no such file") from exc
             except (pa.ArrowInvalid, OSError) as exc:
