@@ -156,10 +156,10 @@ def test_valid_values_keep_their_meaning(tmp_path: Path) -> None:
     """Integers are accepted where a float belongs, lists become tuples, table merges keep both sides."""
     path = tmp_path / "registry.toml"
     path.write_text(BASE + '[defaults]\ncapture={heads=7}\nanalysis={pca={n_components=4}}\n' + MODEL
-                    + 'capture={position_sampler="bernoulli", bernoulli_rate=8, layers=[0, 2]}\n'
+                    + 'capture={position_sampler="bernoulli", bernoulli_rate=3, layers=[0, 2]}\n'
                     + 'analysis={plasticity={covariance="diagonal"}}\n')
     m = load_registry(path).model("m")
-    assert m.capture.heads == 7 and m.capture.bernoulli_rate == 8.0 and m.capture.layers == (0, 2)
+    assert m.capture.heads == 7 and m.capture.bernoulli_rate == 3.0 and m.capture.layers == (0, 2)
     assert m.analysis == {"pca": {"n_components": 4}, "plasticity": {"covariance": "diagonal"}}
 
 
@@ -247,3 +247,37 @@ def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path, table: str, f
     with pytest.raises(RegistryError, match=f"'{field}'") as err:
         load_registry(path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(("extra", "field", "why"), [
+    ("window=1000000000000\n", "window", "less than or equal to 16777216"),
+    ("window=9223372036854775807\n", "window", "less than or equal to 16777216"),
+    ("window=64\nbucket=1\n", "bucket", "greater than or equal to 4"),
+    ("window=16\nbucket=16\n", "bucket", "at most half the window"),
+    ("window=64\nbucket=8\ncapture={per_bucket=9}\n", "capture.per_bucket", "9 positions per bucket of 8"),
+    ("window=64\ncapture={position_sampler='bernoulli', bernoulli_rate=5e-324}\n", "capture.bernoulli_rate",
+     "greater than or equal to 0.01"),
+    ("window=64\nanalysis={plasticity={bootstrap=1000000000000}}\n", "analysis.plasticity.bootstrap", "100000"),
+    ("window=64\nanalysis={plasticity={pairs_per_bucket=1000000000000}}\n", "analysis.plasticity.pairs_per_bucket",
+     "1048576"),
+    ("window=64\nanalysis={interventions={repeats=0}}\n", "analysis.interventions.repeats", "greater than or equal"),
+    ("window=64\nconfig_overrides={num_hidden_layers=1000000}\n", "config_overrides", "'num_hidden_layers'"),
+    ("window=64\nconfig_overrides={text_config={hidden_size=-1}}\n", "config_overrides", "'text_config.hidden_size'"),
+    ("window=64\nconfig_overrides={a={b={c={d={e={f=1}}}}}}\n", "config_overrides", "nests deeper than 4"),
+])
+def test_absurd_values_are_refused_naming_entry_and_field(tmp_path: Path, extra: str, field: str, why: str) -> None:
+    """Every numeric option has a range that means something (issue 25.1): refused before anything runs."""
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + '[models.m]\nfamily="llama"\nsource={hub="a/b"}\ncorpus="c"\n' + extra)
+    with pytest.raises(RegistryError) as err:
+        load_registry(path)
+    msg = str(err.value)
+    assert str(path) in msg and "entry 'm'" in msg and f"field '{field}'" in msg and why in msg, msg
+
+
+def test_tables_nested_too_deep_to_parse_are_a_registry_error(tmp_path: Path) -> None:
+    path = tmp_path / "registry.toml"
+    path.write_text(BASE + '[models.m]\nfamily="llama"\nsource={hub="a/b"}\ncorpus="c"\nwindow=64\n'
+                    "config_overrides=" + "{a=" * 3000 + "1" + "}" * 3000 + "\n")
+    with pytest.raises(RegistryError, match="nested too deep"):
+        load_registry(path)

@@ -19,13 +19,21 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from qk_core.config.schema import (
+    MAX_COUNT,
+    MAX_DOCS,
+    MAX_GPUS,
+    MAX_HEADS,
+    MAX_PAIRS,
+    MAX_RESAMPLES,
+    MAX_TOKENS,
     STRICT_TABLE,
     Bool,
+    FloatIn,
+    IntIn,
     NonNegInt,
     OptionsError,
-    PosFloat,
-    PosInt,
     Str,
+    Tokens,
     UnitFloat,
     validate_options,
 )
@@ -62,16 +70,16 @@ class PlasticityOptions:
 
     __pydantic_config__ = STRICT_TABLE
 
-    pairs_per_bucket: PosInt = 1024
+    pairs_per_bucket: IntIn(1, MAX_PAIRS) = 1024
     covariance: Literal["full", "diagonal"] = "full"
-    bootstrap: NonNegInt = 200
+    bootstrap: IntIn(0, MAX_RESAMPLES) = 200
     seed: NonNegInt = 0
     ci: UnitFloat = 0.95
-    min_queries_per_bucket: PosInt = 10
-    length_bin_edges: tuple[NonNegInt, ...] = LENGTH_BIN_EDGES
-    ruler_lengths: tuple[PosInt, ...] = RULER_LENGTHS
-    position_bin_edges: tuple[NonNegInt, ...] | None = None
-    heatmap_bin: PosInt | None = None
+    min_queries_per_bucket: IntIn(1, MAX_PAIRS) = 10
+    length_bin_edges: tuple[IntIn(0, MAX_TOKENS), ...] = LENGTH_BIN_EDGES
+    ruler_lengths: tuple[Tokens, ...] = RULER_LENGTHS
+    position_bin_edges: tuple[IntIn(0, MAX_TOKENS), ...] | None = None
+    heatmap_bin: Tokens | None = None
     keep_pairs: Bool = True
     allow_partial: Bool = False
 
@@ -167,21 +175,21 @@ class InterventionOptions:
 
     __pydantic_config__ = STRICT_TABLE
 
-    window: PosInt | None = None
+    window: IntIn(64, MAX_TOKENS) | None = None
     depths: tuple[UnitFloat, ...] = DEFAULT_DEPTHS
-    n_docs: PosInt = 20
-    repeats: PosInt = 1
-    candidates: PosInt = 10
+    n_docs: IntIn(1, MAX_DOCS) = 20
+    repeats: IntIn(1, MAX_COUNT) = 1
+    candidates: IntIn(2, MAX_COUNT) = 10
     seed: NonNegInt = 0
-    snap_chars: NonNegInt = 400
+    snap_chars: IntIn(0, 10**6) = 400
     interventions: tuple[Literal["ablate", "debias"], ...] = ("ablate", "debias")
     ablation: Literal["zero", "mean"] = "mean"
     k_fractions: tuple[UnitFloat, ...] = (0.05, 0.15)
-    random_sets: NonNegInt = 5
-    bootstrap: NonNegInt = 1000
+    random_sets: IntIn(0, MAX_COUNT) = 5
+    bootstrap: IntIn(0, MAX_RESAMPLES) = 1000
     ci: UnitFloat = 0.95
     remeasure: Bool = True
-    remeasure_docs: PosInt | None = None
+    remeasure_docs: IntIn(1, MAX_DOCS) | None = None
     corpora: tuple[Str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -228,11 +236,11 @@ class PCAOptions:
 
     __pydantic_config__ = STRICT_TABLE
 
-    n_components: PosInt = 10
+    n_components: IntIn(1, MAX_COUNT) = 10
     sign_threshold: UnitFloat = 0.05  # |r_q| below this: orient by r_k instead (SPEC 2 sign rule)
     taxonomy_low: UnitFloat = 0.3
     taxonomy_high: UnitFloat = 0.7
-    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
 
     def __post_init__(self) -> None:
@@ -259,9 +267,9 @@ class RotationOptions:
     # "centroid" (thesis eq. 4.5) or "eigen" (top eigenvector of P C_delta P)
     separation: Literal["centroid", "eigen"] = "centroid"
     complement: Bool = False  # optional complement analysis (SVD of the centred complement of {a, b})
-    complement_pairs: PosInt = 4  # consecutive singular-vector pairs analysed
-    min_rows: PosInt = 10  # fewer Q or K rows than this: the head is reported, not analysed
-    min_pairs: PosInt = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
+    complement_pairs: IntIn(1, MAX_COUNT) = 4  # consecutive singular-vector pairs analysed
+    min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
+    min_pairs: IntIn(1, 10**9) = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
     stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
     capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
@@ -287,19 +295,21 @@ class CaptureOptions:
 
     __pydantic_config__ = STRICT_TABLE
 
-    heads: PosInt = 300
+    heads: IntIn(1, MAX_HEADS) = 300
     seed: NonNegInt = 0
     position_sampler: Literal["stratified", "bernoulli"] = "stratified"
-    per_bucket: PosInt = 2  # SPEC 1.6: two keys of one document below query bucket 1 (1 = the thesis's budget)
-    bernoulli_rate: PosFloat = 1.0
+    # SPEC 1.6: two keys of one document below query bucket 1 (1 = the thesis's budget); at most the bucket
+    per_bucket: IntIn(1, MAX_TOKENS) = 2
+    bernoulli_rate: FloatIn(0.01, MAX_TOKENS) = 1.0  # expected positions per bucket
     include_sliding: Bool = False
-    max_docs: PosInt | None = None
-    layers: tuple[NonNegInt, ...] | None = None  # capture only these layers (each must be eligible); None = all
+    max_docs: IntIn(1, MAX_DOCS) | None = None
+    # capture only these layers (each must be eligible); None = all
+    layers: tuple[IntIn(0, MAX_HEADS), ...] | None = None
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
     # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
     # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
-    shards: PosInt = 1
-    num_gpus: PosFloat = 1.0
+    shards: IntIn(1, MAX_COUNT) = 1
+    num_gpus: FloatIn(0.0, MAX_GPUS) = 1.0
 
 
 #: Every per-model analysis with an options table in a registry entry's ``analysis = { <name> = {...} }``.

@@ -22,15 +22,26 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    Strict,
     StringConstraints,
     ValidationError,
     create_model,
+    field_validator,
     model_validator,
 )
 
 from qk_core.config.options import ANALYSIS_OPTIONS, CaptureOptions
-from qk_core.config.schema import Bool, NonNegInt, PosInt, Str, error_lines
+from qk_core.config.schema import (
+    MAX_OVERRIDE_DEPTH,
+    MAX_TOKENS,
+    MIN_BUCKET,
+    Bool,
+    IntIn,
+    NonNegInt,
+    PosInt,
+    Str,
+    check_config_overrides,
+    error_lines,
+)
 from qk_core.config.settings import Settings
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -179,11 +190,17 @@ class EntryFields(BaseModel):
     source: SourceSpec | None = None
     tokenizer: SourceSpec | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    window: Annotated[int, Strict(), Field(ge=16)] | None = None
-    bucket: PosInt | None = None
+    window: IntIn(16, MAX_TOKENS) | None = None
+    bucket: IntIn(MIN_BUCKET, MAX_TOKENS) | None = None
     corpus: Str = ""
     corpora: Annotated[list[Str], Field(min_length=1)] | None = None  # SPEC 10: every corpus, first = study's
-    config_overrides: dict[str, Any] = Field(default_factory=dict)  # free: keys of the model's HF config
+    config_overrides: dict[str, Any] = Field(default_factory=dict)  # keys of the model's HF config
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _overrides_in_range(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_config_overrides(value)
+        return value
     trust_remote_code: Bool = False
     capture: CaptureOptions = Field(default_factory=CaptureOptions)
     groups: list[Str] = Field(default_factory=list)
@@ -308,15 +325,21 @@ def _model(path: Path, key: str, raw: dict[str, Any], defaults: dict[str, Any],
     tokenizer = _source(spec.tokenizer, path.parent) if spec.tokenizer is not None else source
     window = spec.window
     bucket = spec.bucket if spec.bucket is not None else window // 16
-    if bucket > window:
-        raise _err(path, key, "bucket", f"bucket width {bucket} exceeds window {window}")
+    if bucket < MIN_BUCKET or 2 * bucket > window:
+        raise _err(path, key, "bucket", f"bucket width {bucket} must be at least {MIN_BUCKET} tokens and at most "
+                                        f"half the window {window} (two buckets at least)")
+    capture = spec.capture
+    if capture.position_sampler == "stratified" and capture.per_bucket > bucket:
+        raise _err(path, key, "capture.per_bucket", f"{capture.per_bucket} positions per bucket of {bucket} tokens")
+    if capture.position_sampler == "bernoulli" and capture.bernoulli_rate > bucket:
+        raise _err(path, key, "capture.bernoulli_rate",
+                   f"{capture.bernoulli_rate} expected positions per bucket of {bucket} tokens")
     names = _corpora(path, key, raw, spec, corpora)
     interventions = spec.analysis.interventions  # SPEC 11 runs on these of the model's corpora (default: all)
     for name in (interventions.corpora if interventions is not None else None) or ():
         if name not in names:
             raise _err(path, key, "analysis.interventions.corpora",
                        f"{name!r} is not one of the model's corpora {list(names)}")
-    capture = spec.capture
     if capture.layers is not None:
         capture = replace(capture, layers=tuple(capture.layers))
     return ModelEntry(
@@ -351,6 +374,9 @@ def load_registry(path: str | Path | None = None) -> Registry:
         raise RegistryError(f"{path}: not valid TOML ({exc})") from exc
     except UnicodeDecodeError as exc:
         raise RegistryError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    except RecursionError:
+        raise RegistryError(f"{path}: tables or arrays nested too deep to read (config_overrides may nest "
+                            f"{MAX_OVERRIDE_DEPTH} tables)") from None
     unknown = set(doc) - {"defaults", "corpora", "models", "series"}
     if unknown:
         raise RegistryError(f"{path}: unknown top-level tables {sorted(unknown)}")

@@ -25,6 +25,52 @@ PosFloat = Annotated[float, Strict(), AllowInfNan(False), Field(gt=0.0)]
 Bool = StrictBool
 Str = StrictStr
 
+
+def IntIn(lo: int, hi: int) -> Any:
+    """An integer in [lo, hi]: every count and size option has a range that means something (issue 25)."""
+    return Annotated[int, Strict(), Field(ge=lo, le=hi)]
+
+
+def FloatIn(lo: float, hi: float) -> Any:
+    """A finite number in [lo, hi]."""
+    return Annotated[float, Strict(), AllowInfNan(False), Field(ge=lo, le=hi)]
+
+
+# The ranges, in one place. Tokens: a window of 2^24 is beyond every model in the study (the largest is
+# 10M) and about 3 TB of float32 Q/K per layer; a bucket needs a few tokens to hold sampled positions.
+MAX_TOKENS = 2**24
+MIN_BUCKET = 4
+MAX_HEADS = 2**20  # heads of a whole model, far above any study model (SmolLM3-3B has 576)
+MAX_RESAMPLES = 100_000  # bootstrap resamples: the interval's Monte Carlo error is ~1e-3 at 10^4
+MAX_PAIRS = 2**20  # key pairs per bucket (the per-head pair table is 2^20 x buckets rows)
+MAX_DOCS = 10_000_000
+MAX_COUNT = 100_000  # repeats, candidates, random sets, components, ...
+MAX_GPUS = 64
+Tokens = IntIn(1, MAX_TOKENS)
+
+#: ``config_overrides``: how deep its tables may nest, and the largest architecture sizes it may set (a
+#: model built with more would not fit any machine: the size is an error before anything is loaded).
+MAX_OVERRIDE_DEPTH = 4
+MAX_ARCHITECTURE = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+                    "hidden_size": 2**17, "intermediate_size": 2**20, "head_dim": 4096, "vocab_size": 2**22,
+                    "max_position_embeddings": MAX_TOKENS}
+
+
+def check_config_overrides(value: Any, where: str = "", depth: int = 0) -> None:
+    """Raise ``ValueError`` naming the key when ``config_overrides`` nests too deep or sets a size out of range."""
+    if depth > MAX_OVERRIDE_DEPTH:
+        raise ValueError(f"'{where}' nests deeper than {MAX_OVERRIDE_DEPTH} tables")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            limit = MAX_ARCHITECTURE.get(str(key))
+            if limit is not None and (isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= limit):
+                raise ValueError(f"'{name}' must be an integer in [1, {limit}], got {item!r}")
+            check_config_overrides(item, name, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_config_overrides(item, f"{where}[{i}]", depth + 1)
+
 #: Set as ``__pydantic_config__`` on every options dataclass: unknown keys are errors.
 STRICT_TABLE = ConfigDict(extra="forbid")
 
