@@ -61,6 +61,8 @@ def shape(llama: Path, folder: Path, marker: Path, kind: str) -> Path:
     elif kind == "pickles_only":
         for name in ("pytorch_model.bin", "model.pt", "model.pth", "model.ckpt"):
             (folder / name).write_bytes(evil)
+    elif kind == "pickle_named_safetensors":
+        (folder / "model.safetensors").write_bytes(evil)
     elif kind == "mixed":
         shutil.copy(llama / "model.safetensors", folder / "model.safetensors")
         (folder / "pytorch_model.bin").write_bytes(evil)
@@ -93,6 +95,7 @@ REFUSED = [
                         r"'pytorch_model-00002-of-00002\.bin'.*refusing"),
     ("index_escapes_folder", r"model\.safetensors\.index\.json: names the weight shard "
                              r"'\.\./elsewhere/model\.safetensors'"),
+    ("pickle_named_safetensors", r"model\.safetensors: not a readable safetensors file"),
     ("pickles_only", r"only pickle weight files \['model\.ckpt', 'model\.pt', 'model\.pth', 'pytorch_model\.bin'\]"),
 ]
 

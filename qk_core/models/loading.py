@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from qk_core.config.registry import ModelEntry, Source
 from qk_core.corpus.build import CACHE_DIR
 
@@ -180,6 +182,14 @@ def check_weight_files(key: str, src: Source) -> None:
         raise ModelSourceError(f"{key}: {src.describe()}: only pickle weight files {pickles}; refusing to load "
                                "them (weights must be safetensors or GGUF)")
     raise ModelSourceError(f"{key}: {src.describe()}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} weight files")
+
+
+def _weight_files(src: Source) -> str:
+    """The safetensors files a source's weights come from, for an error message (local folders list them)."""
+    if src.kind == "local" and Path(src.path).is_dir():
+        names = sorted(str(p) for p in Path(src.path).glob("*.safetensors"))
+        return ", ".join(names) or f"{src.path} (no .safetensors file)"
+    return "its safetensors weights"
 
 
 def _local_content_token(path: Path) -> str:
@@ -363,6 +373,9 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
                 else AutoModelForCausalLM
         model = auto.from_pretrained(name, config=config, dtype=getattr(torch, dtype),
                                           trust_remote_code=entry.trust_remote_code, **kwargs)
+    except SafetensorError as exc:
+        raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: {_weight_files(entry.source)}: not a readable "
+                               f"safetensors file ({exc}); weights must be safetensors or GGUF") from exc
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: weights not available: {exc}") from exc
     model = model.to(device).eval() if device == "cpu" else model.eval()
