@@ -35,11 +35,14 @@ import io
 import json
 import os
 import resource
+import shutil
+import tempfile
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -48,7 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qk_core.io.storage import Storage, StorageError
-from qk_core.io.temporaries import scratch_dir
+from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
 SCHEMA_VERSION = 1
 COMPLETE_VERSION = 2  # complete.json with checksums (1: row counts only, not verifiable)
@@ -333,10 +336,11 @@ class CaptureWriter:
             for name, n in counts_of.items():
                 sizes[name] += n
         names = sorted(sizes)
+        spill_at = self._spill_folder(sum(sizes.values()) * (4 * d + 12))
         files: dict[str, dict[str, Any]] = {}
         max_open = _raise_open_files(len(names))
         for start in range(0, len(names), max_open):
-            files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes))
+            files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes, spill_at))
         counts = {name: sizes[name] for name in names}
         tokens = pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
                            "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())})
@@ -366,8 +370,24 @@ class CaptureWriter:
         summary["verification"] = {"passed": True, "error": None, **check}
         return summary
 
+    def _spill_folder(self, need: int) -> Path | None:
+        """Where finalize spills ``need`` bytes: the system temp folder when it has room (None), else beside the
+        capture under a local storage root. Checked before anything is written: a volume without room for the
+        spill or for the head files (about ``need`` again) is a :class:`CaptureError` naming it and the space."""
+        what = f"{self.storage.uri(self.prefix)}: finalize"
+        local = self.storage.local_path(self.prefix)
+        if local is not None and shutil.disk_usage(mount_point(local)).free < need:
+            raise CaptureError(str(disk_full(local, f"{what} (the head files)", need, "QK_STORAGE_ROOT")))
+        tmp = Path(tempfile.gettempdir())
+        if shutil.disk_usage(tmp).free >= need:
+            return None
+        if local is not None and shutil.disk_usage(mount_point(local)).free >= 2 * need:
+            return local
+        raise CaptureError(str(disk_full(tmp, f"{what} (its spill files, in the system temp folder)", need, "TMPDIR"))
+                           + ("" if local is None else "; the storage root's volume has no room for them either"))
+
     def _fan_out(self, index: list[tuple[str, int, int, int, Any]], names: list[str], d: int,
-                 batch_bytes: int) -> dict[str, dict[str, Any]]:
+                 batch_bytes: int, spill_at: Path | None = None) -> dict[str, dict[str, Any]]:
         """One pass over the documents writing the head files ``names``; returns their checksums.
 
         Rows are appended, in document order, to one local Arrow IPC spill file per head (streams keep
@@ -378,7 +398,7 @@ class CaptureWriter:
         base = row_schema(d)
         schema = pa.schema([base.field(c) for c in HEAD_COLUMNS])
         row_bytes = 4 * d + 12
-        with scratch_dir("finalize-spill") as spill_dir:
+        with scratch_dir("finalize-spill", spill_at) as spill_dir:
             spills = {name: os.path.join(spill_dir, f"{i}.arrows") for i, name in enumerate(names)}
             with contextlib.ExitStack() as stack:
                 streams = {name: stack.enter_context(pa.ipc.new_stream(spills[name], schema)) for name in names}

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qk_core.config.settings import Settings, int_env
-from qk_core.io.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, temp_name
+from qk_core.io.temporaries import TMP_PREFIX, clean_folder, clean_folder_once, disk_full, is_disk_full, temp_name
 
 T = TypeVar("T")
 S3_ATTEMPTS = 2
@@ -170,13 +170,19 @@ class Storage:
         folder.mkdir(parents=True, exist_ok=True)
         clean_folder_once(folder, own_names_only=self.is_s3)  # the system temp folder is shared
         tmp = str(folder / temp_name(rel.rsplit("/", 1)[-1]))
-        Path(tmp).touch()
         try:
+            Path(tmp).touch()
             yield Path(tmp)
             if self.is_s3:
                 self._put(tmp, rel)
             else:
                 os.replace(tmp, self.full(rel))
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            where = "the system temp folder (TMPDIR)" if self.is_s3 else "the storage root (QK_STORAGE_ROOT)"
+            raise StorageError(str(disk_full(folder, f"{self.uri(rel)}, written through {where}",
+                                              setting="TMPDIR" if self.is_s3 else "QK_STORAGE_ROOT"))) from exc
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

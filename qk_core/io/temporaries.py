@@ -1,4 +1,5 @@
-"""Names of write temporaries and the safe removal of those a killed writer left (issue 14).
+"""Names of write temporaries, the safe removal of those a killed writer left (issue 14), and what a full
+disk says (issue 25: the volume, the file and the space needed).
 
 A temporary is named ``.tmp-<pid>@<host>-<32 hex>-<target name>``: the writing process and machine are
 in its name. It is *stale*, and may be deleted, when its writer is known dead (same host, no such
@@ -9,6 +10,7 @@ process) or, for a writer on another host or a name without an owner, when it ha
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -25,6 +27,35 @@ STALE_AFTER_S = 24 * 3600
 _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 _NAME_RE = re.compile(r"^\.tmp-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._]+)-[0-9a-f]{32}-")
 _cleaned: set[str] = set()
+
+
+class DiskFullError(OSError):
+    """No space left on a local volume; the message names the volume, the file and the space needed."""
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the volume holding ``path`` (or its nearest existing parent)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OSError, or Arrow's error wrapping one) says a volume is full."""
+    return isinstance(exc, OSError) and (exc.errno == errno.ENOSPC or "No space left on device" in str(exc))
+
+
+def disk_full(path: Path, what: str, needed: int | None = None, setting: str = "") -> DiskFullError:
+    """The error for a write of ``what`` into ``path`` that found (or would find) its volume full."""
+    volume = mount_point(path)
+    usage = shutil.disk_usage(volume)
+    need = f"; it needs about {needed:,} bytes" if needed is not None else ""
+    fix = f" (or set {setting} elsewhere)" if setting else ""
+    return DiskFullError(errno.ENOSPC, f"{what}: no space left on the volume mounted at {volume} "
+                                       f"({usage.free:,} of {usage.total:,} bytes free{need}); free space there{fix}")
 
 
 def temp_name(target_name: str) -> str:
@@ -87,13 +118,14 @@ def clean_folder(folder: Path, max_age_s: float = STALE_AFTER_S, own_names_only:
 
 
 @contextlib.contextmanager
-def scratch_dir(purpose: str) -> Iterator[Path]:
-    """A private folder in the system temp folder, named like a temporary of this process.
+def scratch_dir(purpose: str, base: Path | None = None) -> Iterator[Path]:
+    """A private folder in ``base`` (default: the system temp folder), named like a temporary of this process.
 
     It is removed when the block ends; one a killed process left behind is removed by the next
-    :func:`clean_folder` of the system temp folder (its writer is dead).
+    :func:`clean_folder` of that folder (its writer is dead).
     """
-    base = Path(tempfile.gettempdir())
+    base = Path(tempfile.gettempdir()) if base is None else base
+    base.mkdir(parents=True, exist_ok=True)
     clean_folder_once(base, own_names_only=True)
     path = base / temp_name(purpose)
     path.mkdir()
