@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from dagster import AssetKey, AssetSpec, DagsterInstance, materialize
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_assets.assets import benchmarks as bench_assets
 from qk_assets.assets import joins as join_assets

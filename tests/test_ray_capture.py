@@ -1,11 +1,12 @@
 """One capture sharded by document over a real local Ray cluster, storage on the moto S3 server (issue 12).
 
-The cluster is a head (no GPU) and two worker nodes (one logical GPU each) started as separate
-``ray start`` processes; every shard task requests one GPU, so the two shards run on the two workers.
+The cluster is the session's (tests/ray_cluster.py): a head (no GPU) and two worker nodes (one logical GPU
+each) started as separate ``ray start`` processes; every shard task requests one GPU, so the two shards run
+on the two workers.
 The reference is a single-worker capture of the same entry in this process on local disk: the sharded
 capture must equal it bit for bit (every document file, head file and the token table). The last test
 kills a worker node (SIGKILL on its process group) while its shard is half done; Ray retries the shard
-on the surviving node, which skips what was committed.
+on the surviving node, which skips what was committed; a fresh worker then takes the killed one's place.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import tiny_models as tm
-from ray_cluster import RayCluster, cmdline, descendants, start_cluster, wait_nodes
-from s3 import moto_s3  # noqa: F401  (session fixture)
+from ray_cluster import RayCluster, cmdline, descendants, wait_nodes
 from servers import wait_for
 
 from qk_core.capture import capture_model
@@ -37,9 +37,8 @@ N_DOCS, CHARS, WINDOW = 16, 900, 1024
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa: F811
-    import ray
-
+def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any, ray_cluster: RayCluster) -> dict[str, Any]:
+    """The tiny model, corpus and registry, a single-worker reference capture, the session's cluster and S3."""
     root = tmp_path_factory.mktemp("ray")
     tm.build_tiny_model("llama", root / "llama")
     tm.write_corpus_jsonl(root / "corpus.jsonl", tm.sample_texts(N_DOCS, CHARS, seed=3))
@@ -50,24 +49,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa:
     corpus = local_corpus({"path": str(root / "corpus.jsonl")})
     ref_storage = Storage(root / "reference")
     ref = capture_model(entry, corpus, ref_storage, device="cpu")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    try:
-        cluster = start_cluster(env, n_workers=2, gpus_per_worker=1)
-    except (RuntimeError, OSError) as exc:
-        pytest.fail(f"a local Ray cluster could not be started: {exc}")
-    try:
-        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
-        wait_nodes(cluster, 3)
-    except Exception as exc:
-        cluster.stop()
-        pytest.fail(f"could not connect to the local Ray cluster at {cluster.address}: {exc}\n{cluster.log_tail()}")
-    try:
-        yield {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": cluster,
-               "s3": moto_s3, "registry": registry_file}
-    finally:
-        ray.shutdown()
-        cluster.stop()
+    return {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": ray_cluster,
+            "s3": moto_s3, "registry": registry_file}
 
 
 def assert_bit_identical(a: Storage, b: Storage, prefix: str) -> int:
@@ -349,3 +332,5 @@ def test_killed_worker_node_is_redone_elsewhere(lab: dict) -> None:
     assert set(redo["skipped"]) >= done_before and redo["captured"]  # resumed, not restarted
     assert len(storage.ls(f"{prefix}/docs")) == N_DOCS
     assert assert_bit_identical(lab["ref_storage"], storage, prefix) > N_DOCS
+    cluster.add_worker()  # the session's cluster whole again for whoever uses it next
+    wait_nodes(cluster, 3)

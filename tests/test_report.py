@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from chromium import load_png, probe_images, region_std, screenshot
 from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_assets.assets import report as report_module
 from qk_assets.figures import save_figures
