@@ -23,6 +23,7 @@ print(json.dumps({"heavy": heavy, "jobs": jobs, "assets": len(list(graph.get_all
 """
 
 
+@pytest.mark.slow  # a fresh interpreter loads the code location
 def test_definitions_load_without_torch_or_transformers(tmp_path: Path) -> None:
     env = {**os.environ, "QK_STORAGE_ROOT": str(tmp_path / "storage"), "DAGSTER_HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,

@@ -23,6 +23,8 @@ from qk_core.registry import load_registry
 from qk_core.rotation import run_rotation
 from qk_core.storage import Storage
 
+pytestmark = pytest.mark.slow  # the whole SPEC 11 study per family (about a minute)
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
