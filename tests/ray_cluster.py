@@ -10,7 +10,7 @@ A cluster that does not come up raises ``RuntimeError`` with the log tail (tests
 
 The session fixture :func:`ray_cluster` (registered in conftest.py) is the one cluster of a test session:
 head and two one-GPU workers, this process connected as the driver. Tests keep apart by storage roots; a
-test that kills a node puts a fresh worker in its place (:meth:`RayCluster.add_worker`).
+test that kills a worker node has a fresh one put in its place (:meth:`RayCluster.replace_dead_workers`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class RayCluster:
     logs: dict[str, Path] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # every node's environment
     common: list[str] = field(default_factory=list)  # every node's `ray start` options
+    gpus: dict[str, int] = field(default_factory=dict)  # worker name -> logical GPUs
+    replaced: set[str] = field(default_factory=set)  # dead workers that have a fresh one in their place
 
     def launch(self, name: str, args: list[str]) -> None:
         """Start node ``name`` (``ray start <args>``) in its own session, output to ``<temp>/<name>.log``."""
@@ -57,7 +59,8 @@ class RayCluster:
 
     def add_worker(self, gpus: int = 1, timeout: float = 120.0) -> str:
         """Start one more worker node with ``gpus`` logical GPUs; return its name once it reports started."""
-        name = f"worker{len([n for n in self.procs if n.startswith('worker')])}"
+        name = f"worker{len(self.gpus)}"
+        self.gpus[name] = gpus
         self.launch(name, ["--address", self.address, "--num-gpus", str(gpus), *self.common, *_ports()])
         _wait_started(self, name, timeout)
         return name
@@ -70,6 +73,16 @@ class RayCluster:
         import ray
 
         return [n for n in ray.nodes() if n["Alive"]]
+
+    def replace_dead_workers(self, timeout: float = 120.0) -> list[str]:
+        """Start a fresh worker (same logical GPUs) for each worker node whose process has exited; return the new
+        names once every live node is up again (driver connected)."""
+        dead = [n for n, p in self.procs.items() if n in self.gpus and p.poll() is not None and n not in self.replaced]
+        fresh = [self.add_worker(self.gpus[n], timeout) for n in dead]
+        self.replaced.update(dead)
+        if fresh:
+            wait_nodes(self, len(self.procs) - len(self.replaced), timeout)
+        return fresh
 
     def stop(self, grace: float = 5.0) -> None:
         for proc in self.procs.values():

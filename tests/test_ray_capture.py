@@ -15,6 +15,7 @@ import importlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +24,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import tiny_models as tm
-from ray_cluster import RayCluster, cmdline, descendants, wait_nodes
+from ray_cluster import RayCluster, cmdline, descendants
 from servers import wait_for
 
 from qk_core.capture import capture_model
@@ -299,7 +300,15 @@ def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int,
     raise AssertionError(f"no capture shard task seen running within {timeout}s\n{cluster.log_tail()}")
 
 
-def test_killed_worker_node_is_redone_elsewhere(lab: dict) -> None:
+@pytest.fixture
+def whole_afterwards(lab: dict) -> Iterator[None]:
+    """For a test that kills a worker node: afterwards (pass or fail) a fresh worker takes its place, so the
+    session's cluster is whole for whoever uses it next."""
+    yield
+    lab["cluster"].replace_dead_workers()
+
+
+def test_killed_worker_node_is_redone_elsewhere(lab: dict, whole_afterwards: None) -> None:
     """SIGKILL a worker node while its shard is half committed: nothing lost, nothing duplicated."""
     import ray
 
@@ -332,5 +341,3 @@ def test_killed_worker_node_is_redone_elsewhere(lab: dict) -> None:
     assert set(redo["skipped"]) >= done_before and redo["captured"]  # resumed, not restarted
     assert len(storage.ls(f"{prefix}/docs")) == N_DOCS
     assert assert_bit_identical(lab["ref_storage"], storage, prefix) > N_DOCS
-    cluster.add_worker()  # the session's cluster whole again for whoever uses it next
-    wait_nodes(cluster, 3)
