@@ -28,9 +28,11 @@ test: setup browser postgres
 	$(BIN)/ruff check qk_core qk_assets tests bench
 	$(BIN)/python -m pytest
 
-# The fast lane: the unit tests, without the `slow` ones (servers, subprocesses, real weights); under 3 minutes.
+# The fast lane: lint and the unit tests, without the `slow` ones (servers, Chromium, subprocess pipelines, real
+# weights, anything over a few seconds: tests/conftest.py); under 3 minutes. Its slowest tests are listed at the end.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider
+	$(BIN)/ruff check qk_core qk_assets tests bench
+	$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider --durations=10
 
 ui: setup
 	$(BIN)/dagster dev -h $(HOST) -p $(PORT) -w workspace.yaml
