@@ -31,6 +31,7 @@ import pytest
 from servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER_THREADS = 1  # OMP_NUM_THREADS of every node: torch's intra-op thread count changes float sums
 
 FAST_DEATH = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
               "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
@@ -132,7 +133,7 @@ def ray_cluster(moto_s3: Any) -> Iterator[RayCluster]:
     import ray
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+           "OMP_NUM_THREADS": str(WORKER_THREADS), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     try:
         cluster = start_cluster(env, n_workers=2, gpus_per_worker=1)
     except (RuntimeError, OSError) as exc:

@@ -2,9 +2,9 @@
 
 The cluster is the session's (tests/ray_cluster.py): a head (no GPU) and two worker nodes (one logical GPU
 each) started as separate ``ray start`` processes; every shard task requests one GPU, so the two shards run
-on the two workers.
-The reference is a single-worker capture of the same entry in this process on local disk: the sharded
-capture must equal it bit for bit (every document file, head file and the token table). The last test
+on the two workers. The reference is a single-worker capture of the same entry in this process on local
+disk, with the workers' intra-op thread count (torch's float sums depend on it): the sharded capture must
+equal it bit for bit (every document file, head file and the token table). The last test
 kills a worker node (SIGKILL on its process group) while its shard is half done; Ray retries the shard
 on the surviving node, which skips what was committed; a fresh worker then takes the killed one's place.
 """
@@ -24,7 +24,8 @@ from typing import Any
 import pandas as pd
 import pytest
 import tiny_models as tm
-from ray_cluster import RayCluster, cmdline, descendants
+import torch
+from ray_cluster import WORKER_THREADS, RayCluster, cmdline, descendants
 from servers import wait_for
 
 from qk_core.capture import capture_model
@@ -49,7 +50,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any, ray_cluster: Ray
     entry = load_registry(registry_file).model("t-llama")
     corpus = local_corpus({"path": str(root / "corpus.jsonl")})
     ref_storage = Storage(root / "reference")
-    ref = capture_model(entry, corpus, ref_storage, device="cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WORKER_THREADS)  # as on the workers: another thread count gives other float sums
+    try:
+        ref = capture_model(entry, corpus, ref_storage, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
     return {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": ray_cluster,
             "s3": moto_s3, "registry": registry_file}
 
