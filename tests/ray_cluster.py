@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import free_port
+from s3 import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_THREADS = 1  # OMP_NUM_THREADS of every node: torch's intra-op thread count changes float sums
