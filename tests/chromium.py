@@ -1,7 +1,8 @@
 """Headless Chromium for the report and UI tests: screenshots, DOM dumps and image checks.
 
-Chromium is the Debian package (``make browser`` installs it). Each call starts a fresh browser with a
-fresh profile and the flags that keep it from reaching the network on its own.
+Chromium is the Debian package (``make browser`` installs it); when it is missing the test is skipped
+locally and fails under ``CI=true`` (tests/prereq.py). Each call starts a fresh browser with a fresh profile
+and the flags that keep it from reaching the network on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pytest
+from prereq import missing
 
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -38,10 +39,10 @@ window.addEventListener('load', () => {
 
 
 def chromium() -> str:
-    """The Chromium binary, or skip the test when it is not installed."""
+    """The Chromium binary; when it is not installed: skip locally, fail under ``CI=true``."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if exe is None:
-        pytest.skip("chromium is not installed (make browser)")
+        missing("chromium", "make browser")
     return exe
 
 

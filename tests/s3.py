@@ -1,13 +1,11 @@
 """A real S3 API on 127.0.0.1 for tests: moto in server mode, credentials only through the environment.
 
-Usage from a test module::
-
-    from s3 import moto_s3  # noqa: F401  (session fixture)
+Usage from a test module (the fixture is registered once, in conftest.py)::
 
     def test_x(moto_s3):
         storage = Storage(moto_s3.root("case"), moto_s3.endpoint)
 
-``moto_s3`` starts one server per test session on a free port, exports dummy ``AWS_*`` credentials
+``moto_s3`` starts one server per test session on a free port (on first use), exports dummy ``AWS_*`` credentials
 and ``QK_S3_ENDPOINT_URL`` (restored afterwards), and creates a bucket. :meth:`MotoS3.root` hands out
 a fresh ``s3://bucket/<prefix>`` root per call so tests never see each other's objects.
 """

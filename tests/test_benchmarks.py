@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_core.benchmarks.scores import (
     BENCHMARK_DIR,

@@ -1,22 +1,29 @@
 """Capture on real trained weights (SPEC 1, 9): SmolLM2-135M and Gemma-3-270M from their GGUF packages,
 on SOTU text, at a short window (256 tokens) to stay fast. Outputs are unchanged by the capture and
-captured q·k·scaling reproduces the model's own attention logits (eager attention weights)."""
+captured q·k·scaling reproduces the model's own attention logits (eager attention weights).
+
+Its inputs come from ``make setup``: the GGUF packages of requirements-models.txt and the SOTU tarball in
+the cache. Only their absence skips (locally; under ``CI=true`` it fails, tests/prereq.py); any error once
+they are there fails the test.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import numpy as np
 import pytest
 import tiny_models as tm
 import torch
+from prereq import missing
 
 from qk_core.capture import capture_model
 from qk_core.capture.hook import CaptureSession
 from qk_core.capture.store import CaptureReader
 from qk_core.config.registry import load_registry
-from qk_core.corpus.build import sotu_corpus
+from qk_core.corpus.build import CACHE_DIR, sotu_corpus
 from qk_core.io.storage import Storage
 from qk_core.models.loading import load_model
 
@@ -27,17 +34,20 @@ WINDOW, BUCKET, N_DOCS = 256, 32, 2
 
 @pytest.fixture(scope="module")
 def sotu() -> Any:
-    reg = load_registry()
-    try:
-        df = sotu_corpus(reg.corpus("sotu-demo").params)
-    except Exception as exc:  # the tarball is cached by `make setup`; without it there is no offline text
-        pytest.skip(f"SOTU demo corpus not available offline: {exc}")
-    return df.head(N_DOCS)
+    params = load_registry().corpus("sotu-demo").params
+    # the file qk_core.corpus.fetch_pinned keeps (`make setup` fetches it; the tests run offline)
+    cached = CACHE_DIR / f"{params['sha256'][:16]}-{params['url'].rsplit('/', 1)[-1]}"
+    if not cached.exists():
+        missing(f"the SOTU demo corpus ({cached.name} in {CACHE_DIR})", "make setup")
+    return sotu_corpus(params).head(N_DOCS)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
 def captured(request: pytest.FixtureRequest, sotu: Any, tmp_path_factory: pytest.TempPathFactory) -> dict:
     reg = load_registry()
+    package = reg.model(request.param).source.package
+    if importlib.util.find_spec(package or "") is None:
+        missing(f"the demo model package {package!r}", "make setup; requirements-models.txt")
     entry = dataclasses.replace(reg.model(request.param), window=WINDOW, bucket=BUCKET)
     loaded = load_model(entry, "cpu")
     storage = Storage(tmp_path_factory.mktemp("real") / "storage")

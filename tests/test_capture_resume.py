@@ -22,6 +22,8 @@ from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
 from qk_core.io.storage import Storage
 
+pytestmark = pytest.mark.slow  # captures in child processes killed with SIGKILL
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 REPO = Path(__file__).resolve().parent.parent
 N_DOCS = 10

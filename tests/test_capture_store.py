@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file
 from qk_core.io.storage import Storage

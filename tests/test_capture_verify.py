@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_core.capture import store as capture_store
 from qk_core.capture.store import (

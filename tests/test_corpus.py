@@ -161,6 +161,7 @@ def test_package_files_registry_schema_names_the_field(tmp_path: Path, extra: st
     assert str(path) in str(err.value) and "'code'" in str(err.value) and f"'{field}" in str(err.value)
 
 
+@pytest.mark.slow  # both demo tokenizers over the real wheel (20 s)
 def test_code_demo_corpus_is_real_deterministic_and_long_enough_for_both_demo_models() -> None:
     """The second demo corpus (SPEC 10): Python source, pinned; at least 16 qualifying modules, each at least
     the demo window (2048 tokens) long for both demo tokenizers; the demo reads the first 8."""

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pytest
 from synthetic import CloudSpec, HeadSpec, SyntheticHead, write_synthetic_capture
 
+pytestmark = pytest.mark.slow  # geometry, plasticity and cross-corpus runs through Dagster on two corpora
+
 MODEL, CORPORA = "smollm2-135m", ("sotu-demo", "code-demo")
 SPEC = HeadSpec(q=CloudSpec(slope=1.0e-3, m_a=0.8, sigma=0.6), k=CloudSpec(slope=1.5e-3, sigma=0.6))
 HEADS = [SyntheticHead(layer, h, h // 2, SPEC) for layer in (0, 3) for h in range(4)]

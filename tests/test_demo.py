@@ -21,6 +21,7 @@ from qk_assets.partitions import sync_instance
 from qk_core.config.registry import load_registry
 from qk_core.io.storage import Storage
 
+pytestmark = pytest.mark.slow  # a real webserver over the toy workspace, demo runs in child processes (2.5 min)
 REPO = Path(__file__).resolve().parent.parent
 
 REGISTRY = """

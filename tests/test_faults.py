@@ -39,6 +39,8 @@ from qk_core.config.registry import CorpusEntry, RegistryError, load_registry
 from qk_core.corpus.build import CorpusError, build_corpus, local_corpus
 from qk_core.io.storage import Storage, StorageError
 
+pytestmark = pytest.mark.slow  # real processes killed, a moto server process paused and killed
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 N_DOCS = 6
 CLASSES = ["capture killed", "finalize killed", "asset write killed", "S3 server paused", "S3 server killed",

@@ -19,6 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import gpu_capture
 
+pytestmark = pytest.mark.slow  # every real architecture at tiny width through the benchmark (about 25 s)
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:

@@ -16,6 +16,8 @@ import tiny_models as tm
 import torch
 from test_interventions_study import prose
 
+pytestmark = pytest.mark.slow  # the interventions multi-asset through Dagster (about 17 s)
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

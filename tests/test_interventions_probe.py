@@ -68,6 +68,7 @@ def full_logprobs(model: Any, trial: Any, cands: list[list[int]]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fam", tm.FAMILIES)
+@pytest.mark.slow  # full forwards of every family (35 s)
 def test_cached_scores_equal_full_forward(fam: str) -> None:
     model = tm.tiny_model(fam)
     bb = backbone_of(model)

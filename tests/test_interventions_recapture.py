@@ -23,6 +23,8 @@ from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSes
 from qk_core.io.storage import Storage
 from qk_core.models.loading import load_model
 
+pytestmark = pytest.mark.slow  # capture, rotation and recapture per family (15 s)
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 LAYER = {"llama": 1, "mistral": 1, "ministral3": 1, "qwen3": 1, "smollm3": 1, "gemma3": 2, "mllama": 2}
 

@@ -23,6 +23,8 @@ from qk_core.models.loading import load_model
 from qk_core.plasticity import analyse_model
 from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
+pytestmark = pytest.mark.slow  # the whole SPEC 11 study per family (about a minute)
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

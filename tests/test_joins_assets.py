@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from dagster import AssetKey, AssetSpec, DagsterInstance, materialize
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_assets.assets import benchmarks as bench_assets
 from qk_assets.assets import joins as join_assets
@@ -58,6 +58,7 @@ def instance():
         yield inst
 
 
+@pytest.mark.slow  # the benchmark assets through Dagster
 def test_report_and_joins_from_synthetic_upstream(tmp_path: Path, instance: DagsterInstance) -> None:
     root = tmp_path / "root"
     st = Storage(root)
@@ -103,6 +104,7 @@ def _arrow(df: pd.DataFrame):
     return pa.Table.from_pandas(df, preserve_index=False)
 
 
+@pytest.mark.slow  # the benchmark assets through Dagster, twice
 def test_bad_input_fails_and_previous_join_stays(tmp_path: Path, instance: DagsterInstance) -> None:
     root = tmp_path / "root"
     res = run(root, SOURCES + DOWNSTREAM, instance)
@@ -209,6 +211,7 @@ def test_file_sensor_without_cursor_trusts_the_latest_materialisations(tmp_path:
     assert selected(result) == ["benchmark_scores"]
 
 
+@pytest.mark.slow  # the benchmark assets through Dagster on S3
 def test_everything_reads_and_writes_through_s3(request: pytest.FixtureRequest, instance: DagsterInstance) -> None:
     s3: MotoS3 = request.getfixturevalue("moto_s3")
     root = s3.root("assets")
@@ -234,6 +237,7 @@ SMALL_REGISTRY = '[corpora.c]\nkind = "local_file"\npath = "docs.jsonl"\n' + "".
     for m, f in SMALL_FAMILIES.items())
 
 
+@pytest.mark.slow  # the benchmark assets through Dagster
 def test_first_tick_with_a_registry_lacking_aliased_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh instance whose registry lacks most study models: the benchmark sensor's first run succeeds,
     the aliases of the missing models are reported (file, line, field) and ignored; a malformed alias file

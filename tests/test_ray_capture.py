@@ -1,11 +1,12 @@
 """One capture sharded by document over a real local Ray cluster, storage on the moto S3 server (issue 12).
 
-The cluster is a head (no GPU) and two worker nodes (one logical GPU each) started as separate
-``ray start`` processes; every shard task requests one GPU, so the two shards run on the two workers.
-The reference is a single-worker capture of the same entry in this process on local disk: the sharded
-capture must equal it bit for bit (every document file, head file and the token table). The last test
+The cluster is the session's (tests/ray_cluster.py): a head (no GPU) and two worker nodes (one logical GPU
+each) started as separate ``ray start`` processes; every shard task requests one GPU, so the two shards run
+on the two workers. The reference is a single-worker capture of the same entry in this process on local
+disk, with the workers' intra-op thread count (torch's float sums depend on it): the sharded capture must
+equal it bit for bit (every document file, head file and the token table). The last test
 kills a worker node (SIGKILL on its process group) while its shard is half done; Ray retries the shard
-on the surviving node, which skips what was committed.
+on the surviving node, which skips what was committed; a fresh worker then takes the killed one's place.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -22,8 +24,8 @@ from typing import Any
 import pandas as pd
 import pytest
 import tiny_models as tm
-from ray_cluster import RayCluster, cmdline, descendants, start_cluster, wait_nodes
-from s3 import moto_s3  # noqa: F401  (session fixture)
+import torch
+from ray_cluster import WORKER_THREADS, RayCluster, cmdline, descendants
 from servers import wait_for
 
 from qk_core.capture import capture_model
@@ -37,9 +39,8 @@ N_DOCS, CHARS, WINDOW = 16, 900, 1024
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa: F811
-    import ray
-
+def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any, ray_cluster: RayCluster) -> dict[str, Any]:
+    """The tiny model, corpus and registry, a single-worker reference capture, the session's cluster and S3."""
     root = tmp_path_factory.mktemp("ray")
     tm.build_tiny_model("llama", root / "llama")
     tm.write_corpus_jsonl(root / "corpus.jsonl", tm.sample_texts(N_DOCS, CHARS, seed=3))
@@ -49,25 +50,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory, moto_s3: Any) -> Any:  # noqa:
     entry = load_registry(registry_file).model("t-llama")
     corpus = local_corpus({"path": str(root / "corpus.jsonl")})
     ref_storage = Storage(root / "reference")
-    ref = capture_model(entry, corpus, ref_storage, device="cpu")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WORKER_THREADS)  # as on the workers: another thread count gives other float sums
     try:
-        cluster = start_cluster(env, n_workers=2, gpus_per_worker=1)
-    except (RuntimeError, OSError) as exc:
-        pytest.fail(f"a local Ray cluster could not be started: {exc}")
-    try:
-        ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
-        wait_nodes(cluster, 3)
-    except Exception as exc:
-        cluster.stop()
-        pytest.fail(f"could not connect to the local Ray cluster at {cluster.address}: {exc}\n{cluster.log_tail()}")
-    try:
-        yield {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": cluster,
-               "s3": moto_s3, "registry": registry_file}
+        ref = capture_model(entry, corpus, ref_storage, device="cpu")
     finally:
-        ray.shutdown()
-        cluster.stop()
+        torch.set_num_threads(threads)
+    return {"entry": entry, "corpus": corpus, "ref": ref, "ref_storage": ref_storage, "cluster": ray_cluster,
+            "s3": moto_s3, "registry": registry_file}
 
 
 def assert_bit_identical(a: Storage, b: Storage, prefix: str) -> int:
@@ -316,7 +306,15 @@ def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int,
     raise AssertionError(f"no capture shard task seen running within {timeout}s\n{cluster.log_tail()}")
 
 
-def test_killed_worker_node_is_redone_elsewhere(lab: dict) -> None:
+@pytest.fixture
+def whole_afterwards(lab: dict) -> Iterator[None]:
+    """For a test that kills a worker node: afterwards (pass or fail) a fresh worker takes its place, so the
+    session's cluster is whole for whoever uses it next."""
+    yield
+    lab["cluster"].replace_dead_workers()
+
+
+def test_killed_worker_node_is_redone_elsewhere(lab: dict, whole_afterwards: None) -> None:
     """SIGKILL a worker node while its shard is half committed: nothing lost, nothing duplicated."""
     import ray
 

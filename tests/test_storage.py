@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3 import CREDENTIALS, MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import CREDENTIALS, MotoS3
 
 from qk_core.io.storage import TMP_PREFIX, Storage, StorageError
 
@@ -176,7 +176,7 @@ def test_truncated_parquet_is_a_storage_error_naming_the_file(storage: Storage) 
 
 
 def test_credentials_come_from_env_and_never_reach_metadata(
-        moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
     """Storage gets no credentials, yet reaches the server; no output carries them."""
     import dagster as dg
 

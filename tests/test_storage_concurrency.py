@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from s3 import MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import MotoS3
 
 from qk_core.io.storage import Storage
 

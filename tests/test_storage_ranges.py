@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from s3 import CountingProxy, MotoS3, moto_s3  # noqa: F401  (session fixture)
+from s3 import CountingProxy, MotoS3
 
 from qk_core.io.storage import Storage
 
@@ -20,7 +20,7 @@ def table() -> pa.Table:
 
 
 @pytest.fixture
-def proxied(moto_s3: MotoS3):  # noqa: F811
+def proxied(moto_s3: MotoS3):
     proxy = CountingProxy(moto_s3.endpoint)
     storage = Storage(moto_s3.root("ranges"), proxy.endpoint)
     tbl = table()
