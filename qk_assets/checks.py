@@ -111,10 +111,15 @@ def heads_analysed(asset: str, capture_heads: pd.DataFrame, heads: pd.DataFrame,
         "absent_heads": MetadataValue.json([list(h) for h in cov.absent[:SHOWN]])})
 
 
-def values_finite(asset: str, table: pd.DataFrame, labels: Sequence[str] = ("metric", "key")) -> AssetCheckResult:
-    """``values_finite`` of a long metrics table (column ``value``)."""
+def values_finite(asset: str, table: pd.DataFrame, labels: Sequence[str] = ("metric", "key"),
+                  empty_because: str = "") -> AssetCheckResult:
+    """``values_finite`` of a long metrics table (column ``value``); ``empty_because``: why this partition's
+    table is rightly empty (it then passes saying so), e.g. a model with one corpus has nothing to compare."""
     bad = nonfinite_values(table)
     shown = bad[[c for c in (*labels, "value", "n_heads") if c in bad.columns]]
+    if table.empty and empty_because:
+        return _result(asset, VALUES_FINITE, True, f"{asset}: no values expected: {empty_because}",
+                       {"rows": 0, "nonfinite": 0})
     if table.empty:
         text = f"{asset}: the table holds no value"
     elif len(bad):
@@ -153,6 +158,8 @@ def intervals_contain_values(asset: str, table: pd.DataFrame, triples: Sequence[
 
 def intervals_well_formed(asset: str, table: pd.DataFrame, labels: Sequence[str]) -> AssetCheckResult:
     """``intervals_well_formed`` of a table with ``value``, ``lo``, ``hi``: lo <= hi; containment reported."""
+    if table.empty:
+        return _result(asset, INTERVALS_FORMED, True, f"{asset}: no intervals", {"intervals": 0})
     bad = inverted_intervals(table)
     outside = intervals_missing_point(table, "value", "lo", "hi")
     judged = int(table[["lo", "hi"]].notna().all(axis=1).sum()) if len(table) else 0
