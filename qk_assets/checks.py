@@ -11,8 +11,9 @@ green and nothing downstream of the asset runs on it):
 
 - ``heads_analysed`` (``pca_heads``, ``rotation_heads``, ``plasticity_heads``; blocking): fails when a head
   the capture lists has no row, no head has a value, or fewer heads were analysed (status ``ok``) than
-  configured (the capture's heads) without the analysis's ``allow_partial``; skipped heads count against it,
-  their reasons in the metadata.
+  configured (the heads the capture sampled: ``capture.heads`` of the registry entry, or every eligible head
+  when fewer) without the analysis's ``allow_partial``; skipped heads count against it, their reasons in the
+  metadata.
 - ``values_finite`` (``pca_metrics``, ``rotation_metrics``, ``plasticity_metrics``, ``cross_corpus_metrics``;
   blocking): fails when the table holds no row, or a row whose ``value`` is NaN / infinite (named by metric
   and key).
