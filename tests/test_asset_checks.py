@@ -201,6 +201,23 @@ def test_every_stored_table_carries_column_schema_and_row_count(good) -> None:
     assert types["layer"].startswith("int") and types["pp"] in ("float", "double") and types["valid"] == "bool"
 
 
+def test_the_code_location_declares_the_checks_per_partition() -> None:
+    """Each check is partitioned like its asset (a result per partition in the Checks tab), blocking as promised."""
+    from dagster import AssetKey
+
+    from qk_assets import defs
+
+    graph = defs.resolve_asset_graph()
+    specs = {(k.asset_key.to_user_string(), k.name): graph.get_check_spec(k) for k in graph.asset_check_keys}
+    want = {*EXPECTED_CHECKS, ("qk_capture", "capture_verified"), ("cross_corpus_metrics", "values_finite"),
+            ("cross_corpus_metrics", "intervals_well_formed")}
+    assert want <= set(specs)
+    for (asset, name), spec in specs.items():
+        assert spec.partitions_def == graph.get(AssetKey(asset)).partitions_def, (asset, name)
+        blocking = name in ("capture_verified", "heads_analysed", "values_finite")
+        assert spec.blocking == blocking, (asset, name)
+
+
 def test_every_asset_has_owners() -> None:
     from qk_assets import defs
 
