@@ -1,6 +1,6 @@
 """Per-partition asset checks of the per-model tables (issues 21.4, 25.2): their specs and their results.
 
-What each check tests is a pure function of :mod:`qk_core.table_checks`; this module turns it into Dagster
+What each check tests is a pure function of :mod:`qk_core.io.table_checks`; this module turns it into Dagster
 check specs (partitioned like the asset, so each partition has its own result in the asset's *Checks* tab)
 and :class:`~dagster.AssetCheckResult` values that name the offending heads or rows in their metadata.
 The assets that own the tables evaluate them on the values they have just written (``check_specs`` of the
@@ -43,7 +43,7 @@ from dagster import (
 )
 
 from qk_assets.metadata import table_value
-from qk_core.table_checks import (
+from qk_core.io.table_checks import (
     head_coverage,
     intervals_missing_point,
     inverted_intervals,

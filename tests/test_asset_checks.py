@@ -5,7 +5,7 @@ an ephemeral Dagster instance. A good capture passes every check, per partition;
 check meant for them: a capture whose window is one bucket (every plasticity head skipped, every value NaN:
 the run used to be green), a head with too few rows without ``allow_partial``, an interval moved off its
 point, a profile without its last 20%. A failed blocking check fails the run and skips a downstream asset of
-the same partition. The pure check functions (qk_core/table_checks.py) are tested on hand-made tables.
+the same partition. The pure check functions (qk_core/io/table_checks.py) are tested on hand-made tables.
 """
 
 from __future__ import annotations
@@ -240,11 +240,11 @@ def test_an_asset_of_an_unknown_group_is_refused_naming_it() -> None:
         with_owners([orphan])
 
 
-# ---- the pure functions (qk_core/table_checks.py) ----------------------------------------------------------
+# ---- the pure functions (qk_core/io/table_checks.py) ----------------------------------------------------------
 
 
 def test_nonfinite_values_and_intervals() -> None:
-    from qk_core.table_checks import intervals_missing_point, inverted_intervals, nonfinite_values
+    from qk_core.io.table_checks import intervals_missing_point, inverted_intervals, nonfinite_values
 
     t = pd.DataFrame({"metric": ["a", "b", "c", "d"], "value": [0.5, np.nan, np.inf, 0.2],
                       "lo": [0.4, np.nan, 0.0, 0.3], "hi": [0.6, np.nan, 1.0, 0.25]})
@@ -259,7 +259,7 @@ def test_nonfinite_values_and_intervals() -> None:
 
 
 def test_head_coverage_counts_skips_and_absent_heads() -> None:
-    from qk_core.table_checks import head_coverage
+    from qk_core.io.table_checks import head_coverage
 
     configured = pd.DataFrame({"layer": [0, 0, 1, 1], "q_head": [0, 1, 0, 1]})
     table = pd.DataFrame({"layer": [0, 0, 1], "q_head": [0, 1, 0], "status": ["ok", "too_few_rows", "ok"],
@@ -280,7 +280,7 @@ def test_head_coverage_counts_skips_and_absent_heads() -> None:
 
 
 def test_profile_gaps() -> None:
-    from qk_core.table_checks import profile_gaps
+    from qk_core.io.table_checks import profile_gaps
 
     L, B = 1000, 100
     heads = pd.DataFrame({"layer": [0, 0, 1], "q_head": [0, 1, 0], "status": ["ok", "ok", "no_usable_bucket"]})
