@@ -60,8 +60,8 @@ def _run(root: Path, heads: list[SyntheticHead], *, window: int, bucket: int, do
                                                           per_bucket=4, doc_tokens=docs)
     down = _downstream()
     selection = [AssetKey(k) for k in (*GEOMETRY_OUTS, *PLASTICITY_OUTS, "downstream_of_metrics")]
-    config = {"ops": {"plasticity": {"config": {**FAST, **(plasticity or {})}},
-                      "geometry": {"config": geometry or {}}}}
+    config = {"ops": {"plasticity": {"config": {"options": {"plasticity": {**FAST, **(plasticity or {})}}}},
+                      "geometry": {"config": {"options": geometry or {}}}}}
     result = materialize([stand_in, geometry_asset, plasticity_asset, down], selection=selection,
                          partition_key=pair(MODEL), resources=resources, instance=partitions_instance([MODEL]),
                          run_config=config, raise_on_error=False)
@@ -143,7 +143,7 @@ def test_skipped_head_without_allow_partial_fails_and_with_it_passes(tmp_path: P
         assert "allow_partial" in e.description and "layer 5 head 0" in e.description
     assert not strict.success and "downstream_of_metrics" not in _materialised(strict)
     allowed, _ = _run(tmp_path / "b", heads, window=1024, bucket=128, docs=docs, plasticity={"allow_partial": True},
-                      geometry={"pca_allow_partial": True, "rotation_allow_partial": True})
+                      geometry={"pca": {"allow_partial": True}, "rotation": {"allow_partial": True}})
     evals = _evaluations(allowed)
     for asset in ("pca_heads", "rotation_heads", "plasticity_heads"):
         e = evals[(asset, "heads_analysed")]

@@ -169,7 +169,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
                 yield Output(value, output_name=name, metadata=meta)
         yield from checks.selected(context, [
             checks.heads_analysed("pca_heads", qk_capture, heads, pca_opts.allow_partial,
-                                  "analysis.pca.allow_partial (run config pca_allow_partial)"),
+                                  "analysis.pca.allow_partial (run config options.pca.allow_partial)"),
             checks.values_finite("pca_metrics", metrics)])
     if do_rot:
         heads, layers, metrics, points = out["rotation"]
@@ -200,5 +200,5 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
                 yield Output(value, output_name=name, metadata=meta)
         yield from checks.selected(context, [
             checks.heads_analysed("rotation_heads", qk_capture, heads, rot_opts.allow_partial,
-                                  "analysis.rotation.allow_partial (run config rotation_allow_partial)"),
+                                  "analysis.rotation.allow_partial (run config options.rotation.allow_partial)"),
             checks.values_finite("rotation_metrics", metrics)])

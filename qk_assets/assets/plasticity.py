@@ -164,7 +164,7 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
         **common, "preview": _md(result.metrics[["metric", "key", "value", "median", "lo", "hi", "n_heads"]], 60)})
     yield from checks.selected(context, [
         checks.heads_analysed("plasticity_heads", qk_capture, h, opts.allow_partial,
-                              "analysis.plasticity.allow_partial (run config allow_partial)"),
+                              "analysis.plasticity.allow_partial (run config options.plasticity.allow_partial)"),
         checks.intervals_contain_values("plasticity_heads", h, HEAD_INTERVALS, ["layer", "q_head"]),
         checks.values_finite("plasticity_metrics", result.metrics),
         checks.intervals_contain_values("plasticity_metrics", result.metrics, [("value", "lo", "hi")],
