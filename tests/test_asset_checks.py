@@ -306,3 +306,36 @@ def test_dg_check_defs_loads_the_code_location(tmp_path: Path) -> None:
     proc = subprocess.run([str(dg), "check", "defs"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "All definitions loaded successfully" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_dg_dev_serves_the_code_location_with_its_checks_and_owners(tmp_path: Path) -> None:
+    """``dg dev`` (webserver + daemon from ``[tool.dg]``): /server_info answers, the location loads, and the UI's
+    API lists the per-partition checks and owners of an asset."""
+    import json
+    import urllib.request
+
+    from servers import DagsterServers, free_port, prepare_home
+
+    home = prepare_home(tmp_path)
+    port = free_port()
+    log_path = home / "servers.log"
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DAGSTER_TELEMETRY_DISABLED": "1", "PYTHONPATH": str(REPO),
+           "QK_STORAGE_ROOT": str(tmp_path / "storage")}
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "dg"), "dev", "-h", "127.0.0.1", "-p", str(port)],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    srv = DagsterServers(home=home, port=port, process=proc, log_path=log_path)
+    try:
+        srv.wait_ready(daemons=("SENSOR",))
+        with urllib.request.urlopen(f"{srv.url}/server_info", timeout=30) as resp:
+            assert json.loads(resp.read())["dagster_version"] == "1.13.27"
+        node = srv.graphql("""{ assetNodeOrError(assetKey: {path: ["plasticity_heads"]}) { ... on AssetNode {
+            owners { ... on TeamAssetOwner { team } }
+            assetChecksOrError { ... on AssetChecks { checks { name blocking } } } } } }""")["assetNodeOrError"]
+        assert node["owners"] == [{"team": "qk-analysis"}]
+        checks = {c["name"]: c["blocking"] for c in node["assetChecksOrError"]["checks"]}
+        assert checks == {"heads_analysed": True, "intervals_contain_values": False}
+    finally:
+        srv.stop()
