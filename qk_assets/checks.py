@@ -18,7 +18,7 @@ green and nothing downstream of the asset runs on it):
   blocking): fails when the table holds no row, or a row whose ``value`` is NaN / infinite (named by metric
   and key).
 - ``intervals_contain_values`` (``plasticity_heads``, ``plasticity_metrics``; not blocking): fails when a
-  percentile bootstrap interval (SPEC 4.6) does not contain its point value.
+  document-bootstrap interval of AP (SPEC 4.6) does not contain its point value.
 - ``intervals_well_formed`` (``cross_corpus_metrics``; not blocking): fails when an interval is inverted
   (lo > hi); its basic intervals (SPEC 10) need not contain the point, so containment is reported, not failed.
 - ``profile_coverage`` (``plasticity_profiles``; not blocking): fails when an analysed head's profile lacks
@@ -63,7 +63,7 @@ DESCRIPTIONS = {
     HEADS_ANALYSED: "Every head the capture lists has a row, and every one was analysed (status ok) unless the "
                     "analysis's allow_partial is set; skipped heads count against it, with their reasons. Blocking.",
     VALUES_FINITE: "The table holds values, and every value is finite (rows named by metric and key). Blocking.",
-    INTERVALS_CONTAIN: "Every percentile bootstrap interval (SPEC 4.6) contains its point value.",
+    INTERVALS_CONTAIN: "Every document-bootstrap interval of AP (SPEC 4.6) contains its point value.",
     INTERVALS_FORMED: "Every interval has lo <= hi. Basic (reverse percentile) intervals need not contain their "
                       "point (SPEC 10, qk_core.cross_corpus); how many do not is reported.",
     PROFILE_COVERAGE: "Every analysed head's profile has a row per bucket and a value in the first and in the last "

@@ -7,7 +7,7 @@ wiring (check specs, severities, blocking) is in :mod:`qk_assets.checks`. Nothin
 - :func:`head_coverage`: every head the capture lists has a row in a per-head table (none silently missing),
   and how many were analysed (status ``ok``) against how many were configured, skipped heads with reasons;
 - :func:`intervals_missing_point`: rows whose interval [lo, hi] does not contain its point value (the
-  percentile bootstrap intervals of SPEC 4.6 hold their point by construction up to rare resampling tails);
+  document-bootstrap AP intervals of SPEC 4.6 are centred on their point: resamples of ratio estimators);
 - :func:`inverted_intervals`: rows with lo > hi (a basic interval need not contain its point, SPEC 10, but is
   never inverted);
 - :func:`profile_gaps`: analysed heads whose plasticity profile (SPEC 4.4) lacks bucket rows, or has no value
