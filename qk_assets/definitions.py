@@ -14,6 +14,7 @@ from qk_assets import assets as assets_pkg
 from qk_assets.assets.registry import model_automation_sensor
 from qk_assets.automation import automation_sensor
 from qk_assets.io_manager import ParquetIOManager
+from qk_assets.owners import with_owners
 from qk_assets.partitions import model_corpus_partitions
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 from qk_assets.versioning import with_code_versions
@@ -44,7 +45,7 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
     settings = settings or Settings.from_env()
     storage = StorageResource.from_settings(settings)
     modules = asset_modules()
-    assets = with_code_versions(load_assets_from_modules(modules), modules)
+    assets = with_owners(with_code_versions(load_assets_from_modules(modules), modules))
     return Definitions(
         assets=assets,
         asset_checks=load_asset_checks_from_modules(modules),

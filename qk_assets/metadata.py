@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
 
 #: Rows kept in a table entry; the whole table is the asset's stored value.
@@ -55,3 +56,25 @@ def table_value(df: pd.DataFrame, *, max_rows: int = MAX_ROWS, digits: int = 4,
     records = [TableRecord({str(c): _scalar(v, kinds[str(c)], digits) for c, v in zip(frame.columns, row, strict=True)})
                for row in frame.itertuples(index=False)]
     return MetadataValue.table(records=records, schema=schema)
+
+
+def arrow_type_name(t: pa.DataType) -> str:
+    """A column type as the UI shows it: Arrow's name, a dictionary (pandas categorical) as its value type."""
+    if pa.types.is_dictionary(t):
+        return arrow_type_name(t.value_type)
+    if pa.types.is_large_string(t) or pa.types.is_string(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{arrow_type_name(t.value_type)}>"
+    return str(t)
+
+
+def table_metadata(table: pa.Table, partitioned: bool) -> dict[str, Any]:
+    """``dagster/column_schema`` (every stored column and its Arrow type) and ``dagster/row_count`` of a stored
+    table; a partition's rows are also its ``dagster/partition_row_count`` (each partition is its own file)."""
+    schema = TableSchema(columns=[TableColumn(name=f.name, type=arrow_type_name(f.type)) for f in table.schema])
+    rows = MetadataValue.int(int(table.num_rows))
+    out: dict[str, Any] = {"dagster/column_schema": MetadataValue.table_schema(schema), "dagster/row_count": rows}
+    if partitioned:
+        out["dagster/partition_row_count"] = rows
+    return out

@@ -116,6 +116,7 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
 
     check = result.get_asset_check_evaluations()[0]
     assert check.passed and check.metadata["verified_at_finalize"].value
+    assert check.partition == "tiny|tiny-llama"  # a per-partition check: this capture's result
     assert check.metadata["files_verified"].value == len(reader.complete["files"])
 
     again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
@@ -164,6 +165,7 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
                          instance=instance)
     check = second.get_asset_check_evaluations()[0]
     assert not check.passed and rel.rsplit("/", 1)[1] in check.description and "SHA-256" in check.description
+    assert check.partition == "tiny|tiny-llama" and check.blocking
     assert ran == [] and not second.success
     assert not second.asset_materializations_for_node("downstream")
 

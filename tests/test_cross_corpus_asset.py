@@ -136,3 +136,30 @@ def test_a_model_maps_to_its_pairs_and_automation_holds_the_asset(staged: dict) 
     assert set(parents.partitions_subset.get_partition_keys()) == {f"{c}|{MODEL}" for c in
                                                                     (*CORPORA, "longbench-pro")}
     assert set(CROSS) <= {k.to_user_string() for k in derived_keys(defs.assets)}  # automation_sensor's targets
+
+
+def test_checks_per_model_pass_and_fail_on_planted_tables(staged: dict) -> None:
+    """values_finite (blocking) and intervals_well_formed on each model's partition; planted NaN / lo > hi fail,
+    a basic interval off its point is reported without failing (SPEC 10 does not promise containment)."""
+    from qk_assets import checks
+
+    for model, result in staged["results"].items():
+        evals = {e.check_name: e for e in result.get_asset_check_evaluations()}
+        assert set(evals) == {"values_finite", "intervals_well_formed"}
+        assert all(e.passed and e.partition == model for e in evals.values()), evals
+        assert evals["values_finite"].blocking and not evals["intervals_well_formed"].blocking
+    assert "lists 1 corpus" in staged["results"]["qwen3-8b"].get_asset_check_evaluations()[0].description
+    metrics = staged["read"]("cross_corpus_metrics", MODEL)
+    labels = ("kind", "corpus", "metric")
+    nan = metrics.copy()
+    nan.loc[2, "value"] = np.nan
+    res = checks.values_finite("cross_corpus_metrics", nan, labels)
+    assert not res.passed and f"metric={metrics.loc[2, 'metric']!r}" in res.description
+    assert not checks.values_finite("cross_corpus_metrics", metrics.iloc[0:0], labels).passed  # should hold values
+    inverted = metrics.copy()
+    inverted.loc[0, ["lo", "hi"]] = [metrics.loc[0, "hi"], metrics.loc[0, "lo"] - 1.0]
+    assert not checks.intervals_well_formed("cross_corpus_metrics", inverted, labels).passed
+    shifted = metrics.copy()
+    shifted.loc[0, ["lo", "hi"]] = [metrics.loc[0, "value"] + 1.0, metrics.loc[0, "value"] + 2.0]
+    res = checks.intervals_well_formed("cross_corpus_metrics", shifted, labels)
+    assert res.passed and res.metadata["not_containing_point"].value == 1

@@ -17,7 +17,6 @@ import pandas as pd
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     AssetIn,
     Failure,
@@ -27,6 +26,7 @@ from dagster import (
 )
 
 from qk_assets.automation import PER_PAIR
+from qk_assets.checks import check_spec
 from qk_assets.metadata import table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
@@ -47,8 +47,8 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
     pool="gpu",
     group_name="capture",
     kinds={"pytorch", "parquet"},
-    check_specs=[AssetCheckSpec(
-        "capture_verified", asset="qk_capture", blocking=True,
+    check_specs=[check_spec(  # per partition: each (model, corpus) capture has its own result
+        "capture_verified", "qk_capture", blocking=True, partitions_def=model_corpus_partitions(),
         description="Every committed file of the capture has its recorded size and SHA-256, and the manifest "
                     "belongs to its folder (SPEC 1.9); downstream assets do not run on a failed check.")],
     description=(

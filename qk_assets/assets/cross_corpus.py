@@ -37,6 +37,7 @@ from dagster import (
     multi_asset,
 )
 
+from qk_assets import checks
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import table_value
@@ -59,6 +60,9 @@ CONDITION = (
     & ~AutomationCondition.in_progress()
 ).with_label("after the model's analyses update (tolerates corpora without results)")
 OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": CONDITION}
+# per-partition (per model) checks, qk_assets/checks.py: finite values (blocking), intervals lo <= hi
+CHECKS = checks.check_specs([("cross_corpus_metrics", checks.VALUES_FINITE),
+                             ("cross_corpus_metrics", checks.INTERVALS_FORMED)], model_partitions())
 
 
 def _read(storage: Storage, asset: str, model: str, corpus: str, columns: list[str] | None = None
@@ -110,6 +114,7 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     deps=list(UPSTREAM),
     partitions_def=model_partitions(),
     can_subset=False,
+    check_specs=CHECKS,
 )
 def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
     """SPEC 10 for one model: its corpora compared (values, differences, per-head correlations, figures)."""
@@ -147,6 +152,11 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
         **common, **save_figures(store, folder, {"profiles": figures["profiles"]})})
     yield Output(res.heads, output_name="cross_corpus_heads", metadata={**common, "rows": len(res.heads)})
     yield Output(res.verdicts, output_name="cross_corpus_verdicts", metadata={**common, "statements": statements})
+    listed = len(entry.corpora)
+    yield from checks.selected(context, [
+        checks.values_finite("cross_corpus_metrics", res.metrics, ("kind", "corpus", "metric"),
+                             empty_because="" if listed >= 2 else f"the registry lists {listed} corpus for {model}"),
+        checks.intervals_well_formed("cross_corpus_metrics", res.metrics, ("kind", "corpus", "metric"))])
 
 
 def _figures(res, model: str) -> dict:

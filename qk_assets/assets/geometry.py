@@ -24,6 +24,7 @@ from dagster import (
     multi_asset,
 )
 
+from qk_assets import checks
 from qk_assets.automation import PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
@@ -44,6 +45,10 @@ ROTATION_OUTS = ("rotation_heads", "rotation_layers", "rotation_metrics")
 # every output: optional (subsettable), eager for the pairs the registry lists (model_automation_sensor)
 OUT = {"group_name": GROUP, "kinds": {"parquet"}, "is_required": False,
        "automation_condition": PER_PAIR}
+# per-partition checks (qk_assets/checks.py): heads analysed vs the capture's, finite model values; blocking
+CHECKS = checks.check_specs([("pca_heads", checks.HEADS_ANALYSED), ("pca_metrics", checks.VALUES_FINITE),
+                             ("rotation_heads", checks.HEADS_ANALYSED), ("rotation_metrics", checks.VALUES_FINITE)],
+                            model_corpus_partitions())
 
 
 class GeometryConfig(AnalysisConfig):
@@ -117,6 +122,7 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
     deps=["registry_analysis"],  # an analysis-option edit re-runs this, not the capture
     partitions_def=model_corpus_partitions(),
     can_subset=True,
+    check_specs=CHECKS,
 )
 def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: StorageResource,
              ray: RayClusterResource, qk_capture: pd.DataFrame):
@@ -161,6 +167,10 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         for name, (value, meta) in outputs.items():
             if name in selected:
                 yield Output(value, output_name=name, metadata=meta)
+        yield from checks.selected(context, [
+            checks.heads_analysed("pca_heads", qk_capture, heads, pca_opts.allow_partial,
+                                  "analysis.pca.allow_partial (run config options.pca.allow_partial)"),
+            checks.values_finite("pca_metrics", metrics)])
     if do_rot:
         heads, layers, metrics, points = out["rotation"]
         if skipped_summary(heads):
@@ -188,3 +198,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         for name, (value, meta) in outputs.items():
             if name in selected:
                 yield Output(value, output_name=name, metadata=meta)
+        yield from checks.selected(context, [
+            checks.heads_analysed("rotation_heads", qk_capture, heads, rot_opts.allow_partial,
+                                  "analysis.rotation.allow_partial (run config options.rotation.allow_partial)"),
+            checks.values_finite("rotation_metrics", metrics)])

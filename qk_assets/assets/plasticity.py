@@ -37,6 +37,7 @@ from dagster import (
     multi_asset,
 )
 
+from qk_assets import checks
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
 from qk_assets.metadata import table_value
@@ -52,6 +53,13 @@ from qk_core.runtime.cluster import on_cpu_worker
 GROUP = "plasticity"
 # every output: eager for the pairs the registry lists (new partitions, upstream updates; model_automation_sensor)
 OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": PER_PAIR}
+# per-partition checks (qk_assets/checks.py); heads_analysed and values_finite block what follows
+CHECKS = checks.check_specs([
+    ("plasticity_heads", checks.HEADS_ANALYSED), ("plasticity_heads", checks.INTERVALS_CONTAIN),
+    ("plasticity_metrics", checks.VALUES_FINITE), ("plasticity_metrics", checks.INTERVALS_CONTAIN),
+    ("plasticity_profiles", checks.PROFILE_COVERAGE)], model_corpus_partitions())
+HEAD_INTERVALS = [(f"{name}{kind}", f"{name}{kind}_lo", f"{name}{kind}_hi")
+                  for name in ("ap_overall", "ap_first20", "ap_last20", "ap_drop") for kind in ("", "_empirical")]
 
 UNITS = {
     "tau_tokens, t_i, t_j, *_tokens": "raw token positions",
@@ -98,6 +106,7 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
     deps=["registry_analysis"],  # an analysis-option edit re-runs this, not the capture
     partitions_def=model_corpus_partitions(),
     can_subset=False,
+    check_specs=CHECKS,
 )
 def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,
                ray: RayClusterResource, qk_capture: pd.DataFrame):
@@ -153,6 +162,14 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
         **common, **save_figures(store, folder, {"components": figures["components"]})})
     yield Output(result.metrics, output_name="plasticity_metrics", metadata={
         **common, "preview": _md(result.metrics[["metric", "key", "value", "median", "lo", "hi", "n_heads"]], 60)})
+    yield from checks.selected(context, [
+        checks.heads_analysed("plasticity_heads", qk_capture, h, opts.allow_partial,
+                              "analysis.plasticity.allow_partial (run config options.plasticity.allow_partial)"),
+        checks.intervals_contain_values("plasticity_heads", h, HEAD_INTERVALS, ["layer", "q_head"]),
+        checks.values_finite("plasticity_metrics", result.metrics),
+        checks.intervals_contain_values("plasticity_metrics", result.metrics, [("value", "lo", "hi")],
+                                        ["metric", "key"]),
+        checks.profile_coverage("plasticity_profiles", result.profiles, h, L, B)])
 
 
 def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
