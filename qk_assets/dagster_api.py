@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,7 @@ FINISHED_BACKFILL = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAIL
 FINISHED_RUN = ("SUCCESS", "FAILURE", "CANCELED")
 # what `make demo` needs of the daemon: the run queue and the asset backfill daemon
 BACKFILL_DAEMONS = ("QUEUED_RUN_COORDINATOR", "BACKFILL")
+CANCEL_TIMEOUT_S = 180  # the daemon cancels on its next tick (30 s apart), then the runs end
 
 _LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries { name loadStatus
   locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
@@ -401,3 +403,116 @@ def partitions_of(keys: Iterable[tuple[AssetKey, str | None]]) -> dict[AssetKey,
     for key, part in keys:
         out.setdefault(key, []).append(part)
     return out
+
+
+# ---- one backfill, start to end: start or reuse `dagster dev`, follow, cancel on a signal ------------------
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the program (``signum``: which one, None if unknown); ``what``: what became of
+    the backfill it launched."""
+
+    def __init__(self, signum: int | None = None, what: str = "") -> None:
+        self.signum = signum
+        self.what = what
+        name = signal.Signals(signum).name if signum else "a signal"
+        super().__init__(f"stopped by {name}" + (f"; {what}" if what else ""))
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (once: a repeated signal while the backfill
+    is canceled is ignored), so the backfill is canceled and a started ``dagster dev`` stopped on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, _frame: object) -> None:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            if old is not None:
+                signal.signal(sig, old)
+
+
+@contextmanager
+def dagster_at(url: str | None, *, home: Path | None = None, log_path: Path | None = None,
+               say: Callable[[str], None] = print) -> Iterator[DagsterAPI]:
+    """The running ``dagster dev`` at ``url`` (its code location reloaded first; refused, naming the fix, when its
+    instance runs no backfill daemon), or, with no ``url``, one started over ``home`` for the block."""
+    if url is None:
+        t0 = time.monotonic()
+        with dagster_dev(home=home, log_path=log_path) as srv:
+            say(f"started dagster dev (webserver + daemon) at {srv.url} in {time.monotonic() - t0:.0f} s; "
+                f"log {srv.log_path}")
+            yield srv
+        return
+    api = DagsterAPI(url)
+    api.reload()
+    missing = set(BACKFILL_DAEMONS) - api.healthy_daemons()
+    if missing:
+        raise RuntimeError(f"the Dagster instance at {url} runs no {', '.join(sorted(missing))} daemon: start "
+                           "`dagster dev` there (`make ui`), not the webserver alone, or leave the URL out")
+    say(f"using dagster dev at {api.url}")
+    yield api
+
+
+def _label(run: Run) -> str:
+    return run.partition or "unpartitioned"
+
+
+def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
+    """Poll the backfill until it finishes, printing each of its runs (one per partition) as it is queued, starts
+    and ends."""
+    seen: dict[str, str] = {}
+    while True:
+        b = api.backfill(backfill_id)
+        for run in b.runs:
+            before = seen.get(run.run_id)
+            if before == run.status:
+                continue
+            seen[run.run_id] = run.status
+            if run.status == "SUCCESS":
+                took = f" in {run.end - run.start:.0f} s" if run.start and run.end else ""
+                say(f"  [{_label(run)}] ok{took}")
+            elif run.status in ("FAILURE", "CANCELED"):
+                say(f"  [{_label(run)}] {run.status}: {', '.join(run.assets)}; see {api.url}/runs/{run.run_id}")
+            elif run.status == "STARTED" or before is None:
+                say(f"  [{_label(run)}] {run.status.lower()}: {', '.join(run.assets)} (run {run.run_id[:8]})")
+        if b.finished:
+            return b
+        time.sleep(poll_s)
+
+
+def cancel_and_wait(api: DagsterAPI, backfill_id: str, say: Callable[[str], None],
+                    timeout: float = CANCEL_TIMEOUT_S) -> str:
+    """Cancel the backfill and wait (up to ``timeout`` s) until Dagster has ended its runs; returns what became
+    of it."""
+    api.cancel_backfill(backfill_id)
+    say(f"canceling backfill {backfill_id} (Dagster terminates its runs in progress)")
+    deadline = time.monotonic() + timeout
+    while not (b := api.backfill(backfill_id)).finished or any(r.status not in FINISHED_RUN for r in b.runs):
+        if time.monotonic() > deadline:
+            return f"backfill {backfill_id} still {b.status.lower()} after {timeout:.0f} s; see {api.url}"
+        time.sleep(1.0)
+    ended = [r for r in b.runs if r.status == "CANCELED"]
+    return f"backfill {backfill_id} {b.status.lower()}" + (f", {len(ended)} run(s) canceled" if ended else "")
+
+
+def run_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
+    """:func:`follow_backfill`; on SIGINT / SIGTERM (:func:`stop_on_signals`) cancel it, then raise
+    :class:`Interrupted` saying what became of it."""
+    try:
+        return follow_backfill(api, backfill_id, say, poll_s)
+    except Interrupted as exc:
+        raise Interrupted(exc.signum, cancel_and_wait(api, backfill_id, say)) from None

@@ -30,12 +30,9 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -48,7 +45,7 @@ from dagster import (
     partition_loading_context,
 )
 
-from qk_assets.dagster_api import BACKFILL_DAEMONS, Backfill, DagsterAPI, Run, dagster_dev, partitions_of
+from qk_assets.dagster_api import DagsterAPI, Interrupted, dagster_at, partitions_of, run_backfill, stop_on_signals
 from qk_assets.partitions import multi_corpus_models, pair_key, sync_instance
 from qk_core.registry import Registry
 from qk_core.storage import Storage
@@ -57,7 +54,7 @@ DEMO_TAG = "qk/demo"
 REPORT_KEY = AssetKey("report_html")
 REGISTRY_SOURCES = (AssetKey("registry_entry"), AssetKey("registry_analysis"))
 REPORT_REL = "report/index.html"
-CANCEL_TIMEOUT_S = 180  # the daemon cancels on its next tick (30 s apart), then the runs end
+DemoInterrupted = Interrupted  # SIGINT / SIGTERM stopped the demo (its backfill canceled)
 
 Node = tuple[AssetKey, str | None]
 AssetGraph = Any  # what Definitions.resolve_asset_graph() returns
@@ -179,45 +176,6 @@ def decide(graph: AssetGraph, nodes: list[Node], own: dict[Node, str], force: bo
     return [Decision(n, reason[n]) for n in nodes]
 
 
-# ---- signals ------------------------------------------------------------------------------------
-class DemoInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the demo (``signum``: which one, None if unknown)."""
-
-    def __init__(self, signum: int | None = None, what: str = "") -> None:
-        self.signum = signum
-        self.what = what  # what became of the backfill
-        name = signal.Signals(signum).name if signum else "a signal"
-        super().__init__(f"stopped by {name}" + (f"; {what}" if what else ""))
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGINT)
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`DemoInterrupted` in the main thread (once: a repeated signal while the
-    demo cancels its backfill is ignored), so the backfill is canceled and ``dagster dev`` stopped on the way out."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def handler(signum: int, _frame: object) -> None:
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
-        raise DemoInterrupted(signum)
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            if old is not None:
-                signal.signal(sig, old)
-
-
 # ---- through Dagster -----------------------------------------------------------------------------
 def observe_registry_entries(api: DagsterAPI, graph: AssetGraph, timeout: float = 600) -> None:
     """Record the registry's entries as ``registry_entry`` and ``registry_analysis`` data versions: one observation
@@ -238,47 +196,6 @@ def backfill_run_config(defs: Definitions, keys: list[AssetKey], log_level: str)
     if job is not None and job.executor_def is multi_or_in_process_executor:
         config["execution"] = {"config": {"in_process": {}}}
     return config
-
-
-def _label(run: Run) -> str:
-    return run.partition or "unpartitioned"
-
-
-def follow_backfill(api: DagsterAPI, backfill_id: str, say: Any, poll_s: float = 2.0) -> Backfill:
-    """Poll the backfill until it finishes, printing each run as it starts and ends (per partition)."""
-    seen: dict[str, str] = {}
-    while True:
-        b = api.backfill(backfill_id)
-        for run in b.runs:
-            before = seen.get(run.run_id)
-            if before == run.status:
-                continue
-            seen[run.run_id] = run.status
-            if run.status == "SUCCESS":
-                took = f" in {run.end - run.start:.0f} s" if run.start and run.end else ""
-                say(f"  [{_label(run)}] ok{took}")
-            elif run.status in ("FAILURE", "CANCELED"):
-                say(f"  [{_label(run)}] {run.status}: {', '.join(run.assets)}; see {api.url}/runs/{run.run_id}")
-            elif run.status == "STARTED" or before is None:
-                say(f"  [{_label(run)}] {run.status.lower()}: {', '.join(run.assets)} (run {run.run_id[:8]})")
-        if b.finished:
-            return b
-        time.sleep(poll_s)
-
-
-def cancel(api: DagsterAPI, backfill_id: str, say: Any, timeout: float = CANCEL_TIMEOUT_S) -> str:
-    """Cancel the backfill and wait (up to ``timeout`` s) until Dagster has ended its runs; returns what became
-    of it."""
-    api.cancel_backfill(backfill_id)
-    say(f"demo: canceling backfill {backfill_id} (Dagster terminates its runs in progress)")
-    deadline = time.monotonic() + timeout
-    while not (b := api.backfill(backfill_id)).finished or any(r.status not in ("SUCCESS", "FAILURE", "CANCELED")
-                                                                for r in b.runs):
-        if time.monotonic() > deadline:
-            return f"backfill {backfill_id} still {b.status.lower()} after {timeout:.0f} s; see {api.url}"
-        time.sleep(1.0)
-    ended = [r for r in b.runs if r.status == "CANCELED"]
-    return f"backfill {backfill_id} {b.status.lower()}" + (f", {len(ended)} run(s) canceled" if ended else "")
 
 
 # ---- the demo ----------------------------------------------------------------------------------
@@ -347,10 +264,7 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
     t_start = time.monotonic()
     say(f"demo: launched backfill {backfill_id} of {len(todo)} asset partitions; Dagster's daemon runs it "
         f"({api.url}/runs/b/{backfill_id})")
-    try:
-        b = follow_backfill(api, backfill_id, say, poll_s)
-    except DemoInterrupted as exc:
-        raise DemoInterrupted(exc.signum, cancel(api, backfill_id, say)) from None
+    b = run_backfill(api, backfill_id, say, poll_s)  # SIGINT / SIGTERM: canceled, then Interrupted
     failed = sum(b.failed.values())
     if not failed and b.status != "COMPLETED_SUCCESS":
         failed = 1
@@ -392,29 +306,22 @@ def main(argv: Iterable[str] | None = None) -> int:
     instance = DagsterInstance.get()
     home = Path(instance.root_directory or os.environ.get("DAGSTER_HOME", "."))
     storage = Storage.from_settings()
+
+    def say(msg: str) -> None:
+        print(f"demo: {msg}", flush=True)
+
     try:
-        with stop_on_signals():
-            t0 = time.monotonic()
-            server = nullcontext(DagsterAPI(args.dagster_url)) if args.dagster_url else \
-                dagster_dev(home=home, log_path=home / "demo-dagster.log")
-            with server as api:
-                if args.dagster_url:
-                    api.reload()
-                    missing = set(BACKFILL_DAEMONS) - api.healthy_daemons()
-                    if missing:
-                        print(f"demo: the Dagster instance at {args.dagster_url} runs no {', '.join(sorted(missing))} "
-                              "daemon; run `dagster dev` (`make ui`), not the webserver alone", file=sys.stderr)
-                        return 2
-                    print(f"demo: using dagster dev at {api.url}", flush=True)
-                else:
-                    print(f"demo: started dagster dev (webserver + daemon) at {api.url} in "
-                          f"{time.monotonic() - t0:.0f} s; log {home / 'demo-dagster.log'}", flush=True)
-                failed = run_demo(api, defs, instance, registry(), storage, group=args.group, models=args.models,
-                                  dry_run=args.dry_run, verbose=args.verbose, force=args.force,
-                                  log_level=args.log_level)
+        with stop_on_signals(), dagster_at(args.dagster_url, home=home, log_path=home / "demo-dagster.log",
+                                           say=say) as api:
+            failed = run_demo(api, defs, instance, registry(), storage, group=args.group, models=args.models,
+                              dry_run=args.dry_run, verbose=args.verbose, force=args.force,
+                              log_level=args.log_level)
     except DemoInterrupted as exc:
         print(f"demo: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except RuntimeError as exc:  # Dagster refused (daemon missing, backfill not launched): its message says why
+        print(f"demo: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 1 if failed else 0
 
 
