@@ -471,6 +471,12 @@ def _label(run: Run) -> str:
     return run.partition or "unpartitioned"
 
 
+def _assets(run: Run, width: int = 90) -> str:
+    names = sorted(run.assets)
+    text = ", ".join(names)
+    return text if len(text) <= width else f"{len(names)} assets ({text[:width].rsplit(', ', 1)[0]}, ...)"
+
+
 def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
     """Poll the backfill until it finishes, printing each of its runs (one per partition) as it is queued, starts
     and ends."""
@@ -486,9 +492,11 @@ def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None
                 took = f" in {run.end - run.start:.0f} s" if run.start and run.end else ""
                 say(f"  [{_label(run)}] ok{took}")
             elif run.status in ("FAILURE", "CANCELED"):
-                say(f"  [{_label(run)}] {run.status}: {', '.join(run.assets)}; see {api.url}/runs/{run.run_id}")
-            elif run.status == "STARTED" or before is None:
-                say(f"  [{_label(run)}] {run.status.lower()}: {', '.join(run.assets)} (run {run.run_id[:8]})")
+                say(f"  [{_label(run)}] {run.status}: {_assets(run)}; see {api.url}/runs/{run.run_id}")
+            elif run.status == "STARTED":
+                say(f"  [{_label(run)}] started (run {run.run_id[:8]})")
+            elif before is None:
+                say(f"  [{_label(run)}] queued: {_assets(run)}")
         if b.finished:
             return b
         time.sleep(poll_s)

@@ -177,19 +177,21 @@ def decide(graph: AssetGraph, nodes: list[Node], own: dict[Node, str], force: bo
 
 
 # ---- through Dagster -----------------------------------------------------------------------------
-def observe_registry_entries(api: DagsterAPI, graph: AssetGraph, timeout: float = 600) -> None:
+def observe_registry_entries(api: DagsterAPI, defs: Definitions, timeout: float = 600) -> None:
     """Record the registry's entries as ``registry_entry`` and ``registry_analysis`` data versions: one observation
     run, launched and executed by Dagster (what the registry sensor requests when the file changes)."""
+    graph = defs.resolve_asset_graph()
     sources = [k for k in REGISTRY_SOURCES if graph.has(k)]
     if not sources:
         return
-    run = api.wait_run(api.launch_run(sources, tags={DEMO_TAG: "1"}), timeout=timeout)
+    run_id = api.launch_run(sources, tags={DEMO_TAG: "1"}, run_config=run_config(defs, sources, "WARNING"))
+    run = api.wait_run(run_id, timeout=timeout)
     if run.status != "SUCCESS":
         raise RuntimeError(f"observing the registry entries failed ({run.status}); see {api.url}/runs/{run.run_id}")
 
 
-def backfill_run_config(defs: Definitions, keys: list[AssetKey], log_level: str) -> dict:
-    """Run config of the demo's backfill runs: each run's steps in its run worker (Dagster's ``in_process``
+def run_config(defs: Definitions, keys: list[AssetKey], log_level: str) -> dict:
+    """Run config of the demo's runs: each run's steps in its run worker (Dagster's ``in_process``
     choice of the default executor: one code import per run, not one per step) and the console log level."""
     config: dict = {"loggers": {"console": {"config": {"log_level": log_level}}}}
     job = defs.resolve_implicit_job_def_def_for_assets(keys)
@@ -232,7 +234,7 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
         say("demo: partitions added from the registry: "
             + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
     t0 = time.monotonic()
-    observe_registry_entries(api, graph)  # registry edits reach Dagster's staleness as data versions
+    observe_registry_entries(api, defs)  # registry edits reach Dagster's staleness as data versions
     say(f"demo: registry entries observed in {time.monotonic() - t0:.0f} s")
     nodes, notes = select_nodes(graph, registry, group, models, instance)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
@@ -260,7 +262,7 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
         return 0
     keys = sorted({k for k, _ in todo}, key=lambda k: k.to_user_string())
     backfill_id = api.launch_backfill(partitions_of(todo), tags={DEMO_TAG: "1"}, title="make demo",
-                                      run_config=backfill_run_config(defs, keys, log_level))
+                                      run_config=run_config(defs, keys, log_level))
     t_start = time.monotonic()
     say(f"demo: launched backfill {backfill_id} of {len(todo)} asset partitions; Dagster's daemon runs it "
         f"({api.url}/runs/b/{backfill_id})")

@@ -183,7 +183,7 @@ def test_one_backfill_failures_retries_and_dagsters_staleness(env) -> None:
     assert not {"ana[c|m2]", "rep", "report_html"} & set(ran), ran  # downstream of the failure: skipped
     assert ran.index("corpus_t[c]") < ran.index("cap[c|m1]") < ran.index("ana[c|m1]")  # dependency order
     assert failed == 4, out  # cap[c|m2] and what depends on it: ana[c|m2], rep, report_html
-    assert re.search(r"\[c\|m2\] FAILURE: .*\bcap\b", out), out
+    assert re.search(r"\[c\|m2\] FAILURE: ana, cap; see http", out), out
     assert "backfill completed_failed" in out and "FAILED or skipped: cap (1 partition(s))" in out, out
 
     toy_file(server, "fail.json", [])
@@ -278,7 +278,8 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
         # the observation run (Dagster's) is the only run of the demo
         assert [r.asset_selection for r in instance.get_runs() if r.tags.get("qk/demo") == "1"] == [
             {AssetKey("registry_entry"), AssetKey("registry_analysis")}]
-    assert not (tmp_path / "storage" / "assets").exists()  # dry run: nothing materialised
+    # dry run: nothing of the plan materialised (the daemon's benchmark_files_sensor may load the benchmark tables)
+    assert not any((tmp_path / "storage" / "assets" / a).exists() for a in ("corpus", "qk_capture", "report_html"))
 
 
 def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
