@@ -54,7 +54,8 @@ _ERRORS = """... on PythonError { message } ... on InvalidSubsetError { message 
   ... on PartitionSetNotFoundError { message } ... on UnauthorizedError { message }"""
 _BACKFILL = ("mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) { "
              f"__typename ... on LaunchBackfillSuccess {{ backfillId }} {_ERRORS} }} }}")
-_RUN_FIELDS = "runId status startTime endTime creationTime tags { key value } assetSelection { path }"
+_RUN_FIELDS = ("runId status startTime endTime creationTime tags { key value } assetSelection { path } "
+               "stats { ... on RunStatsSnapshot { materializations } }")
 _BACKFILL_STATUS = f"""query($id: String!) {{ partitionBackfillOrError(backfillId: $id) {{
   __typename ... on PartitionBackfill {{ status runs(limit: 1000) {{ {_RUN_FIELDS} }}
   error {{ message }}
@@ -93,13 +94,15 @@ class Run:
     start: float | None = None
     end: float | None = None
     created: float | None = None
+    materialized: int = 0  # materialisations so far
 
     @classmethod
     def from_graphql(cls, r: dict) -> Run:
         tags = {t["key"]: t["value"] for t in r.get("tags") or []}
         return cls(r["runId"], r["status"], tags.get("dagster/partition"),
                    ["/".join(a["path"]) for a in r.get("assetSelection") or []], tags,
-                   r.get("startTime"), r.get("endTime"), r.get("creationTime"))
+                   r.get("startTime"), r.get("endTime"), r.get("creationTime"),
+                   (r.get("stats") or {}).get("materializations") or 0)
 
 
 @dataclass
@@ -478,13 +481,17 @@ def _assets(run: Run, width: int = 90) -> str:
 
 
 def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
-    """Poll the backfill until it finishes, printing each of its runs (one per partition) as it is queued, starts
-    and ends."""
+    """Poll the backfill until it finishes, printing each of its runs (one per partition) as it is queued, starts,
+    materialises its assets and ends."""
     seen: dict[str, str] = {}
+    done: dict[str, int] = {}
     while True:
         b = api.backfill(backfill_id)
         for run in b.runs:
             before = seen.get(run.run_id)
+            if run.status == "STARTED" and before == "STARTED" and run.materialized != done.get(run.run_id, 0):
+                done[run.run_id] = run.materialized
+                say(f"  [{_label(run)}] {run.materialized}/{len(run.assets)} assets materialised")
             if before == run.status:
                 continue
             seen[run.run_id] = run.status
