@@ -56,10 +56,11 @@ def series_partitions(defs: Definitions, registry: Registry, series: str,
     return corpus, {key: parts for key in per_model_keys(list(defs.assets or []))}
 
 
-def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Definitions, registry: Registry,
-                           series: str, corpus: str | None = None,
-                           with_upstream: bool = False) -> tuple[str, list[str]]:
-    """Launch the series' backfill; returns its id and what it holds (lines to print)."""
+def plan_series_backfill(instance: DagsterInstance, defs: Definitions, registry: Registry, series: str,
+                         corpus: str | None = None, with_upstream: bool = False
+                         ) -> tuple[dict[AssetKey, list[str]], list[str]]:
+    """What the series' backfill holds (per asset, its partitions) and lines to print; refuses, naming the fix,
+    when the corpus partition was never materialised and ``with_upstream`` is off."""
     corpus, partitions = series_partitions(defs, registry, series, corpus)
     lines = []
     if corpus not in instance.get_materialized_partitions(CORPUS):
@@ -73,7 +74,15 @@ def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Def
         lines.append(f"corpus[{corpus}] (never materialised: runs first)")
     lines.append(f"{len(partitions) - (1 if CORPUS in partitions else 0)} per-model assets x "
                  f"{len(registry.series[series].checkpoint_keys)} checkpoints of '{series}' on '{corpus}'")
-    backfill_id = api.launch_backfill(partitions, tags={SERIES_TAG: series})
+    return partitions, lines
+
+
+def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Definitions, registry: Registry,
+                           series: str, corpus: str | None = None,
+                           with_upstream: bool = False) -> tuple[str, list[str]]:
+    """Launch the series' backfill; returns its id and what it holds (lines to print)."""
+    partitions, lines = plan_series_backfill(instance, defs, registry, series, corpus, with_upstream)
+    backfill_id = api.launch_backfill(dict(partitions), tags={SERIES_TAG: series})
     return backfill_id, lines
 
 
@@ -97,15 +106,15 @@ def main(argv: Iterable[str] | None = None) -> int:
     instance = DagsterInstance.get()
     home = Path(os.environ["DAGSTER_HOME"])
 
-    def say(msg: str) -> None:
-        print(f"backfill: {msg}", flush=True)
+    def say(msg: str) -> None:  # on stderr: stdout's first line is the launched backfill's id
+        print(f"backfill: {msg}", file=sys.stderr, flush=True)
 
     try:
         sync_instance(instance, registry())  # what the registry sensor would add on its next tick
-        corpus, _ = series_partitions(defs, registry(), args.series, args.corpus)  # errors before starting Dagster
+        partitions, lines = plan_series_backfill(instance, defs, registry(), args.series, args.corpus,
+                                                 args.with_upstream)  # refused before Dagster is asked anything
         with stop_on_signals(), dagster_at(args.url, home=home, log_path=home / "backfill-dagster.log", say=say) as api:
-            backfill_id, lines = launch_series_backfill(api, instance, defs, registry(), args.series, corpus,
-                                                        args.with_upstream)
+            backfill_id = api.launch_backfill(dict(partitions), tags={SERIES_TAG: args.series})
             print(f"backfill {backfill_id} launched: " + "; ".join(lines), flush=True)
             print(f"follow it at {api.url}/runs/b/{backfill_id}", flush=True)
             if args.url:
