@@ -251,10 +251,11 @@ def test_a_signal_cancels_the_backfill(env, signum: int) -> None:
     assert instance.event_log_storage.get_concurrency_info("gpu").claimed_slots == []
 
 
-def test_dry_run_of_the_real_code_location(tmp_path: Path) -> None:
+def test_dry_run_of_the_real_code_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped definitions under a real `dagster dev`: the plan covers the demo corpora and demo models only,
     and nothing runs."""
     home = tmp_path / "home"
+    monkeypatch.setenv("DAGSTER_HOME", str(home))  # the instance config's storage reads it
     home.mkdir()
     (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
     env = {**os.environ, "DAGSTER_HOME": str(home), "QK_STORAGE_ROOT": str(tmp_path / "storage")}
