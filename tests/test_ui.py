@@ -51,8 +51,10 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DagsterServer
     """(server, storage root) of ``dagster dev`` on the shipped workspace, the asset partition materialised."""
     tmp = tmp_path_factory.mktemp("ui")
     home = prepare_home(tmp)
-    with DagsterInstance.from_config(str(home)) as instance:  # the series partition, as the registry sensor adds it
-        sync_instance(instance, load_registry(REPO / "data" / "registry.toml"))
+    with pytest.MonkeyPatch.context() as mp:  # the instance config's storage reads DAGSTER_HOME
+        mp.setenv("DAGSTER_HOME", str(home))
+        with DagsterInstance.from_config(str(home)) as instance:  # the series partition, as the registry sensor adds it
+            sync_instance(instance, load_registry(REPO / "data" / "registry.toml"))
     with dagster_dev(home=home, env={"QK_STORAGE_ROOT": str(tmp / "storage")}) as srv:
         backfill_id = srv.launch_backfill({AssetKey(ASSET): [PARTITION]}, tags={"qk/test": "ui"})
         done = wait_for(lambda: (b := srv.backfill(backfill_id)).finished and b, 600, what="the backfill",
