@@ -56,7 +56,8 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DagsterServer
         with DagsterInstance.from_config(str(home)) as instance:  # the series partition, as the registry sensor adds it
             sync_instance(instance, load_registry(REPO / "data" / "registry.toml"))
     with dagster_dev(home=home, env={"QK_STORAGE_ROOT": str(tmp / "storage")}) as srv:
-        backfill_id = srv.launch_backfill({AssetKey(ASSET): [PARTITION]}, tags={"qk/test": "ui"})
+        outputs = [AssetKey(ASSET), AssetKey(f"{ASSET}_profiles")]  # one multi-asset, materialised together
+        backfill_id = srv.launch_backfill({k: [PARTITION] for k in outputs}, tags={"qk/test": "ui"})
         done = wait_for(lambda: (b := srv.backfill(backfill_id)).finished and b, 600, what="the backfill",
                         on_timeout=srv.log_tail)
         assert done.status == "COMPLETED_SUCCESS", (done, srv.log_tail())
