@@ -64,6 +64,8 @@ _BACKFILL_STATUS = f"""query($id: String!) {{ partitionBackfillOrError(backfillI
       numPartitionsMaterialized numPartitionsFailed }}
     ... on UnpartitionedAssetStatus {{ assetKey {{ path }} inProgress materialized failed }} }} }} }}
   ... on PythonError {{ message }} ... on BackfillNotFoundError {{ message }} }} }}"""
+_OPEN_BACKFILLS = """query { partitionBackfillsOrError(status: REQUESTED) { __typename
+  ... on PartitionBackfills { results { id tags { key value } } } ... on PythonError { message } } }"""
 _CANCEL = """mutation($id: String!) { cancelPartitionBackfill(backfillId: $id) { __typename
   ... on PythonError { message } ... on UnauthorizedError { message } } }"""
 _JOB_OF = """query($keys: [AssetKeyInput!]) { assetNodes(assetKeys: $keys) { jobNames
@@ -209,6 +211,14 @@ class DagsterAPI:
                 failed["/".join(s["assetKey"]["path"])] = n
         runs = sorted((Run.from_graphql(r) for r in b.get("runs") or []), key=lambda r: r.created or 0)
         return Backfill(backfill_id, b["status"], runs, failed, (b.get("error") or {}).get("message", ""))
+
+    def open_backfills(self, tags: dict[str, str] | None = None) -> list[str]:
+        """Ids of the backfills still in progress (status REQUESTED) that carry all of ``tags``."""
+        res = self.graphql(_OPEN_BACKFILLS)["partitionBackfillsOrError"]
+        if res["__typename"] != "PartitionBackfills":
+            raise RuntimeError(f"backfills not listed: {res.get('message', res['__typename'])}")
+        want = (tags or {}).items()
+        return [b["id"] for b in res["results"] if want <= {t["key"]: t["value"] for t in b["tags"]}.items()]
 
     def cancel_backfill(self, backfill_id: str) -> None:
         """Cancel the backfill: nothing more is launched, its runs in progress are terminated (by the daemon)."""

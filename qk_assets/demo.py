@@ -233,6 +233,10 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
     if added:
         say("demo: partitions added from the registry: "
             + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
+    if not dry_run and (open_ids := api.open_backfills({DEMO_TAG: "1"})):  # e.g. of a demo that was killed
+        say(f"demo: backfill {open_ids[0]} of an earlier demo is still in progress; following it first "
+            f"({api.url}/runs/b/{open_ids[0]})")
+        run_backfill(api, open_ids[0], say, poll_s)
     t0 = time.monotonic()
     observe_registry_entries(api, defs)  # registry edits reach Dagster's staleness as data versions
     say(f"demo: registry entries observed in {time.monotonic() - t0:.0f} s")
