@@ -34,7 +34,7 @@ CROSS = ("cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_prof
 
 def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "qk_assets.demo", "--log-level", "WARNING", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
     return proc
 
