@@ -37,10 +37,10 @@ test-fast: setup
 ui: setup
 	$(BIN)/dagster dev -h $(HOST) -p $(PORT) -w workspace.yaml
 
-# One asset backfill of a checkpoint series through the running webserver (`make ui`), e.g.
+# One asset backfill of a checkpoint series (a `dagster dev` for its duration, or `URL=` of `make ui`), e.g.
 # `make backfill SERIES=smollm3-3b ARGS=--with-upstream`.
 backfill: setup
-	$(BIN)/python -m qk_assets.backfill $(SERIES) --url http://$(HOST):$(PORT) $(ARGS)
+	$(BIN)/python -m qk_assets.backfill $(SERIES) $(if $(URL),--url $(URL)) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check qk_core qk_assets tests bench

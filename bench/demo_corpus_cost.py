@@ -1,7 +1,7 @@
 """What the second demo corpus (SPEC 10) adds to `make demo`, per demo model: the `code-demo` pair's run
 (capture + every per-model analysis; the intervention study is not run there) and the model's
-`cross_corpus` run, each executed as the demo executes it (qk_assets.demo.run_step), with wall and CPU time
-of this process (the runs execute in process).
+`cross_corpus` run, each executed as one run of the implicit asset job with its steps in process (as the demo's
+backfill runs execute them, `in_process` executor), here in this process, with its wall and CPU time.
 
     export QK_STORAGE_ROOT=<scratch>/storage DAGSTER_HOME=<scratch>/home
     .venv/bin/python bench/demo_corpus_cost.py smollm2-135m pair
@@ -16,7 +16,7 @@ import time
 from dagster import AssetKey, DagsterInstance, partition_loading_context
 
 from qk_assets import defs
-from qk_assets.demo import Step, fail_dead_demo_runs, observe_registry_entries, run_step
+from qk_assets.demo import REGISTRY_SOURCES
 from qk_assets.partitions import registry, sync_instance
 
 
@@ -25,28 +25,36 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed(label, step, instance):
+def run(instance: DagsterInstance, keys: list[AssetKey], partition: str | None = None) -> int:
+    """One run of ``keys`` (one partition) in this process; returns the number of materialisations."""
+    job = defs.resolve_implicit_job_def_def_for_assets(keys)
+    result = job.execute_in_process(instance=instance, asset_selection=keys, partition_key=partition,
+                                    raise_on_error=False,
+                                    run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}})
+    return len(result.get_asset_materialization_events())
+
+
+def timed(label: str, keys: list[AssetKey], partition: str, instance: DagsterInstance) -> None:
     w0, c0 = time.monotonic(), cpu()
-    done = run_step(defs, instance, step, {}, "WARNING")
-    print(f"{label}: {len(done)} materialisations, wall {time.monotonic() - w0:.1f} s, CPU {cpu() - c0:.1f} s",
+    done = run(instance, keys, partition)
+    print(f"{label}: {done} materialisations, wall {time.monotonic() - w0:.1f} s, CPU {cpu() - c0:.1f} s",
           flush=True)
 
 
 model, what = sys.argv[1], sys.argv[2]
 instance = DagsterInstance.get()
-print("runs of the interrupted demo marked failed (their pool slots freed):", fail_dead_demo_runs(instance))
 graph = defs.resolve_asset_graph()
 with partition_loading_context(dynamic_partitions_store=instance):
     sync_instance(instance, registry())
-    observe_registry_entries(defs, instance)
+    run(instance, list(REGISTRY_SOURCES))
     if what == "pair":
-        timed("corpus[code-demo]", Step("code-demo", [AssetKey("corpus")]), instance)
+        timed("corpus[code-demo]", [AssetKey("corpus")], "code-demo", instance)
         keys = sorted((k for k in graph.get_all_asset_keys() if graph.get(k).is_materializable
                        and graph.get(k).partitions_def is not None
                        and getattr(graph.get(k).partitions_def, "partitions_defs", None)),
                       key=lambda k: k.to_user_string())
-        timed(f"code-demo|{model} (capture + analyses)", Step(f"code-demo|{model}", keys), instance)
+        timed(f"code-demo|{model} (capture + analyses)", keys, f"code-demo|{model}", instance)
     else:
         keys = sorted((k for k in graph.get_all_asset_keys() if k.to_user_string().startswith("cross_corpus")),
                       key=lambda k: k.to_user_string())
-        timed(f"cross_corpus[{model}]", Step(model, keys), instance)
+        timed(f"cross_corpus[{model}]", keys, model, instance)

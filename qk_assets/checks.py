@@ -65,7 +65,7 @@ DESCRIPTIONS = {
     VALUES_FINITE: "The table holds values, and every value is finite (rows named by metric and key). Blocking.",
     INTERVALS_CONTAIN: "Every document-bootstrap interval of AP (SPEC 4.6) contains its point value.",
     INTERVALS_FORMED: "Every interval has lo <= hi. Basic (reverse percentile) intervals need not contain their "
-                      "point (SPEC 10, qk_core.cross_corpus); how many do not is reported.",
+                      "point (SPEC 10, qk_core.cross_corpus.compare); how many do not is reported.",
     PROFILE_COVERAGE: "Every analysed head's profile has a row per bucket and a value in the first and in the last "
                       "20% of the window (what AP_first20, AP_last20 and AP_drop need, SPEC 4.4-4.5).",
 }

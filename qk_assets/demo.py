@@ -1,74 +1,60 @@
 """``make demo``: materialise the whole lineage graph for the registry's demo models through Dagster.
 
-``python -m qk_assets.demo [--group demo] [--models GLOB ...] [--dry-run] [--force]``
+``python -m qk_assets.demo [--group demo] [--models GLOB ...] [--dry-run] [--force] [--dagster-url URL]``
 
-The demo loads the same code location as the UI (``qk_assets.defs``) and executes its implicit asset
-job against ``DagsterInstance.get()`` (the instance under ``$DAGSTER_HOME``), so every run and every
-materialisation shows up in ``make ui``. Assets are selected per partition set:
+Dagster executes everything, exactly as for the UI's *Materialize* and ``make backfill``: the demo runs
+``dagster dev`` (webserver + daemon, ``qk_assets.dagster_api``) over ``$DAGSTER_HOME`` for its duration, or uses
+a running one (``--dagster-url``, e.g. ``make ui``'s), and
 
-- corpus-partitioned assets: the corpora the demo models read (``sotu-demo``, ``code-demo``);
-- (model, corpus)-partitioned assets: every corpus of each demo model (``smollm2-135m``, ``gemma3-270m``),
-  one run per pair;
-- model-partitioned assets (``cross_corpus``, SPEC 10): the demo models with two or more corpora;
-- series-partitioned assets: every series (the SmolLM3 checkpoints need the hub, so the demo's trajectory
-  holds the thesis's reference values and marks each checkpoint as missing);
-- unpartitioned assets (model report, benchmark joins, cross-model figures, ``report_html``): all.
+1. adds the registry's partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` and
+   ``registry_analysis`` in one run (registry edits become data versions);
+2. asks Dagster (GraphQL) for the status of every selected asset partition — the status the UI shows: *missing*,
+   *stale* with Dagster's causes (a new code version: every asset's code version is a hash of its source,
+   ``qk_assets.versioning``; a new dependency data version, ...), or fresh — and plans those plus what depends on
+   them in the selection (their new values make the dependents stale once written); it prints that plan;
+3. launches **one asset backfill** of exactly that plan. The backfill daemon orders it by dependency, groups each
+   partition's assets into one run, and skips what depends on a failure; the run queue and the ``gpu`` pool
+   decide what runs side by side. The demo polls it and prints each partition's runs as they start and end.
 
-What to compute is Dagster's answer, not a rule of this module. Before planning, the demo adds the registry's
-partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` and ``registry_analysis``
-(registry edits become data versions), then asks Dagster, through the GraphQL API of a ``dagster-webserver`` it
-starts for the moment (``--dagster-url`` reuses a running one), for the status of every selected asset partition —
-the same status the UI shows: *missing*, *stale* with Dagster's causes (new code version — every asset's
-code version is a hash of its source, ``qk_assets.versioning`` —, new dependency data version, ...), or
-fresh. It recomputes the missing and stale ones, and what depends on them in the plan (their new values
-make the dependents stale once written). A second ``make demo`` finds everything fresh and says so.
+The selection per partition set: the corpora the demo models read; every (model, corpus) pair of the demo models;
+the models with two or more corpora (``cross_corpus``, SPEC 10); every series (without its hub checkpoints the
+trajectory holds the thesis's reference values); every unpartitioned asset (model report, joins, figures,
+``report_html``). A second ``make demo`` finds everything fresh, says so and launches nothing.
 
-Runs follow the dependencies: each run holds the assets of one partition whose upstream work is done.
-A failed asset skips what depends on it; the report is built regardless (it marks what is missing).
-
-SIGINT (Ctrl-C) or SIGTERM stops the demo: Dagster's in-process execution ends the run in flight as
-interrupted, the demo frees that run's pool slots at once (the ``gpu`` pool: a capture elsewhere may
-start), starts nothing more and exits with 128 + the signal number. A run still open at that point is
-marked canceled. A demo killed outright (SIGKILL) leaves its run open; the next demo fails it and frees
-its slots before it starts.
+SIGINT (Ctrl-C) or SIGTERM cancels the backfill (Dagster terminates its runs in progress; their pool slots are
+freed by Dagster), stops the ``dagster dev`` the demo started, and exits with 128 + the signal number.
 """
 
+from __future__ import annotations
+
 import argparse
-import contextlib
-import fcntl
 import fnmatch
 import os
-import signal
 import sys
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dagster import (
     AssetKey,
     DagsterInstance,
-    DagsterRunStatus,
     Definitions,
-    RunsFilter,
+    multi_or_in_process_executor,
     partition_loading_context,
 )
 
-from qk_assets.dagster_api import DagsterAPI, partitions_of, webserver
+from qk_assets.dagster_api import DagsterAPI, Interrupted, dagster_at, partitions_of, run_backfill, stop_on_signals
 from qk_assets.partitions import multi_corpus_models, pair_key, sync_instance
 from qk_core.config.registry import Registry
 from qk_core.io.storage import Storage
 
 DEMO_TAG = "qk/demo"
-FAILURE_REASON_TAG = "dagster/failure_reason"  # Dagster's tag on a failed run: why it failed
-INTERRUPTED = "UNEXPECTED_TERMINATION"  # ... when a signal interrupted its execution
 REPORT_KEY = AssetKey("report_html")
 REGISTRY_SOURCES = (AssetKey("registry_entry"), AssetKey("registry_analysis"))
 REPORT_REL = "report/index.html"
+DemoInterrupted = Interrupted  # SIGINT / SIGTERM stopped the demo (its backfill canceled)
 
 Node = tuple[AssetKey, str | None]
 AssetGraph = Any  # what Definitions.resolve_asset_graph() returns
@@ -190,219 +176,49 @@ def decide(graph: AssetGraph, nodes: list[Node], own: dict[Node, str], force: bo
     return [Decision(n, reason[n]) for n in nodes]
 
 
-# ---- grouping into runs -----------------------------------------------------------------------
-@dataclass
-class Step:
-    """One Dagster run: assets of one partition (None: unpartitioned)."""
-
-    partition: str | None
-    keys: list[AssetKey] = field(default_factory=list)
-
-
-def group_steps(graph: AssetGraph, todo_nodes: list[Node], order: list[str | None]) -> Iterator[Step]:
-    """Runs in dependency order; each holds every pending asset of one partition that can run now.
-
-    ``order`` ranks partitions when several could run (corpora, then models in registry order, then
-    unpartitioned). The caller may drop nodes from ``todo_nodes`` (a list it owns) between steps.
-    """
-    rank = {p: i for i, p in enumerate(order)}
-    while todo_nodes:
-        todo = set(todo_nodes)
-        deps = {n: [u for u in upstream_nodes(graph, n) if u in todo] for n in todo}
-        chosen: list[Node] = []
-        for part in sorted({pk for _, pk in todo}, key=lambda p: rank.get(p, len(rank))):
-            group = {n for n in todo if n[1] == part}
-            changed = True
-            while changed:
-                bad = {n for n in group if any(u not in group for u in deps[n])}
-                changed = bool(bad)
-                group -= bad
-            if group:
-                chosen = [n for n in todo_nodes if n in group]
-                break
-        if not chosen:
-            raise RuntimeError("no runnable step: dependency cycle among " + ", ".join(map(node_name, todo)))
-        for n in chosen:
-            todo_nodes.remove(n)
-        yield Step(chosen[0][1], [k for k, _ in chosen])
-
-
-# ---- execution --------------------------------------------------------------------------------
-@contextmanager
-def demo_lock(instance: DagsterInstance) -> Iterator[None]:
-    """One demo at a time per instance (a second one waits), so dead demo runs can be cleaned up."""
-    home = Path(instance.root_directory) if instance.root_directory else Path(os.environ.get("DAGSTER_HOME", "."))
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / ".qk-demo.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def free_pool_slots(instance: DagsterInstance, run_id: str) -> None:
-    """Free the concurrency-pool slots ``run_id`` holds (what Dagster's daemon does a while after a run ends)."""
-    with contextlib.suppress(Exception):  # storage without concurrency support
-        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
-
-
-def fail_dead_demo_runs(instance: DagsterInstance) -> int:
-    """Mark runs of an interrupted earlier demo as failed and free their pool slots."""
-    runs = instance.get_runs(RunsFilter(tags={DEMO_TAG: "1"}, statuses=[
-        DagsterRunStatus.STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.NOT_STARTED,
-        DagsterRunStatus.QUEUED, DagsterRunStatus.CANCELING]))
-    for run in runs:
-        instance.report_run_failed(run, "the demo process that ran it is gone")
-        free_pool_slots(instance, run.run_id)
-    return len(runs)
-
-
-class DemoInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the demo (``signum``: which one, None if unknown)."""
-
-    def __init__(self, signum: int | None = None, run: str = "") -> None:
-        self.signum = signum
-        self.run = run  # what happened to the run in flight
-        name = signal.Signals(signum).name if signum else "a signal"
-        super().__init__(f"stopped by {name}" + (f"; {run}" if run else ""))
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.signum or signal.SIGINT)
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[Callable[[], int | None]]:
-    """SIGINT and SIGTERM raise :class:`DemoInterrupted` in the main thread, so what is open is closed (the
-    planning webserver, the run in flight). While a run executes, Dagster's in-process execution handles
-    both signals itself (it ends the run as interrupted). Yields ``received()``: the last SIGINT / SIGTERM
-    that arrived since the previous call, whoever handled it (the interpreter's wakeup fd records them)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-
-    def handler(signum: int, _frame: object) -> None:
-        raise DemoInterrupted(signum)
-
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(read_fd, False)
-    os.set_blocking(write_fd, False)
-
-    def received() -> int | None:
-        try:
-            got = os.read(read_fd, 4096)
-        except BlockingIOError:
-            return None
-        stops = [n for n in got if n in (signal.SIGINT, signal.SIGTERM)]
-        return stops[-1] if stops else None
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield received
-    finally:
-        for sig, old in previous.items():
-            if old is not None:
-                signal.signal(sig, old)
-        signal.set_wakeup_fd(previous_fd)
-        os.close(read_fd)
-        os.close(write_fd)
-
-
-def end_run(instance: DagsterInstance, run_id: str, why: str) -> str:
-    """Cancel ``run_id`` if it is still open (Dagster's run events, as the UI's *Terminate* records them) and
-    free its pool slots at once; returns what became of it."""
-    run = instance.get_run_by_id(run_id)
-    if run is None:
-        return "no run was started"
-    if not run.is_finished:
-        instance.report_run_canceling(run, why)
-        instance.report_run_canceled(run, why)
-        run = instance.get_run_by_id(run_id) or run
-    free_pool_slots(instance, run_id)
-    return f"run {run_id} {run.status.value.lower()}, its pool slots freed"
-
-
-def run_step(defs: Definitions, instance: DagsterInstance, step: Step, tags: dict[str, str],
-             log_level: str, received: Callable[[], int | None] = lambda: None) -> set[Node]:
-    """Execute one run; return the nodes it materialised. Raises :class:`DemoInterrupted` when a signal
-    arrived during it (``received``, from :func:`stop_on_signals`): the run has ended, its pool slots are free."""
-    job = defs.resolve_implicit_job_def_def_for_assets(step.keys)
-    if job is None:
-        raise RuntimeError("no implicit asset job holds " + ", ".join(k.to_user_string() for k in step.keys))
-    run_id = str(uuid.uuid4())
-    try:
-        result = job.execute_in_process(
-            instance=instance, asset_selection=step.keys, partition_key=step.partition, tags=tags,
-            run_id=run_id, raise_on_error=False,
-            run_config={"loggers": {"console": {"config": {"log_level": log_level}}}},
-        )
-    except DemoInterrupted as exc:  # a signal outside Dagster's handling of the run
-        raise DemoInterrupted(exc.signum, end_run(instance, run_id, f"demo {exc}")) from None
-    except BaseException:
-        end_run(instance, run_id, "the demo stopped on an error")
-        raise
-    signum = received()
-    run = instance.get_run_by_id(run_id)
-    if signum is not None or (run is not None and run.tags.get(FAILURE_REASON_TAG) == INTERRUPTED):
-        raise DemoInterrupted(signum, end_run(instance, run_id, "demo interrupted"))
-    done: set[Node] = set()
-    for ev in result.get_asset_materialization_events():
-        mat = ev.event_specific_data.materialization
-        done.add((mat.asset_key, mat.partition))
-    return done
-
-
-def observe_registry_entries(defs: Definitions, instance: DagsterInstance) -> None:
-    """Record the registry's entries as ``registry_entry`` and ``registry_analysis`` data versions (what the
-    registry sensor does)."""
-    sources = [k for k in REGISTRY_SOURCES if k in defs.resolve_asset_graph().get_all_asset_keys()]
+# ---- through Dagster -----------------------------------------------------------------------------
+def observe_registry_entries(api: DagsterAPI, defs: Definitions, timeout: float = 600) -> None:
+    """Record the registry's entries as ``registry_entry`` and ``registry_analysis`` data versions: one observation
+    run, launched and executed by Dagster (what the registry sensor requests when the file changes)."""
+    graph = defs.resolve_asset_graph()
+    sources = [k for k in REGISTRY_SOURCES if graph.has(k)]
     if not sources:
         return
-    job = defs.resolve_implicit_job_def_def_for_assets(sources)
-    result = job.execute_in_process(instance=instance, asset_selection=sources, tags={DEMO_TAG: "1"},
-                                    raise_on_error=False,
-                                    run_config={"loggers": {"console": {"config": {"log_level": "ERROR"}}}})
-    if not result.success:
-        raise RuntimeError("observing the registry entries failed; see the run in `make ui`")
+    run_id = api.launch_run(sources, tags={DEMO_TAG: "1"}, run_config=run_config(defs, sources, "WARNING"))
+    run = api.wait_run(run_id, timeout=timeout)
+    if run.status != "SUCCESS":
+        raise RuntimeError(f"observing the registry entries failed ({run.status}); see {api.url}/runs/{run.run_id}")
 
 
-def _report_apart(steps: Iterable[Step]) -> Iterator[Step]:
-    """Run the report in a run of its own, so a failure next to it cannot skip it."""
-    for step in steps:
-        rest = [k for k in step.keys if k != REPORT_KEY]
-        if rest:
-            yield Step(step.partition, rest)
-        if len(rest) < len(step.keys):
-            yield Step(step.partition, [REPORT_KEY])
+def run_config(defs: Definitions, keys: list[AssetKey], log_level: str) -> dict:
+    """Run config of the demo's runs: each run's steps in its run worker (Dagster's ``in_process``
+    choice of the default executor: one code import per run, not one per step) and the console log level."""
+    config: dict = {"loggers": {"console": {"config": {"log_level": log_level}}}}
+    job = defs.resolve_implicit_job_def_def_for_assets(keys)
+    if job is not None and job.executor_def is multi_or_in_process_executor:
+        config["execution"] = {"config": {"in_process": {}}}
+    return config
 
 
+# ---- the demo ----------------------------------------------------------------------------------
 def report_location(storage: Storage) -> str:
     path = storage.local_path(REPORT_REL)
     return path.as_uri() if path is not None else storage.uri(REPORT_REL)
 
 
-def partition_order(registry: Registry, group: str, patterns: Iterable[str] = ()) -> list[str | None]:
-    models = group_models(registry, group, patterns)
-    corpora = sorted({c for m in models for c in registry.model(m).corpora})
-    pairs = [str(pair_key(m, c)) for m in models for c in registry.model(m).corpora]
-    compared = [m for m in models if m in set(multi_corpus_models(registry))]
-    return [*corpora, *pairs, *compared, *sorted(registry.series), None]
+def run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
+             group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
+             log_level: str = "INFO", verbose: bool = False, out: TextIO = sys.stdout, poll_s: float = 2.0) -> int:
+    """Plan with Dagster's staleness and execute the plan as one asset backfill through ``api`` (a webserver whose
+    instance runs the backfill daemon); return the number of failed or skipped asset partitions (0 = success)."""
+    with partition_loading_context(dynamic_partitions_store=instance):
+        return _run_demo(api, defs, instance, registry, storage, group=group, models=models, dry_run=dry_run,
+                         force=force, log_level=log_level, verbose=verbose, out=out, poll_s=poll_s)
 
 
-def run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, **kw: Any) -> int:
-    """Plan and execute the demo; return the number of failed asset partitions (0 = success)."""
-    with partition_loading_context(dynamic_partitions_store=instance), stop_on_signals() as received:
-        return _run_demo(defs, instance, registry, storage, received=received, **kw)
-
-
-def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
-              group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-              log_level: str = "INFO", verbose: bool = False, out=sys.stdout, api: DagsterAPI | None = None,
-              received: Callable[[], int | None] = lambda: None) -> int:
+def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
+              group: str, models: Iterable[str], dry_run: bool, force: bool, log_level: str, verbose: bool,
+              out: TextIO, poll_s: float) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -417,25 +233,21 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
     if added:
         say("demo: partitions added from the registry: "
             + "; ".join(f"{dim} {', '.join(keys)}" for dim, keys in added.items()))
-    try:
-        observe_registry_entries(defs, instance)  # registry edits reach Dagster's staleness as data versions
-    except RuntimeError:
-        if (signum := received()) is not None:  # Dagster ended the observation run on the signal
-            raise DemoInterrupted(signum) from None
-        raise
+    if not dry_run and (open_ids := api.open_backfills({DEMO_TAG: "1"})):  # e.g. of a demo that was killed
+        say(f"demo: backfill {open_ids[0]} of an earlier demo is still in progress; following it first "
+            f"({api.url}/runs/b/{open_ids[0]})")
+        run_backfill(api, open_ids[0], say, poll_s)
+    t0 = time.monotonic()
+    observe_registry_entries(api, defs)  # registry edits reach Dagster's staleness as data versions
+    say(f"demo: registry entries observed in {time.monotonic() - t0:.0f} s")
     nodes, notes = select_nodes(graph, registry, group, models, instance)
     say(f"demo: {len(nodes)} asset partitions for the '{group}' models "
         f"({', '.join(chosen)}); Dagster instance {instance.root_directory}; "
         f"storage {storage.url}")
     for note in notes:
         say(f"  note: {note}")
-    if api is not None:
-        own = dagster_reasons(api, nodes)
-    else:
-        with webserver(log_path=Path(instance.root_directory or ".") / "demo-webserver.log") as web:
-            say(f"demo: asked Dagster (webserver {web.url}) what is missing or stale")
-            own = dagster_reasons(web, nodes)
-    decisions = decide(graph, nodes, own, force=force)
+    say(f"demo: asked Dagster ({api.url}) what is missing or stale")
+    decisions = decide(graph, nodes, dagster_reasons(api, nodes), force=force)
     todo = [d.node for d in decisions if d.reason]
     fresh = [d for d in decisions if not d.reason]
     if fresh and verbose:
@@ -448,48 +260,36 @@ def _run_demo(defs: Definitions, instance: DagsterInstance, registry: Registry, 
             say(f"  run  {node_name(d.node):<48} {d.reason}")
     if not todo:
         say("demo: everything is up to date; nothing to compute")
-    if dry_run:
+    if dry_run or not todo:
+        if not dry_run:
+            _say_report(say, storage, api)
         return 0
+    keys = sorted({k for k, _ in todo}, key=lambda k: k.to_user_string())
+    backfill_id = api.launch_backfill(partitions_of(todo), tags={DEMO_TAG: "1"}, title="make demo",
+                                      run_config=run_config(defs, keys, log_level))
     t_start = time.monotonic()
-    failed: set[Node] = set()
-    done_any = False
-    with demo_lock(instance):
-        cleaned = fail_dead_demo_runs(instance)
-        if cleaned:
-            say(f"demo: marked {cleaned} run(s) of an interrupted earlier demo as failed")
-        steps = _report_apart(group_steps(graph, todo, partition_order(registry, group, models)))
-        for i, step in enumerate(steps, 1):
-            blocked = [k for k in step.keys if k != REPORT_KEY and any(
-                u in failed for u in upstream_nodes(graph, (k, step.partition)))]
-            keys = [k for k in step.keys if k not in blocked]
-            for k in blocked:
-                failed.add((k, step.partition))
-                say(f"  skip {node_name((k, step.partition))}: an upstream asset failed")
-            if not keys:
-                continue
-            label = step.partition or "unpartitioned"
-            say(f"[run {i}] {label}: {', '.join(k.to_user_string() for k in keys)}")
-            t0 = time.monotonic()
-            tags = {DEMO_TAG: "1"}
-            try:
-                done = run_step(defs, instance, Step(step.partition, keys), tags, log_level, received)
-            except DemoInterrupted as exc:
-                say(f"[run {i}] {label}: {exc}; nothing more is started")
-                raise
-            done_any = True
-            missing = [(k, step.partition) for k in keys if (k, step.partition) not in done]
-            failed.update(missing)
-            status = "ok" if not missing else "FAILED: " + ", ".join(map(node_name, missing))
-            say(f"[run {i}] {label}: {status} in {time.monotonic() - t0:.0f} s")
-    if done_any:
-        say(f"demo: finished in {time.monotonic() - t_start:.0f} s; "
-            f"{len(failed)} asset partition(s) failed or skipped")
+    say(f"demo: launched backfill {backfill_id} of {len(todo)} asset partitions; Dagster's daemon runs it "
+        f"({api.url}/runs/b/{backfill_id})")
+    b = run_backfill(api, backfill_id, say, poll_s)  # SIGINT / SIGTERM: canceled, then Interrupted
+    failed = sum(b.failed.values())
+    if not failed and b.status != "COMPLETED_SUCCESS":
+        failed = 1
+    say(f"demo: backfill {b.status.lower()} in {time.monotonic() - t_start:.0f} s; "
+        f"{failed} asset partition(s) failed or skipped")
+    for asset, n in sorted(b.failed.items()):
+        say(f"  FAILED or skipped: {asset} ({n} partition(s))")
+    if b.error:
+        say(f"  backfill error: {b.error}")
+    _say_report(say, storage, api, rebuilt=REPORT_KEY.to_user_string() not in b.failed)
+    return failed
+
+
+def _say_report(say: Any, storage: Storage, api: DagsterAPI, rebuilt: bool = True) -> None:
     if storage.exists(REPORT_REL):
-        say(f"report: {report_location(storage)}")
+        say(f"report: {report_location(storage)}" + ("" if rebuilt else " (not rebuilt: report_html was skipped)"))
     else:
         say("report: not built (the report_html asset is not defined or failed)")
     say("runs and materialisations: `make ui`, then http://127.0.0.1:3000")
-    return len(failed)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -500,9 +300,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and why; run nothing")
     parser.add_argument("--force", action="store_true", help="recompute everything in the plan")
     parser.add_argument("--verbose", action="store_true", help="also list the up-to-date asset partitions")
-    parser.add_argument("--log-level", default="INFO", help="Dagster console log level (default INFO)")
-    parser.add_argument("--dagster-url", help="ask this running webserver (e.g. `make ui`'s http://127.0.0.1:3000; "
-                        "its code location is reloaded first) instead of starting one")
+    parser.add_argument("--log-level", default="INFO", help="Dagster console log level of the runs (default INFO)")
+    parser.add_argument("--dagster-url", help="use this running `dagster dev` (e.g. `make ui`'s http://127.0.0.1:3000, "
+                        "same DAGSTER_HOME; its code location is reloaded first) instead of starting one")
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
 
@@ -510,18 +310,24 @@ def main(argv: Iterable[str] | None = None) -> int:
     from qk_assets.partitions import registry
 
     instance = DagsterInstance.get()
+    home = Path(instance.root_directory or os.environ.get("DAGSTER_HOME", "."))
     storage = Storage.from_settings()
-    api = None
-    if args.dagster_url:
-        api = DagsterAPI(args.dagster_url)
-        api.reload()
+
+    def say(msg: str) -> None:
+        print(f"demo: {msg}", flush=True)
+
     try:
-        failed = run_demo(defs, instance, registry(), storage, group=args.group, models=args.models, api=api,
-                          dry_run=args.dry_run, verbose=args.verbose,
-                          force=args.force, log_level=args.log_level)
+        with stop_on_signals(), dagster_at(args.dagster_url, home=home, log_path=home / "demo-dagster.log",
+                                           say=say) as api:
+            failed = run_demo(api, defs, instance, registry(), storage, group=args.group, models=args.models,
+                              dry_run=args.dry_run, verbose=args.verbose, force=args.force,
+                              log_level=args.log_level)
     except DemoInterrupted as exc:
         print(f"demo: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except RuntimeError as exc:  # Dagster refused (daemon missing, backfill not launched): its message says why
+        print(f"demo: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 1 if failed else 0
 
 

@@ -1,10 +1,11 @@
 """``make demo`` end to end on the real code location, with two tiny local models as the demo group.
 
 ``python -m qk_assets.demo`` runs in a fresh process against a temporary registry (two tiny models of
-different families in the ``demo`` group, each on two local corpora), storage root and Dagster instance:
-every stage (corpora, captures, PCA, rotation, plasticity, the cross-corpus comparison, benchmarks, model
-report, joins, cross-model figures) materialises, the report is built with every figure resolving in
-Chromium, and a second run computes nothing.
+different families in the ``demo`` group, each on two local corpora), storage root and Dagster instance; it
+starts ``dagster dev`` and launches one asset backfill that the daemon runs: every stage (corpora, captures, PCA,
+rotation, plasticity, the cross-corpus comparison, benchmarks, model report, joins, cross-model figures)
+materialises in dependency order, the report is built with every figure resolving in Chromium, and a second
+run computes nothing and launches nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from chromium import probe_images
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 from tiny_models import build_tiny_model, sample_texts, write_corpus_jsonl, write_registry
 
 pytestmark = pytest.mark.slow
@@ -32,7 +34,7 @@ CROSS = ("cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_prof
 
 def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "qk_assets.demo", "--log-level", "WARNING", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
     return proc
 
@@ -90,12 +92,22 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> 
     for asset in ("model_report", "benchmark_scores", "benchmark_joins", "benchmark_stats", "geometry_figures",
                   "report_html"):
         assert (storage / "assets" / asset / "_all.parquet").is_file(), asset
-    # one run per partition set, in dependency order: corpus, each model, unpartitioned, then the report
-    runs = re.findall(r"^\[run \d+\] (\S+): (.*)$", out, re.M)
-    starts = [part for part, what in runs if not what.startswith(("ok", "FAILED"))]
-    assert starts[:2] == list(CORPORA) and starts[-1] == "unpartitioned"
-    assert starts[2:6] == [f"{c}|{m}" for m in MODELS for c in CORPORA] and starts[6:8] == list(MODELS)
-    assert [what for part, what in runs if not what.startswith(("ok", "FAILED"))][-1] == "report_html"
+    # one backfill; Dagster's runs, one per partition (its assets together), in dependency order
+    (backfill_id,) = re.findall(r"^demo: launched backfill (\S+) of", out, re.M)
+    assert "backfill completed_success" in out
+    ok = set(re.findall(r"^  \[(\S+)\] ok in", out, re.M))
+    assert {*CORPORA, *(f"{c}|{m}" for m in MODELS for c in CORPORA), *MODELS, "unpartitioned"} <= ok, out
+    with DagsterInstance.from_config(str(demo_run["home"])) as instance:
+        runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfill_id}))
+    assert runs and all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in runs)
+    level = {p: 0 for p in CORPORA} | {f"{c}|{m}": 1 for m in MODELS for c in CORPORA} | {m: 2 for m in MODELS}
+    by_level: dict[int, list] = {}
+    for r in runs:
+        by_level.setdefault(level.get(r.dagster_run.tags.get("dagster/partition"), 3), []).append(r)
+    for lo, hi in ((0, 1), (1, 2)):  # each level starts after the one it reads has ended
+        assert max(r.end_time for r in by_level[lo]) <= min(r.start_time for r in by_level[hi])
+    report = [r for r in runs if AssetKey("report_html") in (r.dagster_run.asset_selection or set())]
+    assert len(report) == 1 and report[0].end_time == max(r.end_time for r in runs)
     assert f"report: {(storage / 'report' / 'index.html').as_uri()}" in out
 
 
@@ -118,7 +130,7 @@ def test_report_shows_figures_of_every_stage(demo_run: dict) -> None:
 def test_second_demo_computes_nothing(demo_run: dict) -> None:
     out = demo_run["second"]
     assert "everything is up to date; nothing to compute" in out
-    assert "[run " not in out
+    assert "launched backfill" not in out
 
 
 def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> None:
@@ -126,9 +138,7 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
     edit configures stale, through the data versions of ``registry_entry`` (a capture option of tiny-qwen: its
     captures) and ``registry_analysis`` (an analysis option of tiny-llama: its analyses, not its captures),
     and the demo plans exactly that plus what depends on it."""
-    from dagster import AssetKey
-
-    from qk_assets.dagster_api import webserver
+    from qk_assets.dagster_api import dagster_dev
 
     env = demo_run["env"]
     reg = Path(env["QK_REGISTRY"])
@@ -155,17 +165,8 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
         keys: dict = {}  # asset -> every partition the plan lists (an asset has one per corpus)
         for k in runs:
             keys.setdefault(AssetKey(k.split("[")[0]), []).append(k.split("[")[1].rstrip("]") if "[" in k else None)
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with webserver() as web:
-                status = web.stale_status(keys)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with dagster_dev(home=Path(env["DAGSTER_HOME"]), env=env, daemon=False) as web:
+            status = web.stale_status(keys)
         ui_stale = {key.to_user_string() + (f"[{p}]" if p else "") for (key, p), s in status.items()
                     if s.status != "FRESH"}
         assert ui_stale == stale

@@ -33,11 +33,17 @@ def requested(result, key: AssetKey) -> set[str]:
     return {str(k) for k in result.get_requested_partitions(key)}
 
 
+def observe_registry_entries(defs, instance: DagsterInstance) -> None:
+    """Observe ``registry_entry`` and ``registry_analysis`` in process (the run registry_partitions_sensor requests)."""
+    sources = [AssetKey("registry_entry"), AssetKey("registry_analysis")]
+    job = defs.resolve_implicit_job_def_def_for_assets(sources)
+    assert job.execute_in_process(instance=instance, asset_selection=sources).success
+
+
 def test_a_removed_model_is_not_automated_and_keeps_its_history(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from qk_assets import partitions
     from qk_assets.definitions import build_definitions, per_model_keys
-    from qk_assets.demo import observe_registry_entries
 
     path = tmp_path / "registry.toml"
     path.write_text(CORPUS + model("m1") + model("m2"))

@@ -30,7 +30,7 @@ import pytest
 from servers import dagster_servers, wait_for
 from tiny_models import build_tiny_model, build_tiny_series, sample_texts, write_corpus_jsonl
 
-from qk_assets.dagster_api import DagsterAPI
+from qk_assets.dagster_api import Backfill, DagsterAPI
 
 pytestmark = pytest.mark.slow
 
@@ -168,15 +168,15 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         t_edit = time.monotonic()
         api = DagsterAPI(srv.url)
 
-        def finished() -> dict | None:
+        def finished() -> Backfill | None:
             b = api.backfill(backfill_id)
-            return b if b["status"] not in ("REQUESTED", "CANCELING") else None
+            return b if b.finished else None
 
         done = wait_for(finished, PHASE_TIMEOUT_S, interval=1, what="the series backfill", on_timeout=srv.log_tail)
         t_backfill = time.monotonic()
-        assert done["status"] == "COMPLETED_SUCCESS", done
-        assert {r["status"] for r in done["runs"]} == {"SUCCESS"}, done["runs"]
-        parts = {t["value"] for r in done["runs"] for t in r["tags"] if t["key"] == "dagster/partition"}
+        assert done.status == "COMPLETED_SUCCESS", done
+        assert {r.status for r in done.runs} == {"SUCCESS"}, done.runs
+        parts = {r.partition for r in done.runs}
         assert parts == {"tiny", *(f"tiny|{k}" for k in SERIES_KEYS)}, parts
         for key in SERIES_KEYS:
             for asset in PER_MODEL:
@@ -199,7 +199,7 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         # test) ran: tiny-b, and possibly a refresh of the series' partitions once the backfill updated their
         # corpus (eager: "a dependency updated"), never a manual or backfill run for anything else
         runs = [r for r in srv.runs(limit=200) if "dagster/partition" in r["tags"]]
-        ours = {r["runId"] for r in done["runs"]}
+        ours = {r.run_id for r in done.runs}
         series = {r["run_id"] for r in runs if "tser@" in r["tags"]["dagster/partition"]
                   or r["tags"]["dagster/partition"] == "tiny"}
         assert ours <= series, [r["tags"] for r in runs]
@@ -209,6 +209,6 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         assert others == {"tiny|tiny-b"}, [r["tags"] for r in runs]
         assert all(r["tags"].get(AUTOMATED) == "true" for r in runs if r["run_id"] not in series)
         print(f"servers ready {t_ready - t_start:.0f}s (models built, dagster dev up); series backfill "
-              f"({len(done['runs'])} runs) done {t_backfill - t_ready:.0f}s later; tiny-b filled "
+              f"({len(done.runs)} runs) done {t_backfill - t_ready:.0f}s later; tiny-b filled "
               f"{t_filled - t_edit:.0f}s after the registry edit")
     assert not srv.alive()
