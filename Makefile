@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements.lock requirements-models.txt
 	touch $@
 
 demo: setup
-	$(BIN)/python -m qk_assets.demo $(ARGS)
+	$(BIN)/python -m qk_assets.cli.demo $(ARGS)
 
 # Every test (what CI runs). Under CI=true a missing Chromium or PostgreSQL fails the run (tests/prereq.py).
 test: setup browser postgres
@@ -40,7 +40,7 @@ ui: setup
 # One asset backfill of a checkpoint series (a `dagster dev` for its duration, or `URL=` of `make ui`), e.g.
 # `make backfill SERIES=smollm3-3b ARGS=--with-upstream`.
 backfill: setup
-	$(BIN)/python -m qk_assets.backfill $(SERIES) $(if $(URL),--url $(URL)) $(ARGS)
+	$(BIN)/python -m qk_assets.cli.backfill $(SERIES) $(if $(URL),--url $(URL)) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check qk_core qk_assets tests bench

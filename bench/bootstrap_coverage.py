@@ -256,7 +256,7 @@ def demo_rows(root: str) -> None:
     """The cross-corpus comparison of every demo model with two corpora, recomputed from a demo's storage."""
     import pandas as pd
 
-    from qk_assets.assets.cross_corpus import load_corpus
+    from qk_assets.defs.cross_corpus import load_corpus
     from qk_assets.partitions import registry
     from qk_core.cross_corpus.compare import CrossCorpusOptions, compare_corpora
     from qk_core.io.storage import Storage

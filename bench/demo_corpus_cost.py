@@ -15,8 +15,8 @@ import time
 
 from dagster import AssetKey, DagsterInstance, partition_loading_context
 
-from qk_assets import defs
-from qk_assets.demo import REGISTRY_SOURCES
+from qk_assets.cli.demo import REGISTRY_SOURCES
+from qk_assets.definitions import defs
 from qk_assets.partitions import registry, sync_instance
 
 

@@ -2,7 +2,7 @@
 
 - per (model, corpus) asset: :data:`PER_PAIR`, ``AutomationCondition.eager()`` (new partitions once their
   corpus and registry entry exist, and after any upstream update) and :class:`RegistryListed` (the registry
-  file lists the pair now), evaluated by ``model_automation_sensor`` (qk_assets.assets.registry; stopped by
+  file lists the pair now), evaluated by ``model_automation_sensor`` (qk_assets.defs.registry; stopped by
   default);
 - cross-model assets: :data:`AFTER_UPSTREAM` (like eager, but a model that is not analysed yet does not
   block them) or their own conditions, all evaluated by one :func:`automation_sensor` (running by default)

@@ -1,6 +1,6 @@
 """The Dagster code location: every asset, check, sensor and job of the platform.
 
-Each module of :mod:`qk_assets.assets` is one stage of the lineage graph. Its assets are picked up
+Each module of :mod:`qk_assets.defs` is one stage of the lineage graph. Its assets are picked up
 automatically; a module may also export ``SENSORS``, ``JOBS`` and ``ASSET_CHECKS`` lists.
 """
 
@@ -10,9 +10,9 @@ from types import ModuleType
 
 from dagster import AssetKey, AssetsDefinition, Definitions, load_asset_checks_from_modules, load_assets_from_modules
 
-from qk_assets import assets as assets_pkg
-from qk_assets.assets.registry import model_automation_sensor
+from qk_assets import defs as defs_pkg
 from qk_assets.automation import automation_sensor
+from qk_assets.defs.registry import model_automation_sensor
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.owners import with_owners
 from qk_assets.partitions import model_corpus_partitions
@@ -22,8 +22,8 @@ from qk_core.config.settings import Settings
 
 
 def asset_modules() -> list[ModuleType]:
-    names = sorted(m.name for m in pkgutil.iter_modules(assets_pkg.__path__))
-    return [importlib.import_module(f"{assets_pkg.__name__}.{n}") for n in names]
+    names = sorted(m.name for m in pkgutil.iter_modules(defs_pkg.__path__))
+    return [importlib.import_module(f"{defs_pkg.__name__}.{n}") for n in names]
 
 
 def per_model_keys(assets: list[object]) -> list[AssetKey]:
@@ -59,3 +59,6 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
             "ray": RayClusterResource.from_settings(settings),
         },
     )
+
+
+defs = build_definitions()

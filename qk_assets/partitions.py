@@ -6,7 +6,7 @@ analysis) is keyed by (model, corpus): :func:`model_corpus_partitions`, a two-di
 partitioned by the same dynamic ``corpus`` dimension, ``trajectory`` by the dynamic ``series``.
 
 Why dynamic dimensions rather than static keys or one dynamic "model|corpus" dimension: the partition
-keys live in the Dagster instance, so ``registry_partitions_sensor`` (qk_assets.assets.registry) adds a
+keys live in the Dagster instance, so ``registry_partitions_sensor`` (qk_assets.defs.registry) adds a
 model, a checkpoint or a corpus the moment the registry file lists it, with no reload; and a two-
 dimensional key lets ``qk_capture`` read its corpus partition through the mapping Dagster infers between
 the ``corpus`` asset and the ``corpus`` dimension (``MultiToSingleDimensionPartitionMapping``, built in, so

@@ -10,7 +10,7 @@ Usage::
             srv.graphql("{ version }")           # the webserver's GraphQL API
             print(srv.url)                       # e.g. http://127.0.0.1:41235 for a browser test
 
-``dagster dev`` is started by the project's one launcher (``qk_assets.dagster_api.start_dagster``: webserver and
+``dagster dev`` is started by the project's one launcher (``qk_assets.cli.dagster_api.start_dagster``: webserver and
 daemon as its subprocesses, sharing one code server) in a new process session, with ``DAGSTER_HOME`` =
 ``<tmp>/dagster_home`` holding a copy of the project's ``dagster_home/dagster.yaml``. On exit it is asked to
 shut down (SIGINT), then its process group is terminated if it lingers. Server output goes to
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from qk_assets.dagster_api import DagsterServer, free_port, start_dagster, wait_for
+from qk_assets.cli.dagster_api import DagsterServer, free_port, start_dagster, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DagsterServers = DagsterServer  # url, graphql, wait_ready, runs, log_tail, alive, stop, home, port, process
@@ -43,7 +43,7 @@ def prepare_home(base: Path, instance_config: Path | None = None) -> Path:
 def dagster_servers(base: Path, env: dict[str, str] | None = None, *, workspace: Path | None = None,
                     port: int | None = None, instance_config: Path | None = None) -> Iterator[DagsterServer]:
     """Run ``dagster dev`` (webserver + daemon) on 127.0.0.1 for the duration of the block (the project's launcher,
-    ``qk_assets.dagster_api.start_dagster``)."""
+    ``qk_assets.cli.dagster_api.start_dagster``)."""
     home = prepare_home(base, instance_config)
     srv = start_dagster(workspace or REPO / "workspace.yaml", home=home, env=env, port=port,
                         log_path=home / "servers.log")

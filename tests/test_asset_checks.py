@@ -53,8 +53,8 @@ def _run(root: Path, heads: list[SyntheticHead], *, window: int, bucket: int, do
     """Materialise geometry, plasticity and the downstream asset for MODEL's partition; (result, storage)."""
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.geometry import geometry as geometry_asset
-    from qk_assets.assets.plasticity import plasticity as plasticity_asset
+    from qk_assets.defs.geometry import geometry as geometry_asset
+    from qk_assets.defs.plasticity import plasticity as plasticity_asset
 
     storage, resources, stand_in = stage_synthetic_models(root, {MODEL: heads}, d=D, window=window, bucket=bucket,
                                                           per_bucket=4, doc_tokens=docs)
@@ -161,7 +161,7 @@ def test_interval_and_profile_checks_fail_on_planted_tables(good) -> None:
     from dagster import AssetCheckSeverity
 
     from qk_assets import checks
-    from qk_assets.assets.plasticity import HEAD_INTERVALS
+    from qk_assets.defs.plasticity import HEAD_INTERVALS
     from qk_assets.io_manager import asset_rel
 
     def read(name: str) -> pd.DataFrame:
@@ -208,7 +208,7 @@ def test_the_code_location_declares_the_checks_per_partition() -> None:
     """Each check is partitioned like its asset (a result per partition in the Checks tab), blocking as promised."""
     from dagster import AssetKey
 
-    from qk_assets import defs
+    from qk_assets.definitions import defs
 
     graph = defs.resolve_asset_graph()
     specs = {(k.asset_key.to_user_string(), k.name): graph.get_check_spec(k) for k in graph.asset_check_keys}
@@ -222,7 +222,7 @@ def test_the_code_location_declares_the_checks_per_partition() -> None:
 
 
 def test_every_asset_has_owners() -> None:
-    from qk_assets import defs
+    from qk_assets.definitions import defs
 
     graph = defs.resolve_asset_graph()
     nodes = [graph.get(k) for k in graph.get_all_asset_keys() if graph.get(k).is_materializable]

@@ -14,8 +14,8 @@ from dagster import AssetKey, DagsterInstance
 from servers import free_port
 
 from qk_assets import partitions
-from qk_assets.backfill import BackfillError, launch_series_backfill, main, series_partitions
-from qk_assets.dagster_api import DagsterAPI
+from qk_assets.cli.backfill import BackfillError, launch_series_backfill, main, series_partitions
+from qk_assets.cli.dagster_api import DagsterAPI
 from qk_assets.definitions import build_definitions
 from qk_core.config.registry import load_registry
 

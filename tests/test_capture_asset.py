@@ -24,8 +24,8 @@ def reload_modules() -> tuple[ModuleType, ModuleType]:
     from qk_assets import partitions
 
     partitions.registry.cache_clear()
-    return (importlib.reload(importlib.import_module("qk_assets.assets.corpus")),
-            importlib.reload(importlib.import_module("qk_assets.assets.capture")))
+    return (importlib.reload(importlib.import_module("qk_assets.defs.corpus")),
+            importlib.reload(importlib.import_module("qk_assets.defs.capture")))
 
 
 def partitioned_instance():
@@ -61,7 +61,7 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[M
 def test_asset_definition() -> None:
     from dagster import DagsterInstance
 
-    from qk_assets.assets.capture import qk_capture
+    from qk_assets.defs.capture import qk_capture
     from qk_assets.partitions import model_corpus_partitions, registry, registry_pairs, sync_instance
 
     assert qk_capture.op.pool == "gpu"

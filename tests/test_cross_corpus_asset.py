@@ -30,9 +30,9 @@ CROSS = ["cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_prof
 def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from dagster import AssetKey, DagsterInstance, asset, materialize
 
-    from qk_assets.assets.cross_corpus import cross_corpus
-    from qk_assets.assets.geometry import geometry
-    from qk_assets.assets.plasticity import plasticity
+    from qk_assets.defs.cross_corpus import cross_corpus
+    from qk_assets.defs.geometry import geometry
+    from qk_assets.defs.plasticity import plasticity
     from qk_assets.io_manager import ParquetIOManager, asset_rel
     from qk_assets.partitions import CORPUS_DIM, MODEL_DIM, model_corpus_partitions, pair_key
     from qk_assets.resources import RayClusterResource, StorageResource
@@ -126,8 +126,7 @@ def test_a_model_with_one_corpus_is_not_compared(staged: dict) -> None:
 def test_a_model_maps_to_its_pairs_and_automation_holds_the_asset(staged: dict) -> None:
     from dagster import AssetKey, Definitions, partition_loading_context
 
-    from qk_assets import defs
-    from qk_assets.definitions import derived_keys
+    from qk_assets.definitions import defs, derived_keys
 
     graph = Definitions(assets=staged["defs"], resources=staged["resources"]).resolve_asset_graph()
     with partition_loading_context(dynamic_partitions_store=staged["instance"]):

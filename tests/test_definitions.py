@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import json, sys
-from qk_assets import defs
+from qk_assets.definitions import defs
 jobs = sorted(j.name for j in defs.resolve_all_job_defs())
 graph = defs.resolve_asset_graph()
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
@@ -36,7 +36,7 @@ def test_definitions_load_without_torch_or_transformers(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def graph():
-    from qk_assets import defs
+    from qk_assets.definitions import defs
 
     return defs.resolve_asset_graph()
 

@@ -15,8 +15,8 @@ import demo_toy
 import pytest
 from dagster import AssetKey, DagsterInstance, partition_loading_context
 
-from qk_assets.dagster_api import dagster_dev, partitions_of, wait_for
-from qk_assets.demo import REPORT_KEY, run_demo, select_nodes
+from qk_assets.cli.dagster_api import dagster_dev, partitions_of, wait_for
+from qk_assets.cli.demo import REPORT_KEY, run_demo, select_nodes
 from qk_assets.partitions import sync_instance
 from qk_core.config.registry import load_registry
 from qk_core.io.storage import Storage
@@ -51,14 +51,14 @@ corpus = "c"
 groups = ["study"]
 """
 
-# The demo as a program of its own over the toy (for the signal test): what `python -m qk_assets.demo` does with
+# The demo as a program of its own over the toy (for the signal test): what `python -m qk_assets.cli.demo` does with
 # --dagster-url, on the toy definitions.
 DEMO_PROGRAM = """
 import sys
 import demo_toy
 from dagster import DagsterInstance
-from qk_assets.dagster_api import DagsterAPI
-from qk_assets.demo import DemoInterrupted, run_demo, stop_on_signals
+from qk_assets.cli.dagster_api import DagsterAPI
+from qk_assets.cli.demo import DemoInterrupted, run_demo, stop_on_signals
 from qk_core.config.registry import load_registry
 from qk_core.io.storage import Storage
 try:
@@ -260,7 +260,7 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path, monkeypatch: pytest.M
     home.mkdir()
     (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
     env = {**os.environ, "DAGSTER_HOME": str(home), "QK_STORAGE_ROOT": str(tmp_path / "storage")}
-    proc = subprocess.run([sys.executable, "-m", "qk_assets.demo", "--dry-run"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "qk_assets.cli.demo", "--dry-run"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert "started dagster dev (webserver + daemon)" in proc.stdout
@@ -286,21 +286,21 @@ def test_dry_run_of_the_real_code_location(tmp_path: Path, monkeypatch: pytest.M
 
 def test_code_versions_follow_the_source_an_asset_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from qk_assets import versioning
-    from qk_assets.assets import corpus as corpus_module
+    from qk_assets.defs import corpus as corpus_module
 
-    closure = dict(versioning.module_closure("qk_assets.assets.corpus"))
-    assert {"qk_assets.assets.corpus", "qk_core.corpus.build", "qk_core.config.registry"} <= set(closure)
+    closure = dict(versioning.module_closure("qk_assets.defs.corpus"))
+    assert {"qk_assets.defs.corpus", "qk_core.corpus.build", "qk_core.config.registry"} <= set(closure)
     assert "qk_core.benchmarks.joins" not in closure and "qk_assets.definitions" not in closure
 
     # the version is a hash of exactly those files: editing one of them changes it
-    before = versioning.source_version("qk_assets.assets.corpus")
+    before = versioning.source_version("qk_assets.defs.corpus")
     copies = []
-    for name, path in versioning.module_closure("qk_assets.assets.corpus"):
+    for name, path in versioning.module_closure("qk_assets.defs.corpus"):
         copy = tmp_path / Path(path).name
         copy.write_bytes(Path(path).read_bytes() + (b"\n# edited\n" if name == "qk_core.corpus.build" else b""))
         copies.append((name, str(copy)))
     monkeypatch.setattr(versioning, "module_closure", lambda _name: tuple(copies))
-    assert versioning.source_version("qk_assets.assets.corpus") != before
+    assert versioning.source_version("qk_assets.defs.corpus") != before
     monkeypatch.undo()
 
     versioned = versioning.with_code_versions([corpus_module.corpus], [corpus_module])

@@ -1,6 +1,6 @@
 """``make demo`` end to end on the real code location, with two tiny local models as the demo group.
 
-``python -m qk_assets.demo`` runs in a fresh process against a temporary registry (two tiny models of
+``python -m qk_assets.cli.demo`` runs in a fresh process against a temporary registry (two tiny models of
 different families in the ``demo`` group, each on two local corpora), storage root and Dagster instance; it
 starts ``dagster dev`` and launches one asset backfill that the daemon runs: every stage (corpora, captures, PCA,
 rotation, plasticity, the cross-corpus comparison, benchmarks, model report, joins, cross-model figures)
@@ -33,7 +33,7 @@ CROSS = ("cross_corpus_metrics", "cross_corpus_correlations", "cross_corpus_prof
 
 
 def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "qk_assets.demo", "--log-level", "WARNING", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "qk_assets.cli.demo", "--log-level", "WARNING", *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-6000:])
     return proc
@@ -138,7 +138,7 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
     edit configures stale, through the data versions of ``registry_entry`` (a capture option of tiny-qwen: its
     captures) and ``registry_analysis`` (an analysis option of tiny-llama: its analyses, not its captures),
     and the demo plans exactly that plus what depends on it."""
-    from qk_assets.dagster_api import dagster_dev
+    from qk_assets.cli.dagster_api import dagster_dev
 
     env = demo_run["env"]
     reg = Path(env["QK_REGISTRY"])

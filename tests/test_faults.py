@@ -515,7 +515,7 @@ DAGSTER_CHILD = textwrap.dedent("""
     import json, sys
     from dagster import AssetKey, DagsterInstance, materialize
     from qk_assets import partitions
-    from qk_assets.assets import capture as capture_mod, corpus as corpus_mod
+    from qk_assets.defs import capture as capture_mod, corpus as corpus_mod
     from qk_assets.io_manager import ParquetIOManager
     from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
     instance = DagsterInstance.get()

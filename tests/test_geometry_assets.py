@@ -51,8 +51,7 @@ def heads_for(model: str) -> list[SyntheticHead]:
 def materialised(tmp_path_factory: pytest.TempPathFactory):
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.geometry import geometry
-    from qk_assets.assets.geometry_figures import geometry_figures
+    from qk_assets.defs.geometry import geometry, geometry_figures
     from qk_assets.io_manager import asset_rel
 
     root = tmp_path_factory.mktemp("geometry") / "storage"
@@ -165,7 +164,7 @@ def test_cross_model_table_has_every_materialised_model(materialised) -> None:
 def test_subset_and_run_config_options(tmp_path: Path) -> None:
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.geometry import geometry
+    from qk_assets.defs.geometry import geometry
     from qk_assets.io_manager import asset_rel
 
     storage, resources, capture_stand_in = stage_synthetic_models(
@@ -193,7 +192,7 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
 
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.geometry import geometry
+    from qk_assets.defs.geometry import geometry
     from qk_assets.io_manager import asset_rel
 
     storage, read = materialised["storage"], materialised["read"]

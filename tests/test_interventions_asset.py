@@ -36,7 +36,7 @@ def test_interventions_asset_materialises(tmp_path: Path, monkeypatch: pytest.Mo
         corpus_file)
     monkeypatch.setenv("QK_REGISTRY", str(reg_file))
     partitions.registry.cache_clear()
-    mod = importlib.reload(importlib.import_module("qk_assets.assets.interventions"))
+    mod = importlib.reload(importlib.import_module("qk_assets.defs.interventions"))
     try:
         from qk_assets.io_manager import ParquetIOManager, asset_rel
         from qk_assets.resources import StorageResource, TorchDeviceResource

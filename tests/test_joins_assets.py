@@ -15,9 +15,9 @@ import pytest
 from dagster import AssetKey, AssetSpec, DagsterInstance, materialize
 from s3 import MotoS3
 
-from qk_assets.assets import benchmarks as bench_assets
-from qk_assets.assets import joins as join_assets
-from qk_assets.assets import model_report as report_assets
+from qk_assets.defs import benchmarks as bench_assets
+from qk_assets.defs import joins as join_assets
+from qk_assets.defs import joins as report_assets
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.partitions import model_corpus_partitions, registry, sync_instance
 from qk_assets.resources import StorageResource

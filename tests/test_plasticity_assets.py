@@ -34,7 +34,7 @@ def heads_for(model: str) -> list[SyntheticHead]:
 def materialised(tmp_path_factory: pytest.TempPathFactory):
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.plasticity import plasticity, plasticity_deciles
+    from qk_assets.defs.plasticity import plasticity, plasticity_deciles
     from qk_assets.io_manager import asset_rel
 
     root = tmp_path_factory.mktemp("plasticity") / "storage"
@@ -162,7 +162,7 @@ def test_cross_model_deciles(materialised) -> None:
 
 
 def test_registry_analysis_table_overrides_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import qk_assets.assets.plasticity as mod
+    import qk_assets.defs.plasticity as mod
     import qk_assets.options as options_mod
     from qk_core.config.registry import load_registry
 
@@ -192,7 +192,7 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     anything is written; the fixture's opted-in run records how many heads are missing and why."""
     from dagster import AssetKey, materialize
 
-    from qk_assets.assets.plasticity import plasticity
+    from qk_assets.defs.plasticity import plasticity
     from qk_assets.io_manager import asset_rel
 
     storage, outs = materialised["storage"], materialised["outs"]

@@ -102,7 +102,7 @@ def _reload_assets(*more: str) -> tuple[ModuleType, ...]:
     from qk_assets import partitions
 
     partitions.registry.cache_clear()
-    return tuple(importlib.reload(importlib.import_module(f"qk_assets.assets.{name}"))
+    return tuple(importlib.reload(importlib.import_module(f"qk_assets.defs.{name}"))
                  for name in ("corpus", "capture", *more))
 
 

@@ -214,8 +214,8 @@ def test_asset_run_config_is_checked_with_the_registry_table(tmp_path: Path, mon
     path.write_text(BASE + MODEL + 'analysis={pca={n_components=4}, plasticity={bootstrap=7}}\n')
     monkeypatch.setenv("QK_REGISTRY", str(path))
     from qk_assets import partitions
-    from qk_assets.assets.geometry import GeometryConfig, resolve_options
-    from qk_assets.assets.plasticity import plasticity_options
+    from qk_assets.defs.geometry import GeometryConfig, resolve_options
+    from qk_assets.defs.plasticity import plasticity_options
     from qk_assets.options import AnalysisConfig
     from qk_core.config.options import PlasticityOptionsError
 

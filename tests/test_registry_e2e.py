@@ -5,7 +5,7 @@ The temporary registry lists a corpus ``tiny`` and a corpus ``tiny2``, a model `
 ``tiny|other`` partition exists in the grid all the same), and a series ``tser`` of two tiny local
 checkpoints (random models built from a config) on ``tiny``.
 
-1. ``model_automation_sensor`` is started (as from the UI). ``python -m qk_assets.backfill tser`` first
+1. ``model_automation_sensor`` is started (as from the UI). ``python -m qk_assets.cli.backfill tser`` first
    refuses, naming ``corpus[tiny]`` (never materialised) and the fix, launching nothing; with
    ``--with-upstream`` it launches one asset backfill that runs the corpus partition first and then exactly
    the series' checkpoints, every per-model asset of them: no run for ``other``, none on ``tiny2``.
@@ -30,7 +30,7 @@ import pytest
 from servers import dagster_servers, wait_for
 from tiny_models import build_tiny_model, build_tiny_series, sample_texts, write_corpus_jsonl
 
-from qk_assets.dagster_api import Backfill, DagsterAPI
+from qk_assets.cli.dagster_api import Backfill, DagsterAPI
 
 pytestmark = pytest.mark.slow
 
@@ -41,17 +41,17 @@ SERIES_KEYS = [f"tser@{r}" for r in REVS]
 # Dagster's tag on a run an automation condition requested (daemon- or code-server-evaluated sensors alike)
 AUTOMATED = "dagster/from_automation_condition"
 PER_MODEL = ("qk_capture", "pca_metrics", "rotation_metrics", "plasticity_metrics", "intervention_summary")
-SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLocationName: "qk_assets:defs",
+SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLocationName: "qk_assets",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on Sensor { id sensorState { status
   ticks(limit: 20) { status skipReason logEvents { events { message } } } } } } }"""
-START = """mutation($name: String!) { startSensor(sensorSelector: {repositoryLocationName: "qk_assets:defs",
+START = """mutation($name: String!) { startSensor(sensorSelector: {repositoryLocationName: "qk_assets",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on PythonError { message } } }"""
 STOP = """mutation($id: String!) { stopSensor(id: $id) { __typename } }"""
 WORKSPACE = """load_from:
   - python_file:
       relative_path: {path}
       attribute: defs
-      location_name: "qk_assets:defs"
+      location_name: "qk_assets"
       working_directory: {repo}
 """
 
@@ -116,7 +116,7 @@ def set_sensor(srv, name: str, running: bool) -> None:
 
 
 def backfill_cli(env: dict[str, str], url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qk_assets.backfill", "tser", "--url", url, *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "qk_assets.cli.backfill", "tser", "--url", url, *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

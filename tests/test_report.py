@@ -15,7 +15,7 @@ from chromium import load_png, probe_images, region_std, screenshot
 from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
 from s3 import MotoS3
 
-from qk_assets.assets import report as report_module
+from qk_assets.defs import report as report_module
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import ParquetIOManager
 from qk_assets.resources import StorageResource

@@ -62,7 +62,7 @@ def reload_registry_modules() -> ModuleType:
     from qk_assets import partitions
 
     partitions.registry.cache_clear()
-    return importlib.reload(importlib.import_module("qk_assets.assets.trajectory"))
+    return importlib.reload(importlib.import_module("qk_assets.defs.trajectory"))
 
 
 @pytest.fixture
@@ -225,7 +225,7 @@ def test_eager_despite_missing_checkpoints(traj: ModuleType, tmp_path: Path) -> 
 def test_one_automation_sensor_holds_every_derived_asset() -> None:
     """The trajectory, the cross-model figures, the joins, statistics and the report: one sensor, so one
     tick requests them together (the report in the same run as what it shows)."""
-    from qk_assets import defs
+    from qk_assets.definitions import defs
 
     sensor = defs.resolve_sensor_def("automation_sensor")
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
@@ -245,7 +245,7 @@ def test_series_without_any_capture_shows_the_thesis_reference(tmp_path: Path) -
     """The shipped SmolLM3 series with no checkpoint captured (the offline demo): reference values only."""
     import csv
 
-    from qk_assets.assets import trajectory as shipped
+    from qk_assets.defs import trajectory as shipped
 
     root = tmp_path / "storage"
     result = dg.materialize([shipped.trajectory], partition_key="smollm3-3b", resources=resources(root),

@@ -34,7 +34,7 @@ MPE = [64, 96, 256]
 SCRIPT = r"""
 import json, sys
 import dagster as dg
-from qk_assets import defs
+from qk_assets.definitions import defs
 from qk_assets.definitions import per_model_keys
 from qk_assets.partitions import registry, sync_instance
 from qk_core.io.storage import Storage

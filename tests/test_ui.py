@@ -1,5 +1,6 @@
 """The Dagster UI shows the figures on a materialisation: a real ``dagster dev`` (the project's launcher,
-``qk_assets.dagster_api``) on the shipped code location (workspace.yaml) over a temp instance, where a figure-bearing
+``qk_assets.cli.dagster_api``) on the shipped
+code location (workspace.yaml) over a temp instance, where a figure-bearing
 asset is materialised the way ``make demo`` does it, by an asset backfill the daemon runs; GraphQL returns the
 embedded PNG, and headless Chromium draws the asset's page.
 """
@@ -17,7 +18,7 @@ from chromium import dump_dom, load_png, screenshot
 from dagster import AssetKey, DagsterInstance
 from servers import prepare_home
 
-from qk_assets.dagster_api import DagsterServer, dagster_dev, wait_for
+from qk_assets.cli.dagster_api import DagsterServer, dagster_dev, wait_for
 from qk_assets.partitions import sync_instance
 from qk_core.config.registry import load_registry
 

@@ -1,9 +1,9 @@
 """``make demo``: materialise the whole lineage graph for the registry's demo models through Dagster.
 
-``python -m qk_assets.demo [--group demo] [--models GLOB ...] [--dry-run] [--force] [--dagster-url URL]``
+``python -m qk_assets.cli.demo [--group demo] [--models GLOB ...] [--dry-run] [--force] [--dagster-url URL]``
 
 Dagster executes everything, exactly as for the UI's *Materialize* and ``make backfill``: the demo runs
-``dagster dev`` (webserver + daemon, ``qk_assets.dagster_api``) over ``$DAGSTER_HOME`` for its duration, or uses
+``dagster dev`` (webserver + daemon, ``qk_assets.cli.dagster_api``) over ``$DAGSTER_HOME`` for its duration, or uses
 a running one (``--dagster-url``, e.g. ``make ui``'s), and
 
 1. adds the registry's partitions (what ``registry_partitions_sensor`` does) and observes ``registry_entry`` and
@@ -45,8 +45,9 @@ from dagster import (
     partition_loading_context,
 )
 
-from qk_assets.dagster_api import DagsterAPI, Interrupted, dagster_at, partitions_of, run_backfill, stop_on_signals
-from qk_assets.partitions import multi_corpus_models, pair_key, sync_instance
+from qk_assets.cli.dagster_api import DagsterAPI, Interrupted, dagster_at, partitions_of, run_backfill, stop_on_signals
+from qk_assets.definitions import build_definitions
+from qk_assets.partitions import multi_corpus_models, pair_key, registry, sync_instance
 from qk_core.config.registry import Registry
 from qk_core.io.storage import Storage
 
@@ -293,7 +294,7 @@ def _say_report(say: Any, storage: Storage, api: DagsterAPI, rebuilt: bool = Tru
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qk_assets.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qk_assets.cli.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--group", default="demo", help="registry group to materialise (default: demo)")
     parser.add_argument("--models", nargs="+", default=[], metavar="GLOB",
                         help="only these model keys of the group (globs, e.g. 'smollm3-3b@*')")
@@ -306,9 +307,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
 
-    from qk_assets import defs
-    from qk_assets.partitions import registry
-
+    defs = build_definitions()
     instance = DagsterInstance.get()
     home = Path(instance.root_directory or os.environ.get("DAGSTER_HOME", "."))
     storage = Storage.from_settings()

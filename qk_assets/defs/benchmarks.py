@@ -9,7 +9,7 @@
 - ``reference_metrics``: every CSV of ``reference/`` (``thesis_metrics.csv``), the thesis's values labelled "reference".
 
 The seed files of ``data/`` are copied into the storage root on first use, never over a user's file.
-These assets are materialised by the ``benchmark_files_sensor`` (qk_assets.assets.joins) when a file
+These assets are materialised by the ``benchmark_files_sensor`` (qk_assets.defs.joins) when a file
 is added, changed or removed; bad input fails the asset with every problem named (file, line, field),
 so the previous materialisation and everything downstream stay as they were.
 """

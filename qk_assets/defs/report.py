@@ -29,7 +29,7 @@ from dagster import (
     asset,
 )
 
-from qk_assets import assets as assets_pkg
+from qk_assets import defs as defs_pkg
 from qk_assets.io_manager import asset_rel
 from qk_assets.partitions import registry, split_key
 from qk_assets.resources import StorageResource
@@ -51,12 +51,12 @@ EXPECTED = [
 
 
 def sibling_assets() -> dict[AssetKey, PartitionsDefinition | None]:
-    """Every asset defined by the other modules of :mod:`qk_assets.assets` and its partitions."""
+    """Every asset defined by the other modules of :mod:`qk_assets.defs` and its partitions."""
     out: dict[AssetKey, PartitionsDefinition | None] = {}
-    for info in sorted(pkgutil.iter_modules(assets_pkg.__path__), key=lambda m: m.name):
-        if f"{assets_pkg.__name__}.{info.name}" == __name__:
+    for info in sorted(pkgutil.iter_modules(defs_pkg.__path__), key=lambda m: m.name):
+        if f"{defs_pkg.__name__}.{info.name}" == __name__:
             continue
-        module = importlib.import_module(f"{assets_pkg.__name__}.{info.name}")
+        module = importlib.import_module(f"{defs_pkg.__name__}.{info.name}")
         for value in vars(module).values():
             if isinstance(value, AssetsDefinition) and value.is_executable:
                 for key in value.keys:

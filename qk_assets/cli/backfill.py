@@ -1,10 +1,11 @@
 """Backfill one checkpoint series in one action: ``make backfill SERIES=<series>`` (``ARGS=--with-upstream``),
-i.e. ``python -m qk_assets.backfill <series> [--corpus C] [--with-upstream] [--url U]`` with ``DAGSTER_HOME`` set.
+i.e. ``python -m qk_assets.cli.backfill <series> [--corpus C] [--with-upstream] [--url U]`` with ``DAGSTER_HOME``
+set.
 
-Launches one Dagster *asset backfill* (the daemon executes it), as ``make demo`` and the UI's *Materialize* do, through
-``qk_assets.dagster_api``: with ``--url`` through that running ``dagster dev`` (``make ui``; the command returns once
-it is launched), otherwise through a ``dagster dev`` it starts for the backfill's duration, following it per
-partition until it ends (SIGINT / SIGTERM cancel it and exit 128 + the signal). The backfill holds exactly the
+Launches one Dagster *asset backfill* (the daemon executes it), as ``make demo`` and the UI's *Materialize* do,
+through ``qk_assets.cli.dagster_api``: with ``--url`` through that running ``dagster dev`` (``make ui``; the command
+returns once it is launched), otherwise through a ``dagster dev`` it starts for the backfill's duration, following it
+per partition until it ends (SIGINT / SIGTERM cancel it and exit 128 + the signal). The backfill holds exactly the
 series' checkpoints on one corpus — every (model, corpus) asset (capture and all per-model analyses) for the
 partitions ``<corpus>|<series>@<revision>`` — and nothing else: not the other model keys, not the other corpora.
 The series and its checkpoints come from the registry, never from code.
@@ -25,8 +26,9 @@ from pathlib import Path
 
 from dagster import AssetKey, DagsterInstance, Definitions
 
-from qk_assets.dagster_api import DagsterAPI, Interrupted, dagster_at, run_backfill, stop_on_signals
-from qk_assets.partitions import pair_key
+from qk_assets.cli.dagster_api import DagsterAPI, Interrupted, dagster_at, run_backfill, stop_on_signals
+from qk_assets.definitions import build_definitions, per_model_keys
+from qk_assets.partitions import pair_key, registry, sync_instance
 from qk_core.config.registry import Registry, RegistryError
 
 CORPUS = AssetKey("corpus")
@@ -40,8 +42,6 @@ class BackfillError(RuntimeError):
 def series_partitions(defs: Definitions, registry: Registry, series: str,
                       corpus: str | None = None) -> tuple[str, dict[AssetKey, list[str]]]:
     """The corpus and, per (model, corpus) asset, the partition keys of the series' checkpoints."""
-    from qk_assets.definitions import per_model_keys
-
     if series not in registry.series:
         raise BackfillError(f"{registry.path}: no series '{series}'; series: {', '.join(registry.series) or '(none)'}")
     keys = registry.series[series].checkpoint_keys
@@ -87,7 +87,7 @@ def launch_series_backfill(api: DagsterAPI, instance: DagsterInstance, defs: Def
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qk_assets.backfill", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qk_assets.cli.backfill", description=__doc__.split("\n")[0])
     parser.add_argument("series", help="a [series.<name>] of the registry, e.g. smollm3-3b")
     parser.add_argument("--corpus", help="the corpus to capture on (default: the series' first corpus)")
     parser.add_argument("--with-upstream", action="store_true",
@@ -100,9 +100,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         print("backfill: not launched: DAGSTER_HOME is not set (the instance `make ui` runs on); run "
               f"`make backfill SERIES={args.series}` or set DAGSTER_HOME", file=sys.stderr)
         return 2
-    from qk_assets import defs
-    from qk_assets.partitions import registry, sync_instance
-
+    defs = build_definitions()
     instance = DagsterInstance.get()
     home = Path(os.environ["DAGSTER_HOME"])
 
