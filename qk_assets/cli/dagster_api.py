@@ -33,7 +33,7 @@ from typing import Any
 
 from dagster import AssetKey
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 FINISHED_BACKFILL = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
 FINISHED_RUN = ("SUCCESS", "FAILURE", "CANCELED")
