@@ -474,3 +474,32 @@ def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
                                                                                  strict=True)):
         pd_testing.assert_frame_equal(a, b)
     assert both["rotation"][0]["status"].tolist().count("non_finite") == 1
+
+
+def test_tables_and_figure_count_no_signal_as_neither_pass_nor_fail() -> None:
+    """Three heads: an exact axis (pass), an off-axis code (fail), pure noise (no signal), plus one that
+    could not be analysed. Shares of captures_position / diagnostics_pass are over the analysed heads with a
+    verdict; share_no_position_signal is over the three analysed heads."""
+    from qk_core.geometry.rotation import rotation_head, rotation_tables
+    from qk_core.plots.geometry import fig_rotation_diagnostics
+
+    opts = RotationOptions()
+    worlds = [_world(0, drift=1e-3, drift_sd=0.2, offset_a=3.0, offset_b=3.0, sd=0.2),
+              _world(0, drift=1e-3, drift_sd=3.0, code=1e-5, code_sd=1e-3),
+              _world(1, drift_sd=1.0, offset_a=1.0, offset_b=1.0),
+              HeadInputError("too_few_rows", "planted")]
+    rows = [{"model": "m", "layer": 0, "q_head": i, "window": 4096, "bucket": 256, **rotation_head(h, opts)[0]}
+            for i, h in enumerate(worlds)]
+    table, _, metrics = rotation_tables("m", rows, opts)
+    assert table["position_capture_status"].tolist()[:3] == ["pass", "fail", NO_POSITION_SIGNAL]
+    assert table["captures_position"].tolist()[:3] == [True, False, None]
+    metric = metrics.set_index("metric")
+    assert metric.loc["share_captures_position", "value"] == 0.5
+    assert metric.loc["share_captures_position", "n_heads"] == 2
+    assert metric.loc["share_no_position_signal", "value"] == pytest.approx(1 / 3)
+    # diagnostics_pass: the noise head has a verdict only if (i) failed it (False); if (i) passed, it has none
+    noise_stable = bool(table["stable_axis"][2])
+    assert table["diagnostics_pass"].tolist()[2] is (None if noise_stable else False)
+    assert metric.loc["share_diagnostics_pass", "n_heads"] == (2 if noise_stable else 3)
+    fig = fig_rotation_diagnostics(table, "m", opts.stability_min, opts.capture_min)
+    assert "1 with no linear position signal" in fig.axes[1].get_title()

@@ -508,7 +508,7 @@ ROTATION_METRICS = (
 )
 
 
-def _flag_values(col: pd.Series) -> np.ndarray:
+def flag_values(col: pd.Series) -> np.ndarray:
     """A three-valued flag column as floats: 1 True, 0 False, NaN None (no verdict)."""
     return np.array([float("nan") if pd.isna(v) else float(bool(v)) for v in col], dtype=float)
 
@@ -522,7 +522,7 @@ def rotation_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -
     # the heads with a verdict: "no linear position signal" (None) is neither pass nor fail, so it is left
     # out of captures_position's and diagnostics_pass's share (n_heads says how many had one) and counted
     # on its own as share_no_position_signal, over all analysed heads
-    rows += [metric_row(model, f"share_{flag}", _flag_values(good[flag]) if flag in good else [],
+    rows += [metric_row(model, f"share_{flag}", flag_values(good[flag]) if flag in good else [],
                         unit="fraction of heads", options=options) for flag in ROTATION_FLAGS]
     if "position_capture_status" in good:
         rows.append(metric_row(model, "share_no_position_signal",
