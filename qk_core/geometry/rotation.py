@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import scipy.linalg
+import scipy.sparse
 import scipy.stats
 
 from qk_core.capture.store import HeadData
@@ -239,9 +240,8 @@ def position_noise_floor(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
     nk = len(key_pos)
     # x centred within its kind sums to 0 over each kind, so sum_rows x_w (t - mean_kind t) = sum_rows x_w t:
     # per key, the summed x_w of its rows (and its Q and K row counts) carry everything a permutation needs
-    G = np.zeros((nk, d))
-    np.add.at(G, row_key[:n_q], np.asarray(q, np.float64) - m.mu_q)
-    np.add.at(G, row_key[n_q:], np.asarray(k, np.float64) - m.mu_k)
+    rows_to_keys = scipy.sparse.csr_matrix((np.ones(n), (row_key, np.arange(n))), shape=(nk, n))
+    G = rows_to_keys @ np.vstack([np.asarray(q, np.float64) - m.mu_q, np.asarray(k, np.float64) - m.mu_k])
     cnt_q = np.bincount(row_key[:n_q], minlength=nk).astype(np.float64)
     cnt_k = np.bincount(row_key[n_q:], minlength=nk).astype(np.float64)
     rng = np.random.default_rng(options.capture_seed)
