@@ -2,7 +2,8 @@
 
 Ground truth: the planted parameters of synthetic clouds (tests/synthetic.py, expected_rotation),
 explicit projections and pairs computed here with plain numpy, and, for the SPEC 3 diagnostics, a
-planted stable drift axis against a pure-noise head and explicit least-squares fits (numpy lstsq).
+planted stable drift axis against a pure-noise head, planted position codes (on the drift axis, off it,
+none), explicit least-squares fits (numpy lstsq) and a Monte Carlo of the no-signal R^2.
 """
 
 from __future__ import annotations
@@ -10,15 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pandas.testing as pd_testing
 import pytest
-from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal
+from synthetic import CloudSpec, HeadSpec, expected_rotation, plant_head, random_orthogonal, stratified_positions
 
+from qk_core.capture.store import HeadData
 from qk_core.config.options import RotationOptions
 from qk_core.geometry.heads import HeadInputError
 from qk_core.geometry.moments import pooled_moments
 from qk_core.geometry.rotation import (
+    NO_POSITION_SIGNAL,
     analyse_rotation,
     circular_linear_r,
+    diagnostics_verdict,
     position_capture,
+    position_noise_floor,
     rotation_record,
     same_position_pairs,
 )
@@ -98,6 +103,7 @@ def _pooled(head):
 
 
 def _r2_lstsq(A: np.ndarray, t: np.ndarray) -> float:
+    """R^2 of t on the columns of A plus an intercept (numpy lstsq on the raw rows)."""
     A = np.column_stack([np.ones(len(t)), A])
     resid = t - A @ np.linalg.lstsq(A, t, rcond=None)[0]
     return float(1 - resid @ resid / np.sum((t - t.mean()) ** 2))
@@ -114,9 +120,18 @@ def test_diagnostics_match_brute_force_fits() -> None:
         c = np.cov(X[sel].T, t[sel])[-1, :-1]  # Cov(x, t) of the half
         halves.append(c / np.linalg.norm(c))
     assert res.split_half_cos == pytest.approx(abs(halves[0] @ halves[1]), abs=1e-9)
-    assert res.r2_axis == pytest.approx(_r2_lstsq(X @ res.a, t), abs=1e-9)
-    assert res.r2_full == pytest.approx(_r2_lstsq(X, t), abs=1e-9)
+    ind = np.r_[np.ones(len(head.q)), np.zeros(len(head.k))]  # the query/key indicator 1_Q
+    assert res.r2_axis == pytest.approx(_r2_lstsq(np.column_stack([X @ res.a, ind]), t), abs=1e-10)
+    assert res.r2_full == pytest.approx(_r2_lstsq(np.column_stack([X, ind]), t), abs=1e-10)
+    assert res.r2_full > res.r2_floor and res.capture_status == "pass"
     assert res.position_capture == pytest.approx(res.r2_axis / res.r2_full, rel=1e-12)
+    # Q and K at different mean positions: the indicator alone explains part of t, in both regressions
+    shift = type(head)(**{**head.__dict__, "k_pos": head.k_pos + 300})
+    m = pooled_moments(shift.q, shift.q_pos, shift.k, shift.k_pos)
+    t2 = np.concatenate([shift.q_pos, shift.k_pos]).astype(float)
+    r2_axis, r2_full, _ = position_capture(m, res.a)
+    assert r2_axis == pytest.approx(_r2_lstsq(np.column_stack([X @ res.a, ind]), t2), abs=1e-10)
+    assert r2_full == pytest.approx(_r2_lstsq(np.column_stack([X, ind]), t2), abs=1e-10)
     # ids that are all even (the demo corpus numbers its documents in tens) still split into two halves
     tens = type(head)(**{**head.__dict__, "q_doc": head.q_doc * 10, "k_doc": head.k_doc * 10})
     assert run(tens).split_half_cos == pytest.approx(res.split_half_cos, abs=1e-12)
@@ -124,8 +139,8 @@ def test_diagnostics_match_brute_force_fits() -> None:
     few = type(head)(**{**head.__dict__, "q": head.q[:12], "q_pos": head.q_pos[:12], "q_doc": head.q_doc[:12],
                         "k": head.k[:12], "k_pos": head.k_pos[:12], "k_doc": head.k_doc[:12]})
     r2_axis, r2_full, ratio = position_capture(pooled_moments(few.q, few.q_pos, few.k, few.k_pos), res.a)
-    assert r2_full == pytest.approx(_r2_lstsq(np.vstack([few.q, few.k]).astype(float),
-                                              np.concatenate([few.q_pos, few.k_pos]).astype(float)), abs=1e-6)
+    few_x = np.column_stack([np.vstack([few.q, few.k]), np.r_[np.ones(12), np.zeros(12)]])
+    assert r2_full == pytest.approx(_r2_lstsq(few_x, np.concatenate([few.q_pos, few.k_pos]).astype(float)), abs=1e-6)
     assert r2_full == pytest.approx(1.0, abs=1e-6) and ratio == pytest.approx(r2_axis, rel=1e-6)
 
 
@@ -148,14 +163,71 @@ def test_stable_axis_and_pure_noise_fall_on_opposite_sides_of_the_threshold() ->
     assert rotation_record(good)["stable_axis"] is True
 
 
-def test_position_capture_fails_when_position_hides_off_the_drift_axis() -> None:
-    """Planted: x = beta t + noise with beta = (e1 + e2) / sqrt(2) * s, noise sd 10 on e1 and 0.01 on e2.
+def _world(seed: int, *, drift: float = 0.0, drift_sd: float = 0.2, code: float = 0.0, code_sd: float = 1.0,
+           offset_a: float = 0.0, offset_b: float = 0.0, sd: float = 1.0, d: int = 16,
+           doc_tokens: dict[int, int] | None = None, doc_effect: float = 0.0) -> HeadData:
+    """Planted head in the coordinate basis: e0 = the drift axis, x0 = +-offset_a + drift t + drift_sd z;
+    e1 = a second position code, x1 = code t + code_sd z; e2 = the separation axis, x2 = +-offset_b + sd z;
+    the rest sd z (z standard normal, + for Q and - for K); plus, with ``doc_effect``, a content vector per
+    document (doc_effect z_doc on e3..) shared by its Q and K rows. Q and K at the same SPEC 1.6 positions."""
+    doc, t = stratified_positions(doc_tokens or {i: 4096 - 97 * i for i in range(8)}, 256, 4, seed)
+    rng = np.random.default_rng(seed + 7)
+    _, doc_idx = np.unique(doc, return_inverse=True)
+    content = doc_effect * rng.standard_normal((doc_idx.max() + 1, d))
+    content[:, :3] = 0.0
 
-    Cov(x, t) points along beta, so a = beta / |beta| and x.a mixes the large e1 noise in:
-    R^2(t ~ x.a) = v / (v + 50) with v = s^2 var(t); the OLS on all coordinates reads t off e2 almost
-    exactly (R^2 ~ 1). With s = 1e-3 the ratio is ~0.05, below capture_min = 0.5, while the axis is
-    stable (both halves see the same beta).
+    def rows(sign: float) -> np.ndarray:
+        x = sd * rng.standard_normal((len(t), d)) + content[doc_idx]
+        x[:, 0] = sign * offset_a + drift * t + drift_sd * rng.standard_normal(len(t))
+        x[:, 1] = code * t + code_sd * rng.standard_normal(len(t))
+        x[:, 2] += sign * offset_b
+        return x
+
+    return HeadData(0, 0, 0, rows(1.0), t.copy(), doc.copy(), rows(-1.0), t.copy(), doc.copy(), 4096, 256)
+
+
+def _old_capture(head: HeadData, a: np.ndarray) -> float:
+    """The unrevised ratio R^2(t ~ x.a) / R^2(t ~ x), no query/key indicator, by lstsq on the raw rows."""
+    X, t, _ = _pooled(head)
+    return _r2_lstsq(X @ a, t) / _r2_lstsq(X, t)
+
+
+def test_position_capture_passes_an_exact_axis_with_q_and_k_apart_on_it() -> None:
+    """Planted: position only along e0 (slope 1e-3, noise 0.2), Q at +3 and K at -3 on e0 and on e2.
+
+    With 1_Q in both regressions both R^2 are var(slope t) / (var(slope t) + 0.04) ~ 0.97: ratio ~ 1, a
+    pass. Without it, x.a also carries the +-3 Q/K offset (variance 9), which the OLS on all coordinates
+    removes through e2: the unrevised ratio is ~ 1.4 / 10.4 ~ 0.13 and fails a world whose position lies
+    exactly on a.
     """
+    opts = RotationOptions()
+    for seed in range(5):
+        head = _world(seed, drift=1e-3, drift_sd=0.2, offset_a=3.0, offset_b=3.0, sd=0.2)
+        res = run(head)
+        assert abs(res.a[0]) > 0.99  # the drift axis is the planted one
+        assert res.r2_full > 0.9 > 0.1 > res.r2_floor
+        assert res.position_capture > 0.99 and res.capture_status == "pass" and res.captures_position is True
+        assert res.diagnostics_pass is True
+        assert _old_capture(head, res.a) < 0.2 < opts.capture_min  # the unrevised formula failed it
+
+
+def test_position_capture_fails_an_off_axis_position_code() -> None:
+    """Planted: a strong but noisy drift along e0 (slope 1e-3, noise 3) sets a; a faint but exact code
+    along e1, orthogonal to it (slope 1e-5, noise 1e-3), carries almost all decodable position.
+
+    a = Cov(x, t) / |Cov| leans off e0 by ~ 0.01 rad only, so R^2(t ~ x.a + 1_Q) ~ 1.4 / (1.4 + 9) ~ 0.13,
+    while the OLS on all coordinates reads t off e1 (R^2 ~ 0.99): ratio ~ 0.13 < capture_min, a fail.
+    """
+    for seed in range(5):
+        res = run(_world(seed, drift=1e-3, drift_sd=3.0, code=1e-5, code_sd=1e-3, offset_a=1.0, offset_b=2.0))
+        assert abs(res.a[0]) > 0.98 and abs(res.a[1]) < 0.02  # the code is orthogonal to the drift axis
+        assert res.r2_full > 0.98 and res.r2_full > res.r2_floor
+        assert res.position_capture < 0.2 < RotationOptions().capture_min
+        assert res.capture_status == "fail" and res.captures_position is False
+        assert res.stable_axis and res.diagnostics_pass is False
+    # the older planted case: x = beta t + noise, beta = (e1 + e2) / sqrt(2) * s, noise sd 10 on e1 and
+    # 0.01 on e2: a = beta / |beta| mixes the large e1 noise in, R^2(t ~ x.a) = v / (v + 50.5) with
+    # v = 2 s^2 var(t); the OLS reads t off e2 (R^2 ~ 1)
     rng = np.random.default_rng(5)
     d, n_docs, per_doc, L = 8, 40, 64, 4096
     doc = np.repeat(np.arange(n_docs), per_doc)
@@ -171,12 +243,88 @@ def test_position_capture_fails_when_position_hides_off_the_drift_axis() -> None
     v = 2 * s**2 * t.var()
     assert res.r2_axis == pytest.approx(v / (v + 50.5), rel=0.1)
     assert res.r2_full > 0.99
-    assert res.position_capture < 0.1 < RotationOptions().capture_min and not res.captures_position
-    assert res.stable_axis and not res.diagnostics_pass
+    assert res.position_capture < 0.1 < RotationOptions().capture_min and res.captures_position is False
+    assert res.stable_axis and res.diagnostics_pass is False
     # a drift head whose Q and K share their offsets carries all of its linearly decodable position on a
     shared = CloudSpec(slope=2e-3, m_a=1.0, sigma=0.5)
     clean = run(plant_head(HeadSpec(q=shared, k=shared), d=D, per_bucket=8)[0])
     assert clean.position_capture > 0.95 and clean.captures_position and clean.diagnostics_pass
+
+
+def test_pure_noise_has_no_linear_position_signal() -> None:
+    """Planted: no position dependence at all (Q and K apart by +-1 on e0 and e2, unit noise).
+
+    R^2(t ~ x + 1_Q) is then a draw of its own null, above its 99th percentile (t permuted within
+    documents, 199 times) in ~1-3 % of seeds (3 of 40 here); the revised (ii) says "no linear position
+    signal", neither pass nor fail. The unrevised ratio, with no floor, passed most of these heads.
+    """
+    n_seeds, no_signal, old_pass = 40, 0, 0
+    for seed in range(n_seeds):
+        head = _world(seed, drift_sd=1.0, offset_a=1.0, offset_b=1.0)
+        res = run(head)
+        no_signal += res.capture_status == NO_POSITION_SIGNAL
+        if res.capture_status == NO_POSITION_SIGNAL:
+            assert res.captures_position is None and np.isnan(res.position_capture)
+            assert any("no linear position signal" in n for n in res.notes)
+            assert res.diagnostics_pass is (False if not res.stable_axis else None)
+            rec = rotation_record(res)
+            assert rec["position_capture_status"] == NO_POSITION_SIGNAL and rec["captures_position"] is None
+        old_pass += _old_capture(head, res.a) >= RotationOptions().capture_min
+    assert no_signal >= n_seeds - 3
+    assert old_pass >= n_seeds // 2
+
+
+def test_diagnostics_verdict_is_three_valued() -> None:
+    assert diagnostics_verdict(True, True) is True
+    assert diagnostics_verdict(True, False) is False and diagnostics_verdict(False, True) is False
+    assert diagnostics_verdict(False, None) is False  # a failed (i) fails the head whatever (ii) says
+    assert diagnostics_verdict(True, None) is None  # (ii) has no verdict: neither pass nor fail
+
+
+def test_analytic_floor_matches_a_monte_carlo_of_independent_rows() -> None:
+    """The "beta" floor against a Monte Carlo of its null: independent rows, x unrelated to t.
+
+    What x adds to R^2 beyond 1_Q, (R^2(t ~ x + 1_Q) - R^2(t ~ 1_Q)) / (1 - R^2(t ~ 1_Q)), each by lstsq on
+    simulated rows (2000 data sets): its 99th percentile equals the floor's (Monte Carlo error ~ 5 %).
+    The permutation floor on independent rows (one row per position, 20 documents) agrees with both.
+    """
+    rng = np.random.default_rng(11)
+    n_q = n_k = 120
+    d = 6
+    ind = np.r_[np.ones(n_q), np.zeros(n_k)]
+    partial = []
+    for _ in range(2000):
+        X = rng.standard_normal((n_q + n_k, d))
+        t = rng.integers(0, 4096, n_q + n_k) + 500.0 * ind  # Q and K at different mean positions
+        r2_ind, r2_all = _r2_lstsq(ind[:, None], t), _r2_lstsq(np.column_stack([X, ind]), t)
+        partial.append((r2_all - r2_ind) / (1 - r2_ind))
+    doc = np.arange(n_q + n_k) % 20
+    t = rng.permutation(4096)[: n_q + n_k] + 500.0 * ind
+    X = rng.standard_normal((n_q + n_k, d))
+    q, k = X[:n_q], X[n_q:]
+    m = pooled_moments(q, t[:n_q], k, t[n_q:])
+    between = (m.stt - m.stt_within) / m.stt  # = R^2(t ~ 1_Q)
+    assert between == pytest.approx(_r2_lstsq(ind[:, None], t), abs=1e-12)
+    for floor, tol in (("beta", 0.12), ("permutation", 0.2)):
+        value = position_noise_floor(q, t[:n_q], doc[:n_q], k, t[n_q:], doc[n_q:], m,
+                                     RotationOptions(capture_floor=floor, capture_permutations=2000))
+        assert (value - between) / (1 - between) == pytest.approx(np.quantile(partial, 0.99), rel=tol), floor
+
+
+def test_permutation_floor_is_not_fooled_by_document_content() -> None:
+    """Planted: no position code, but each document has its own content vector and documents differ in
+    length (512 ... 4096 tokens), so the document, read off x, predicts the mean position.
+
+    That is no linear position signal within a document: t permuted within documents keeps it in the
+    null and says so in (nearly) every seed, while the independent-rows Beta floor takes it for a signal.
+    """
+    docs = {i: 512 * (i + 1) for i in range(8)}
+    perm_signal = beta_signal = 0
+    for seed in range(10):
+        head = _world(seed, drift_sd=1.0, offset_a=1.0, doc_tokens=docs, doc_effect=2.0)
+        perm_signal += run(head).capture_status != NO_POSITION_SIGNAL
+        beta_signal += run(head, capture_floor="beta").capture_status != NO_POSITION_SIGNAL
+    assert perm_signal <= 1 and beta_signal >= 9
 
 
 def test_rotating_q_and_k_together_leaves_invariants_unchanged() -> None:
@@ -326,3 +474,32 @@ def test_one_pass_runner_equals_the_separate_analyses(tmp_path) -> None:
                                                                                  strict=True)):
         pd_testing.assert_frame_equal(a, b)
     assert both["rotation"][0]["status"].tolist().count("non_finite") == 1
+
+
+def test_tables_and_figure_count_no_signal_as_neither_pass_nor_fail() -> None:
+    """Three heads: an exact axis (pass), an off-axis code (fail), pure noise (no signal), plus one that
+    could not be analysed. Shares of captures_position / diagnostics_pass are over the analysed heads with a
+    verdict; share_no_position_signal is over the three analysed heads."""
+    from qk_core.geometry.rotation import rotation_head, rotation_tables
+    from qk_core.plots.geometry import fig_rotation_diagnostics
+
+    opts = RotationOptions()
+    worlds = [_world(0, drift=1e-3, drift_sd=0.2, offset_a=3.0, offset_b=3.0, sd=0.2),
+              _world(0, drift=1e-3, drift_sd=3.0, code=1e-5, code_sd=1e-3),
+              _world(1, drift_sd=1.0, offset_a=1.0, offset_b=1.0),
+              HeadInputError("too_few_rows", "planted")]
+    rows = [{"model": "m", "layer": 0, "q_head": i, "window": 4096, "bucket": 256, **rotation_head(h, opts)[0]}
+            for i, h in enumerate(worlds)]
+    table, _, metrics = rotation_tables("m", rows, opts)
+    assert table["position_capture_status"].tolist()[:3] == ["pass", "fail", NO_POSITION_SIGNAL]
+    assert table["captures_position"].tolist()[:3] == [True, False, None]
+    metric = metrics.set_index("metric")
+    assert metric.loc["share_captures_position", "value"] == 0.5
+    assert metric.loc["share_captures_position", "n_heads"] == 2
+    assert metric.loc["share_no_position_signal", "value"] == pytest.approx(1 / 3)
+    # diagnostics_pass: the noise head has a verdict only if (i) failed it (False); if (i) passed, it has none
+    noise_stable = bool(table["stable_axis"][2])
+    assert table["diagnostics_pass"].tolist()[2] is (None if noise_stable else False)
+    assert metric.loc["share_diagnostics_pass", "n_heads"] == (2 if noise_stable else 3)
+    fig = fig_rotation_diagnostics(table, "m", opts.stability_min, opts.capture_min)
+    assert "1 with no linear position signal" in fig.axes[1].get_title()

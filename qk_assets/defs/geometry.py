@@ -44,7 +44,7 @@ from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.driver import geometry_of_capture
 from qk_core.geometry.pca import PCA_UNITS, TAXONOMY
-from qk_core.geometry.rotation import ROTATION_UNITS
+from qk_core.geometry.rotation import NO_POSITION_SIGNAL, ROTATION_UNITS, flag_values
 from qk_core.geometry.summaries import missing_heads, ok_mask, skipped_summary, wide_by_model
 from qk_core.runtime.cluster import on_cpu_worker
 
@@ -89,17 +89,25 @@ def _common(heads: pd.DataFrame) -> dict:
 
 
 def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
-    """SPEC 3 diagnostics on the materialisation: medians and the share of ok heads passing each."""
+    """SPEC 3 diagnostics on the materialisation: medians, the share of ok heads passing each (over the heads
+    with a verdict) and the share of ok heads with no linear position signal (diagnostic ii)."""
     ok = heads[heads["status"] == "ok"] if len(heads) else heads
+
+    def share(flag: str) -> float:  # over heads with a verdict: "no linear position signal" (None) is neither
+        vals = pd.Series(flag_values(ok[flag]) if flag in ok else [], dtype=float)
+        return float(vals.mean()) if vals.notna().any() else float("nan")
+
     out = {}
     for col, flag, thr in (("split_half_cos", "stable_axis", options.stability_min),
                            ("position_capture", "captures_position", options.capture_min)):
         med = float(ok[col].median()) if len(ok) else float("nan")
         out[f"median_{col}"] = MetadataValue.float(med)
-        out[f"share_{flag}"] = MetadataValue.float(float(ok[flag].mean()) if len(ok) else float("nan"))
+        out[f"share_{flag}"] = MetadataValue.float(share(flag))
         out[f"{flag}_threshold"] = MetadataValue.float(thr)
-    out["share_diagnostics_pass"] = MetadataValue.float(float(ok["diagnostics_pass"].mean()) if len(ok)
-                                                        else float("nan"))
+    out["share_diagnostics_pass"] = MetadataValue.float(share("diagnostics_pass"))
+    no_signal = float((ok["position_capture_status"] == NO_POSITION_SIGNAL).mean()) \
+        if len(ok) and "position_capture_status" in ok else float("nan")
+    out["share_no_position_signal"] = MetadataValue.float(no_signal)
     return out
 
 
@@ -194,7 +202,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         common = _common(heads)
         main = ["bias_strength", "bias_strength_window", "abs_alpha_k", "mu_q_a", "abs_r_k_a", "abs_r_q_a",
                 "separation_strength", "plane_var_fraction", "split_half_cos", "position_capture",
-                "share_stable_axis", "share_captures_position", "share_diagnostics_pass"]
+                "share_stable_axis", "share_captures_position", "share_diagnostics_pass", "share_no_position_signal"]
         model_rows = layers[layers["scope"] == "model"].drop(columns=["model", "scope", "layer"])
         outputs = {
             "rotation_heads": (heads, {**common, "units": units_table(ROTATION_UNITS),

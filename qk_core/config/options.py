@@ -256,6 +256,7 @@ class PCAOptions:
 
 
 SEPARATION_AXES = ("centroid", "eigen")
+CAPTURE_FLOORS = ("permutation", "beta")
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,14 @@ class RotationOptions:
     min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
     min_pairs: IntIn(1, 10**9) = 3  # fewer same-position Q/K pairs: separation_strength (and eigen b) undefined
     stability_min: UnitFloat = 0.8  # split-half |cos(a_even, a_odd)| at or above: a stable axis (diagnostic i)
-    capture_min: UnitFloat = 0.5  # R^2(t ~ x.a) / R^2(t ~ x) at or above: a carries the position (diagnostic ii)
+    # R^2(t ~ x.a + 1_Q) / R^2(t ~ x + 1_Q) at or above: a carries the position (diagnostic ii)
+    capture_min: UnitFloat = 0.5
+    # noise floor of R^2(t ~ x + 1_Q), its 99th percentile under no position signal (diagnostic ii):
+    # "permutation" = t permuted within documents (honest for rows that share a document), "beta" = the
+    # analytic Beta law of independent rows (needs no rows, only the moments; too low for dependent rows)
+    capture_floor: Literal["permutation", "beta"] = "permutation"
+    capture_permutations: IntIn(100, MAX_COUNT) = 199  # permutations of the floor (>= 100 for a 99th percentile)
+    capture_seed: NonNegInt = 0  # seed of those permutations
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
 
     def __post_init__(self) -> None:
@@ -281,6 +289,10 @@ class RotationOptions:
             raise ValueError("complement_pairs must be >= 1")
         if self.min_rows < 3 or self.min_pairs < 1:
             raise ValueError("min_rows must be >= 3 and min_pairs >= 1")
+        if self.capture_floor not in CAPTURE_FLOORS:
+            raise ValueError(f"capture_floor must be one of {CAPTURE_FLOORS}, got {self.capture_floor!r}")
+        if self.capture_permutations < 100:
+            raise ValueError("capture_permutations must be >= 100 (the floor is a 99th percentile)")
         for name in ("stability_min", "capture_min"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")

@@ -57,6 +57,28 @@ class PooledMoments:
     def total_scatter(self) -> float:
         return float(np.trace(self.S))
 
+    # Within-kind (pooled within-group) moments, for SPEC 3 diagnostic (ii). Regressing t on x plus an
+    # intercept and the query/key indicator 1_Q: by Frisch-Waugh-Lovell, partialling out {1, 1_Q} centres
+    # x and t on the mean of their own kind, so the slope on x is the OLS of the within-kind centred t on
+    # the within-kind centred x, whose scatter, cross-scatter and t-scatter are the sums over the two
+    # kinds below. The indicator alone explains stt - stt_within (the between-kind scatter of t); so
+    # R^2(t ~ x + 1_Q) = (stt - stt_within + s_within_t^T S_within^-1 s_within_t) / stt.
+
+    @property
+    def S_within(self) -> np.ndarray:
+        """Within-kind scatter S_q + S_k: the scatter of x after partialling out {1, 1_Q} (SPEC 3 ii)."""
+        return self.S_q + self.S_k
+
+    @property
+    def s_within_t(self) -> np.ndarray:
+        """Within-kind cross-scatter s_qt + s_kt of x with t (SPEC 3 ii)."""
+        return self.s_qt + self.s_kt
+
+    @property
+    def stt_within(self) -> float:
+        """Within-kind scatter of t, stt_q + stt_k; stt - stt_within is what 1_Q explains (SPEC 3 ii)."""
+        return self.stt_q + self.stt_k
+
 
 def _kind_moments(x32: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, np.ndarray, float]:
     xc = np.array(x32, dtype=np.float64)  # a float64 copy, centred in place

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import scipy.linalg
+import scipy.sparse
+import scipy.stats
 
 from qk_core.capture.store import HeadData
 from qk_core.config.options import RotationOptions
@@ -48,12 +50,13 @@ class RotationResult:
     var_frac_b: float
     separation_strength: float
     n_pairs: int
-    split_half_cos: float  # |cos(a_even, a_odd)|, diagnostic (i)
-    r2_axis: float  # R^2(t ~ x.a), pooled
-    r2_full: float  # R^2(t ~ x), OLS on all d coordinates, pooled
-    position_capture: float  # r2_axis / r2_full, diagnostic (ii)
+    split_half_cos: float  # |cos(a_1, a_2)| of the alternate-document halves, diagnostic (i)
+    r2_axis: float  # R^2(t ~ x.a + 1_Q), pooled
+    r2_full: float  # R^2(t ~ x + 1_Q), OLS on all d coordinates and the Q/K indicator, pooled
+    r2_floor: float  # noise floor of r2_full: its 99th percentile under no position signal
+    position_capture: float  # r2_axis / r2_full, diagnostic (ii); NaN without a linear position signal
+    capture_status: str  # diagnostic (ii): "pass", "fail" or NO_POSITION_SIGNAL
     stable_axis: bool  # split_half_cos >= options.stability_min
-    captures_position: bool  # position_capture >= options.capture_min
     window: int
     n_q: int
     n_k: int
@@ -75,8 +78,27 @@ class RotationResult:
         return self.var_frac_a + self.var_frac_b
 
     @property
-    def diagnostics_pass(self) -> bool:
-        return self.stable_axis and self.captures_position
+    def captures_position(self) -> bool | None:
+        """Diagnostic (ii) as a flag: True pass, False fail, None "no linear position signal"."""
+        return None if self.capture_status == NO_POSITION_SIGNAL else self.capture_status == CAPTURE_PASS
+
+    @property
+    def diagnostics_pass(self) -> bool | None:
+        """Both diagnostics, three-valued (Kleene AND): False when either fails, True when both pass,
+        None when (i) passes and (ii) found no linear position signal (neither pass nor fail)."""
+        return diagnostics_verdict(self.stable_axis, self.captures_position)
+
+
+#: SPEC 3 (ii) status values. "no linear position signal": R^2(t ~ x + 1_Q) is not above its noise floor.
+CAPTURE_PASS, CAPTURE_FAIL, NO_POSITION_SIGNAL = "pass", "fail", "no linear position signal"
+
+
+def diagnostics_verdict(stable_axis: bool, captures_position: bool | None) -> bool | None:
+    """SPEC 3 diagnostics combined: a head fails if any diagnostic fails, passes if all pass, and is
+    undecided (None) when the only missing verdict is (ii)'s "no linear position signal"."""
+    if not stable_axis or captures_position is False:
+        return False
+    return None if captures_position is None else True
 
 
 def same_position_pairs(q_doc: np.ndarray, q_pos: np.ndarray, k_doc: np.ndarray,
@@ -110,14 +132,15 @@ def circular_linear_r(theta: np.ndarray, x: np.ndarray) -> float:
 
 def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
                          k_doc: np.ndarray) -> tuple[float, int, int]:
-    """SPEC 3 diagnostic (i): |cos(a_even, a_odd)| of the drift axes fitted on even and on odd document ids.
+    """SPEC 3 diagnostic (i): |cos(a_1, a_2)| of the drift axes fitted on alternate documents.
 
-    "Even" and "odd" is the parity of each document's rank among the head's sorted document ids, so the
-    halves stay balanced whatever the id scheme (the demo corpus's ids are all multiples of 10). Each
-    half's axis is its pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns
-    (|cos|, rows in the even half, rows in the odd half); |cos| is NaN when a half has fewer than 3 rows,
-    no position spread or no position covariance. Near 1: a stable axis; near 0: noise (for a random
-    axis in d dimensions |cos| is about sqrt(2 / (pi d))).
+    The halves are the 1st, 3rd, ... and the 2nd, 4th, ... documents in sorted id order (the parity of a
+    document's rank among the head's sorted ids, not of the id itself, so the halves stay balanced
+    whatever the id scheme: the demo corpus's ids are all multiples of 10). Each half's axis is its
+    pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns (|cos|, rows in the first
+    half, rows in the second); |cos| is NaN when a half has fewer than 3 rows, no position spread or no
+    position covariance. Near 1: a stable axis; near 0: noise (for a random axis in d dimensions |cos| is
+    about sqrt(2 / (pi d))).
     """
     ids = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]))
     q_rank, k_rank = np.searchsorted(ids, q_doc), np.searchsorted(ids, k_doc)
@@ -138,31 +161,110 @@ def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
     return float(min(abs(axes[0] @ axes[1]), 1.0)), counts[0], counts[1]
 
 
-def position_capture(m: PooledMoments, a: np.ndarray) -> tuple[float, float, float]:
-    """SPEC 3 diagnostic (ii): (R^2(t ~ x.a), R^2(t ~ x), their ratio) over the pooled Q+K cloud.
-
-    R^2(t ~ x.a) = (a^T c)^2 / (a^T S a · s_tt); R^2(t ~ x) = c^T S^-1 c / s_tt, the OLS of t on all d
-    coordinates with an intercept (S the centred pooled scatter, c its cross-scatter with t, s_tt the
-    scatter of t). A singular S (fewer rows than d, a constant coordinate) uses the pseudo-inverse,
-    i.e. the minimum-norm least-squares fit. The ratio is 1 when axis a carries all the linearly
-    decodable position.
-    """
-    c = m.s_xt
-    if not m.stt > 0:
-        return float("nan"), float("nan"), float("nan")
-    var_a = float(a @ m.S @ a)
-    r2_axis = float((a @ c) ** 2 / (var_a * m.stt)) if var_a > 0 else float("nan")
-    r2_full = float("nan")
+def _explained(S: np.ndarray, C: np.ndarray) -> np.ndarray:
+    """c^T S^-1 c for each column c of C (d, p); the pseudo-inverse (minimum-norm least squares) when S is
+    singular or numerically so (fewer rows than d, a constant coordinate)."""
     try:
-        factor = scipy.linalg.cho_factor(m.S, check_finite=False)
-        r2_full = float(c @ scipy.linalg.cho_solve(factor, c, check_finite=False)) / m.stt
+        factor = scipy.linalg.cho_factor(S, check_finite=False)
+        quad = np.einsum("ij,ij->j", C, scipy.linalg.cho_solve(factor, C, check_finite=False))
+        if np.all(np.isfinite(quad)) and np.all(quad >= -1e-9 * np.abs(quad).max(initial=1.0)):
+            return quad
     except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
         pass
-    if not -1e-9 <= r2_full <= 1 + 1e-9:  # singular (or numerically singular) scatter: pseudo-inverse
-        r2_full = float(c @ np.linalg.pinv(m.S, hermitian=True) @ c) / m.stt
+    return np.einsum("ij,ij->j", C, np.linalg.pinv(S, hermitian=True) @ C)
+
+
+def position_capture(m: PooledMoments, a: np.ndarray) -> tuple[float, float, float]:
+    """SPEC 3 diagnostic (ii): (R^2(t ~ x.a + 1_Q), R^2(t ~ x + 1_Q), their ratio) over the pooled Q+K cloud.
+
+    Both regressions have an intercept and the query/key indicator 1_Q (SPEC 3: without it the ratio
+    measures how far apart Q and K sit along a). Partialling out {1, 1_Q} centres x and t within their
+    kind (Frisch-Waugh-Lovell), so with the within-kind scatter S_w, cross-scatter c_w and t-scatter
+    s_tt,w (:class:`PooledMoments`) and the pooled t-scatter s_tt:
+    R^2(t ~ x + 1_Q) = (s_tt - s_tt,w + c_w^T S_w^-1 c_w) / s_tt and
+    R^2(t ~ x.a + 1_Q) = (s_tt - s_tt,w + (a^T c_w)^2 / a^T S_w a) / s_tt; s_tt - s_tt,w is what 1_Q alone
+    explains. A singular S_w uses the pseudo-inverse (minimum-norm least squares). The ratio is 1 when
+    axis a carries all the linearly decodable position (capped at 1 against rounding).
+    """
+    if not m.stt > 0:
+        return float("nan"), float("nan"), float("nan")
+    Sw, cw, between = m.S_within, m.s_within_t, max(m.stt - m.stt_within, 0.0)
+    var_a = float(a @ Sw @ a)
+    r2_axis = float((between + (a @ cw) ** 2 / var_a) / m.stt) if var_a > 0 else float("nan")
+    r2_full = float((between + _explained(Sw, cw[:, None])[0]) / m.stt)
     r2_full = min(max(r2_full, 0.0), 1.0)
+    if np.isfinite(r2_axis):
+        r2_axis = min(max(r2_axis, 0.0), r2_full)  # the one-regressor model is nested in the full one
     ratio = min(r2_axis / r2_full, 1.0) if r2_full > 0 and np.isfinite(r2_axis) else float("nan")
     return r2_axis, r2_full, ratio
+
+
+def _permuted_positions(doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique (document, position) keys' document rank, their position, each row's key index)."""
+    _, doc_rank = np.unique(doc, return_inverse=True)
+    span = int(pos.max()) + 1 if len(pos) else 1
+    keys, row_key = np.unique(doc_rank.astype(np.int64) * span + pos.astype(np.int64), return_inverse=True)
+    return (keys // span).astype(np.float64), (keys % span).astype(np.float64), row_key
+
+
+def position_noise_floor(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
+                         k_doc: np.ndarray, m: PooledMoments, options: RotationOptions,
+                         quantile: float = 0.99) -> float:
+    """SPEC 3 (ii) noise floor: the 99th percentile of R^2(t ~ x + 1_Q) with no position signal.
+
+    ``permutation`` (default): t permuted within documents, ``options.capture_permutations`` times
+    (seed ``capture_seed``). Within each document its distinct positions are relabelled by one random
+    permutation shared by its Q and K rows, so a query and the key at its position keep a common t and
+    each document keeps its own positions: what rows of one document share (content, length, the Q/K
+    pairing) stays in the null, only the alignment of x with t within a document is broken.
+    ``beta``: the analytic law for independent rows, partial R^2 of the d coordinates given {1, 1_Q}
+    ~ Beta(d/2, (n - d - 2)/2) with n = n_Q + n_K; it needs only the moments, but rows of one document are
+    not independent (paired Q/K rows share t, documents share content), which makes it too low.
+    Both floors are of what x adds beyond 1_Q, c_w^T S_w^-1 c_w / s_tt,w, mapped to R^2(t ~ x + 1_Q) with
+    the observed share of 1_Q: a permutation that moves positions between Q and K rows of a document
+    (when their positions differ) changes what 1_Q explains, which is not position signal in x.
+    """
+    d, n = m.d, m.n
+    between = max(m.stt - m.stt_within, 0.0)
+    if not m.stt > 0:
+        return float("nan")
+    if options.capture_floor == "beta":
+        if n - d - 2 <= 0:
+            return 1.0  # as many regressors as rows: any t is fitted exactly
+        partial = float(scipy.stats.beta.ppf(quantile, d / 2, (n - d - 2) / 2))
+        return (between + partial * m.stt_within) / m.stt
+    n_q = m.n_q
+    doc = np.concatenate([np.asarray(q_doc), np.asarray(k_doc)])
+    pos = np.concatenate([np.asarray(q_pos), np.asarray(k_pos)])
+    key_doc, key_pos, row_key = _permuted_positions(doc, pos)
+    nk = len(key_pos)
+    # x centred within its kind sums to 0 over each kind, so sum_rows x_w (t - mean_kind t) = sum_rows x_w t:
+    # per key, the summed x_w of its rows (and its Q and K row counts) carry everything a permutation needs
+    rows_to_keys = scipy.sparse.csr_matrix((np.ones(n), (row_key, np.arange(n))), shape=(nk, n))
+    G = rows_to_keys @ np.vstack([np.asarray(q, np.float64) - m.mu_q, np.asarray(k, np.float64) - m.mu_k])
+    cnt_q = np.bincount(row_key[:n_q], minlength=nk).astype(np.float64)
+    cnt_k = np.bincount(row_key[n_q:], minlength=nk).astype(np.float64)
+    rng = np.random.default_rng(options.capture_seed)
+    Sw = m.S_within
+    out: list[np.ndarray] = []
+    block = max(1, min(options.capture_permutations, 4_000_000 // max(nk, 1)))
+    for start in range(0, options.capture_permutations, block):
+        p = min(block, options.capture_permutations - start)
+        order = np.argsort(key_doc[None, :] + rng.random((p, nk)), axis=1)  # random order within each document
+        T = key_pos[order]  # (p, nk): the position each key takes
+        sq, sk = T @ cnt_q, T @ cnt_k
+        sq2, sk2 = (T * T) @ cnt_q, (T * T) @ cnt_k
+        stt_w = sq2 - sq**2 / m.n_q + sk2 - sk**2 / m.n_k
+        out.append(_explained(Sw, (T @ G).T) / stt_w)  # the share of the within-kind scatter x explains
+    return (between + float(np.quantile(np.concatenate(out), quantile)) * m.stt_within) / m.stt
+
+
+def capture_status(r2_full: float, r2_floor: float, ratio: float, capture_min: float) -> str:
+    """SPEC 3 (ii): NO_POSITION_SIGNAL unless R^2(t ~ x + 1_Q) is above its noise floor; else pass or fail
+    at ``capture_min``."""
+    if not (np.isfinite(r2_full) and np.isfinite(r2_floor) and r2_full > r2_floor):
+        return NO_POSITION_SIGNAL
+    return CAPTURE_PASS if ratio >= capture_min else CAPTURE_FAIL
 
 
 def _even_indices(n: int, m: int) -> np.ndarray:
@@ -241,15 +343,22 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
 
     stability, n_even, n_odd = split_half_stability(q, q_pos, q_doc, k, k_pos, k_doc)
     if not np.isfinite(stability):
-        notes.append(f"split-half stability undefined ({n_even} rows on even, {n_odd} on odd documents)")
+        notes.append(f"split-half stability undefined ({n_even} rows on the 1st, 3rd, ... documents, {n_odd} on the "
+                     "2nd, 4th, ...)")
     r2_axis, r2_full, capture = position_capture(m, a)
+    r2_floor = position_noise_floor(q, q_pos, q_doc, k, k_pos, k_doc, m, options)
+    status = capture_status(r2_full, r2_floor, capture, options.capture_min)
+    if status == NO_POSITION_SIGNAL:
+        notes.append(f"no linear position signal: R^2(t ~ x + 1_Q) = {r2_full:.3g} is not above its noise floor "
+                     f"{r2_floor:.3g} ({options.capture_floor})")
+        capture = float("nan")
     res = RotationResult(
         a=a, b=b, alpha_q=alpha_q, alpha_k=alpha_k,
         mu_q_a=float(a @ m.mu_q), mu_k_a=float(a @ m.mu_k),
         mu_q_b=float(b @ m.mu_q) if b_ok else float("nan"), mu_k_b=float(b @ m.mu_k) if b_ok else float("nan"),
         r_q_a=r_q_a, r_k_a=r_k_a, var_frac_a=var_a, var_frac_b=var_b, separation_strength=sep,
-        n_pairs=n_pairs, split_half_cos=stability, r2_axis=r2_axis, r2_full=r2_full, position_capture=capture,
-        stable_axis=bool(stability >= options.stability_min), captures_position=bool(capture >= options.capture_min),
+        n_pairs=n_pairs, split_half_cos=stability, r2_axis=r2_axis, r2_full=r2_full, r2_floor=r2_floor,
+        position_capture=capture, capture_status=status, stable_axis=bool(stability >= options.stability_min),
         window=int(window),
         n_q=m.n_q, n_k=m.n_k, notes=notes)
 
@@ -322,10 +431,13 @@ ROTATION_UNITS = {
     "split_half_cos": "|cosine|",
     "r2_axis": "R^2",
     "r2_full": "R^2",
+    "r2_floor": "R^2",
     "position_capture": "fraction of R^2",
 }
 
-#: Per-head pass/fail flags of the SPEC 3 diagnostics (thresholds in the options).
+#: Per-head flags of the SPEC 3 diagnostics (thresholds in the options). ``captures_position`` and
+#: ``diagnostics_pass`` are three-valued: True, False, or None for "no linear position signal"
+#: (``position_capture_status`` spells it out; see :func:`diagnostics_verdict`).
 ROTATION_FLAGS = ("stable_axis", "captures_position", "diagnostics_pass")
 
 
@@ -335,8 +447,8 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
         err = error or HeadInputError("failed", "no result")
         rec: dict[str, Any] = dict.fromkeys(ROTATION_UNITS, float("nan"))
         rec.update(dict.fromkeys(ROTATION_FLAGS, False))
-        rec.update(status=err.status, reason=err.reason, notes="", n_pairs=0, a=None, b=None,
-                   complement_share=None, complement_circ_r=None)
+        rec.update(status=err.status, reason=err.reason, notes="", n_pairs=0, position_capture_status="",
+                   a=None, b=None, complement_share=None, complement_circ_r=None)
         return rec
     r = result
     L = r.window
@@ -349,7 +461,8 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
         "r_q_a": r.r_q_a, "r_k_a": r.r_k_a, "abs_r_q_a": abs(r.r_q_a), "abs_r_k_a": abs(r.r_k_a),
         "var_frac_a": r.var_frac_a, "var_frac_b": r.var_frac_b, "plane_var_fraction": r.plane_var_fraction,
         "separation_strength": r.separation_strength, "split_half_cos": r.split_half_cos, "r2_axis": r.r2_axis,
-        "r2_full": r.r2_full, "position_capture": r.position_capture, "stable_axis": r.stable_axis,
+        "r2_full": r.r2_full, "r2_floor": r.r2_floor, "position_capture": r.position_capture,
+        "position_capture_status": r.capture_status, "stable_axis": r.stable_axis,
         "captures_position": r.captures_position, "diagnostics_pass": r.diagnostics_pass,
         "a": r.a, "b": r.b,
         "complement_share": r.complement_share, "complement_circ_r": r.complement_circ_r,
@@ -391,8 +504,13 @@ ROTATION_METRICS = (
     "bias_strength", "bias_strength_window", "abs_alpha_k", "abs_alpha_k_window", "alpha_k", "alpha_q",
     "abs_alpha_q", "mu_q_a", "mu_k_a", "mu_q_b", "mu_k_b", "abs_r_k_a", "abs_r_q_a", "r_k_a", "r_q_a",
     "separation_strength", "var_frac_a", "var_frac_b", "plane_var_fraction", "split_half_cos", "r2_axis",
-    "r2_full", "position_capture",
+    "r2_full", "r2_floor", "position_capture",
 )
+
+
+def flag_values(col: pd.Series) -> np.ndarray:
+    """A three-valued flag column as floats: 1 True, 0 False, NaN None (no verdict)."""
+    return np.array([float("nan") if pd.isna(v) else float(bool(v)) for v in col], dtype=float)
 
 
 def rotation_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -> pd.DataFrame:
@@ -400,9 +518,16 @@ def rotation_metrics(table: pd.DataFrame, model: str, options: dict[str, Any]) -
     good = table.loc[ok_mask(table)]
     rows = [metric_row(model, name, good[name], unit=ROTATION_UNITS[name], options=options)
             for name in ROTATION_METRICS]
-    # share of analysed heads passing each diagnostic (threshold in options: stability_min, capture_min)
-    rows += [metric_row(model, f"share_{flag}", good[flag].astype(float) if flag in good else [],
+    # share of analysed heads passing each diagnostic (threshold in options: stability_min, capture_min), over
+    # the heads with a verdict: "no linear position signal" (None) is neither pass nor fail, so it is left
+    # out of captures_position's and diagnostics_pass's share (n_heads says how many had one) and counted
+    # on its own as share_no_position_signal, over all analysed heads
+    rows += [metric_row(model, f"share_{flag}", flag_values(good[flag]) if flag in good else [],
                         unit="fraction of heads", options=options) for flag in ROTATION_FLAGS]
+    if "position_capture_status" in good:
+        rows.append(metric_row(model, "share_no_position_signal",
+                               (good["position_capture_status"] == NO_POSITION_SIGNAL).astype(float),
+                               unit="fraction of heads", options=options))
     for col, name, unit in (("complement_share", "complement_pair_share", "fraction of complement variance"),
                             ("complement_circ_r", "complement_pair_circ_r", "correlation")):
         if col not in good:

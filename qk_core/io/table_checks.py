@@ -3,7 +3,9 @@
 Each function returns the offending rows (empty: the check passes) or a small result object; the Dagster
 wiring (check specs, severities, blocking) is in :mod:`qk_assets.checks`. Nothing here imports Dagster.
 
-- :func:`nonfinite_values`: rows of a table that should hold values whose value is NaN or infinite;
+- :func:`nonfinite_values`: rows of a table that should hold values whose value is NaN or infinite, and
+  :func:`unfounded_values`: the NaN rows of those that no head could found (``n_heads`` is 0, e.g. the share
+  of heads with a verdict when no head carries a linear position signal, SPEC 3 (ii)): reported, not failed;
 - :func:`head_coverage`: every head the capture lists has a row in a per-head table (none silently missing),
   and how many were analysed (status ``ok``) against how many were configured, skipped heads with reasons;
 - :func:`intervals_missing_point`: rows whose interval [lo, hi] does not contain its point value (the
@@ -37,6 +39,14 @@ def nonfinite_values(df: pd.DataFrame, column: str = "value") -> pd.DataFrame:
     if column not in df.columns:
         raise KeyError(f"table has no column '{column}' (columns: {list(df.columns)})")
     return df[~np.isfinite(_floats(df[column]))]
+
+
+def unfounded_values(df: pd.DataFrame, column: str = "value") -> pd.DataFrame:
+    """Rows of ``df`` whose ``column`` is NaN because no head founds it (``n_heads`` == 0): a summary over an
+    empty set of heads, undefined rather than wrong. Without an ``n_heads`` column no NaN is unfounded."""
+    if "n_heads" not in df.columns:
+        return df.iloc[:0]
+    return df[np.isnan(_floats(df[column])) & (_floats(df["n_heads"]) == 0)]
 
 
 @dataclass

@@ -251,13 +251,14 @@ def fig_plane_scatter(heads: pd.DataFrame, points: Mapping[tuple[int, int], Mapp
 
 def fig_rotation_diagnostics(heads: pd.DataFrame, model: str, stability_min: float,
                              capture_min: float) -> Figure:
-    """SPEC 3 diagnostics per head: split-half |cos(a_even, a_odd)| and position capture
-    R^2(t ~ x.a) / R^2(t ~ x), histograms with their pass thresholds and the share of heads passing."""
+    """SPEC 3 diagnostics per head: split-half |cos(a_1, a_2)| (alternate documents) and position capture
+    R^2(t ~ x.a + 1_Q) / R^2(t ~ x + 1_Q), histograms with their pass thresholds and the share of heads
+    passing; heads with no linear position signal have no capture value and are counted in the title."""
     ok = _ok(heads)
     fig = Figure(figsize=(10.5, 4.0), layout="constrained")
     axes = fig.subplots(1, 2)
-    panels = (("split_half_cos", "split-half stability |cos(a_even, a_odd)|", stability_min),
-              ("position_capture", "position capture R²(t ~ x·a) / R²(t ~ x)", capture_min))
+    panels = (("split_half_cos", "split-half stability |cos(a_1, a_2)|, alternate documents", stability_min),
+              ("position_capture", "position capture R²(t ~ x·a + 1_Q) / R²(t ~ x + 1_Q)", capture_min))
     for ax, (col, label, thr) in zip(axes, panels, strict=True):
         vals = ok[col].to_numpy(float) if col in ok else np.zeros(0)
         vals = vals[np.isfinite(vals)]
@@ -268,7 +269,11 @@ def fig_rotation_diagnostics(heads: pd.DataFrame, model: str, stability_min: flo
         ax.hist(vals, bins=np.linspace(0, 1, 26), color="#5b7fb0", edgecolor="white")
         ax.axvline(thr, color="#c0392b", lw=1.6, ls="--", label=f"threshold {thr:g}")
         share = float(np.mean(vals >= thr))
-        ax.set_title(f"{share:.0%} of {vals.size} heads pass (median {np.median(vals):.2f})", fontsize=10)
+        title = f"{share:.0%} of {vals.size} heads pass (median {np.median(vals):.2f})"
+        if col == "position_capture" and "position_capture_status" in ok:
+            n_none = int((ok["position_capture_status"] == "no linear position signal").sum())
+            title += f"; {n_none} with no linear position signal"
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(label)
         ax.set_ylabel("heads")
         ax.set_xlim(0, 1)

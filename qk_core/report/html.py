@@ -203,10 +203,12 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
     (r"^rotation", r"plane", "Query and key projections on the {a, b} plane for a few heads (uncentred "
      "projections; a = drift axis, b = separation axis)."),
     (r"^rotation", r"depth", "|r_k_a| and bias_strength (per token) by layer depth and head."),
-    (r"^rotation", r"diagnostics", "SPEC 3 diagnostics per head: split-half stability |cos(a_even, a_odd)| of the "
-     "drift axes fitted on even and odd document ids (near 1 = stable, near 0 = noise) and position capture "
-     "R^2(t ~ x.a) / R^2(t ~ x) over the pooled Q+K cloud (1 = a carries all linearly decodable position); "
-     "dashed: the pass thresholds (options stability_min, capture_min)."),
+    (r"^rotation", r"diagnostics", "SPEC 3 diagnostics per head: split-half stability |cos(a_1, a_2)| of the "
+     "drift axes fitted on alternate documents in sorted id order (near 1 = stable, near 0 = noise) and position "
+     "capture R^2(t ~ x.a + 1_Q) / R^2(t ~ x + 1_Q) over the pooled Q+K cloud, 1_Q the query/key indicator "
+     "(1 = a carries all linearly decodable position; heads whose R^2(t ~ x + 1_Q) is not above its noise floor "
+     "have no linear position signal, neither pass nor fail); dashed: the pass thresholds (options "
+     "stability_min, capture_min)."),
     (r"^cross_corpus", r"profiles", "Mean plasticity profile over heads on each corpus (AP against the query "
      "position tau in tokens), bands: 95% document bootstrap within the corpus, basic interval (SPEC 10)."),
     (r"^cross_corpus", r"differences", "AP_overall, AP_drop (AP) and bias_strength (per token) per corpus and the "

@@ -225,9 +225,9 @@ GEOMETRY_SUMMARY: tuple[tuple[str, str], ...] = (
     ("plane_var_fraction", "plane variance fraction"),
 )
 DIAGNOSTICS_SUMMARY: tuple[tuple[str, str], ...] = (
-    ("split_half_cos", "split-half |cos(a_even, a_odd)|"), ("share_stable_axis", "share stable"),
-    ("position_capture", "position capture R²(x·a)/R²(x)"), ("share_captures_position", "share capturing"),
-    ("share_diagnostics_pass", "share passing both"),
+    ("split_half_cos", "split-half |cos(a_1, a_2)|"), ("share_stable_axis", "share stable"),
+    ("position_capture", "position capture R²(x·a+1_Q)/R²(x+1_Q)"), ("share_captures_position", "share capturing"),
+    ("share_no_position_signal", "share no position signal"), ("share_diagnostics_pass", "share passing both"),
 )
 
 
