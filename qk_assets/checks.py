@@ -15,9 +15,9 @@ green and nothing downstream of the asset runs on it):
   when fewer) without the analysis's ``allow_partial``; skipped heads count against it, their reasons in the
   metadata.
 - ``values_finite`` (``pca_metrics``, ``rotation_metrics``, ``plasticity_metrics``, ``cross_corpus_metrics``;
-  blocking): fails when the table holds no row, a value is infinite, every value is NaN, or a value is NaN
-  although heads found it (``n_heads`` > 0 or no ``n_heads`` column), named by metric and key; a NaN over no
-  head (``n_heads`` == 0, e.g. a share of verdicts when no head carries position, SPEC 3 (ii)) is reported.
+  blocking): fails when the table holds no row, or a row whose ``value`` is NaN / infinite (named by metric
+  and key); except that a metric the analysis declares undefined over no head (``rotation_metrics``: the
+  values over heads with a linear position signal, SPEC 3 (ii)) may be NaN with ``n_heads`` 0: reported.
 - ``intervals_contain_values`` (``plasticity_heads``, ``plasticity_metrics``; not blocking): fails when a
   document-bootstrap interval of AP (SPEC 4.6) does not contain its point value.
 - ``intervals_well_formed`` (``cross_corpus_metrics``; not blocking): fails when an interval is inverted
@@ -29,7 +29,7 @@ green and nothing downstream of the asset runs on it):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import pandas as pd
 from dagster import (
@@ -115,35 +115,31 @@ def heads_analysed(asset: str, capture_heads: pd.DataFrame, heads: pd.DataFrame,
 
 
 def values_finite(asset: str, table: pd.DataFrame, labels: Sequence[str] = ("metric", "key"),
-                  empty_because: str = "") -> AssetCheckResult:
+                  empty_because: str = "", may_be_undefined: Collection[str] = ()) -> AssetCheckResult:
     """``values_finite`` of a long metrics table (column ``value``); ``empty_because``: why this partition's
-    table is rightly empty (it then passes saying so), e.g. a model with one corpus has nothing to compare.
-    A NaN over no head (``n_heads`` == 0) is undefined, not wrong: reported in the metadata, not failed,
-    unless every value is NaN."""
-    nonfinite = nonfinite_values(table)
-    unfounded = unfounded_values(table)
-    bad = nonfinite.drop(index=unfounded.index)
+    table is rightly empty (it then passes saying so), e.g. a model with one corpus has nothing to compare;
+    ``may_be_undefined``: metrics whose NaN over no head (``n_heads`` 0) is reported, not failed."""
+    undefined = unfounded_values(table, may_be_undefined)
+    bad = nonfinite_values(table).drop(index=undefined.index)
     cols = [c for c in (*labels, "value", "n_heads") if c in table.columns]
     if table.empty and empty_because:
         return _result(asset, VALUES_FINITE, True, f"{asset}: no values expected: {empty_because}",
                        {"rows": 0, "nonfinite": 0})
-    all_nan = bool(len(table)) and len(nonfinite) == len(table)
     if table.empty:
         text = f"{asset}: the table holds no value"
-    elif all_nan:
-        text = f"{asset}: none of its {len(table)} values is finite"
     elif len(bad):
         first = ", ".join(f"{c}={bad.iloc[0][c]!r}" for c in labels if c in bad.columns)
         text = f"{asset}: {len(bad)} of {len(table)} values are NaN or infinite (first: {first})"
     else:
         text = f"{asset}: all {len(table)} values finite"
-        if len(unfounded):
-            text += f" but {len(unfounded)} undefined over no head (n_heads = 0)"
-    passed = bool(len(table)) and not all_nan and bad.empty
-    return _result(asset, VALUES_FINITE, passed, text, {
-        "rows": len(table), "nonfinite": len(bad), "undefined_over_no_head": len(unfounded),
+        if len(undefined):
+            names = ", ".join(sorted(set(undefined["metric"])))
+            text = f"{asset}: {len(table) - len(undefined)} values finite, {len(undefined)} undefined over no " \
+                   f"head ({names})"
+    return _result(asset, VALUES_FINITE, bool(len(table)) and bad.empty, text, {
+        "rows": len(table), "nonfinite": len(bad), "undefined_over_no_head": len(undefined),
         "nonfinite_rows": table_value(bad[cols], max_rows=SHOWN),
-        "undefined_rows": table_value(unfounded[cols], max_rows=SHOWN)})
+        "undefined_rows": table_value(undefined[cols], max_rows=SHOWN)})
 
 
 def intervals_contain_values(asset: str, table: pd.DataFrame, triples: Sequence[tuple[str, str, str]],

@@ -261,22 +261,24 @@ def test_nonfinite_values_and_intervals() -> None:
         nonfinite_values(t.drop(columns="value"))
 
 
-def test_values_finite_reports_a_nan_over_no_head_and_fails_a_founded_one() -> None:
-    """A share over no head (n_heads 0, SPEC 3 (ii): no head carries position) is undefined, not wrong; a NaN
-    some heads found, an infinity, an all-NaN table or an empty one fail."""
+def test_values_finite_reports_a_declared_nan_over_no_head_and_fails_the_rest() -> None:
+    """A share over no head (n_heads 0: no head carries position, SPEC 3 (ii)) is undefined, not wrong, where
+    the analysis declares it may be; any other NaN, a NaN some heads found, an infinity or no row fails."""
     from qk_assets.checks import values_finite
+    from qk_core.geometry.rotation import DEFINED_WITH_POSITION_SIGNAL
 
-    t = pd.DataFrame({"metric": ["bias_strength", "share_stable_axis"], "key": ["median", "share"],
+    t = pd.DataFrame({"metric": ["bias_strength", "share_captures_position"], "key": ["", ""],
                       "value": [0.4, np.nan], "n_heads": [12, 0]})
-    ok = values_finite("rotation_metrics", t)
-    assert ok.passed and ok.metadata["undefined_over_no_head"].value == 1 and "undefined" in ok.description
+    ok = values_finite("rotation_metrics", t, may_be_undefined=DEFINED_WITH_POSITION_SIGNAL)
+    assert ok.passed and ok.metadata["undefined_over_no_head"].value == 1
+    assert "1 undefined over no head (share_captures_position)" in ok.description
+    assert not values_finite("rotation_metrics", t).passed  # not declared: fails
     founded = t.assign(n_heads=[12, 3])
-    res = values_finite("rotation_metrics", founded)
-    assert not res.passed and "share_stable_axis" in res.description
-    assert not values_finite("rotation_metrics", t.assign(value=[0.4, np.inf])).passed
-    assert not values_finite("rotation_metrics", t.assign(value=[np.nan, np.nan], n_heads=[0, 0])).passed
-    assert not values_finite("rotation_metrics", t.iloc[:0]).passed
-    assert not values_finite("pca_metrics", t.drop(columns="n_heads")).passed  # no n_heads: every NaN fails
+    res = values_finite("rotation_metrics", founded, may_be_undefined=DEFINED_WITH_POSITION_SIGNAL)
+    assert not res.passed and "share_captures_position" in res.description
+    assert not values_finite("rotation_metrics", t.assign(value=[np.inf, np.nan]),
+                             may_be_undefined=DEFINED_WITH_POSITION_SIGNAL).passed
+    assert not values_finite("rotation_metrics", t.iloc[:0], may_be_undefined=DEFINED_WITH_POSITION_SIGNAL).passed
 
 
 def test_head_coverage_counts_skips_and_absent_heads() -> None:

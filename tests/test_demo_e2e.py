@@ -74,7 +74,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"storage": tmp / "storage", "home": home, "first": first.stdout, "second": second.stdout, "env": env}
 
 
-def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> None:
+def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     out, storage = demo_run["first"], demo_run["storage"]
     assert "0 asset partition(s) failed or skipped" in out
     for key in MODELS:
@@ -97,6 +97,7 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict) -> 
     assert "backfill completed_success" in out
     ok = set(re.findall(r"^  \[(\S+)\] ok in", out, re.M))
     assert {*CORPORA, *(f"{c}|{m}" for m in MODELS for c in CORPORA), *MODELS, "unpartitioned"} <= ok, out
+    monkeypatch.setenv("DAGSTER_HOME", str(demo_run["home"]))  # the instance config's storage reads it
     with DagsterInstance.from_config(str(demo_run["home"])) as instance:
         runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfill_id}))
     assert runs and all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in runs)

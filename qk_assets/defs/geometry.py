@@ -44,7 +44,7 @@ from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.driver import geometry_of_capture
 from qk_core.geometry.pca import PCA_UNITS, TAXONOMY
-from qk_core.geometry.rotation import NO_POSITION_SIGNAL, ROTATION_UNITS, flag_values
+from qk_core.geometry.rotation import DEFINED_WITH_POSITION_SIGNAL, NO_POSITION_SIGNAL, ROTATION_UNITS, flag_values
 from qk_core.geometry.summaries import missing_heads, ok_mask, skipped_summary, wide_by_model
 from qk_core.runtime.cluster import on_cpu_worker
 
@@ -218,7 +218,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
         yield from checks.selected(context, [
             checks.heads_analysed("rotation_heads", qk_capture, heads, rot_opts.allow_partial,
                                   "analysis.rotation.allow_partial (run config options.rotation.allow_partial)"),
-            checks.values_finite("rotation_metrics", metrics)])
+            checks.values_finite("rotation_metrics", metrics, may_be_undefined=DEFINED_WITH_POSITION_SIGNAL)])
 
 
 SHOWN = ["pca_share_position_dominated", "pca_share_q_positional", "pca_share_k_positional", "pca_share_content",

@@ -508,6 +508,11 @@ ROTATION_METRICS = (
 )
 
 
+#: model values over the heads with a linear position signal (SPEC 3 (ii)): undefined (NaN over no head) when
+#: no head has one, which is a finding about the model, not a failure of the analysis
+DEFINED_WITH_POSITION_SIGNAL = ("position_capture", "share_captures_position", "share_diagnostics_pass")
+
+
 def flag_values(col: pd.Series) -> np.ndarray:
     """A three-valued flag column as floats: 1 True, 0 False, NaN None (no verdict)."""
     return np.array([float("nan") if pd.isna(v) else float(bool(v)) for v in col], dtype=float)

@@ -4,8 +4,8 @@ Each function returns the offending rows (empty: the check passes) or a small re
 wiring (check specs, severities, blocking) is in :mod:`qk_assets.checks`. Nothing here imports Dagster.
 
 - :func:`nonfinite_values`: rows of a table that should hold values whose value is NaN or infinite, and
-  :func:`unfounded_values`: the NaN rows of those that no head could found (``n_heads`` is 0, e.g. the share
-  of heads with a verdict when no head carries a linear position signal, SPEC 3 (ii)): reported, not failed;
+  :func:`unfounded_values`: those of named metrics that are NaN because no head founds them (``n_heads`` 0,
+  e.g. the share of heads with a verdict when no head carries a linear position signal, SPEC 3 (ii));
 - :func:`head_coverage`: every head the capture lists has a row in a per-head table (none silently missing),
   and how many were analysed (status ``ok``) against how many were configured, skipped heads with reasons;
 - :func:`intervals_missing_point`: rows whose interval [lo, hi] does not contain its point value (the
@@ -18,7 +18,7 @@ wiring (check specs, severities, blocking) is in :mod:`qk_assets.checks`. Nothin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,12 +41,12 @@ def nonfinite_values(df: pd.DataFrame, column: str = "value") -> pd.DataFrame:
     return df[~np.isfinite(_floats(df[column]))]
 
 
-def unfounded_values(df: pd.DataFrame, column: str = "value") -> pd.DataFrame:
-    """Rows of ``df`` whose ``column`` is NaN because no head founds it (``n_heads`` == 0): a summary over an
-    empty set of heads, undefined rather than wrong. Without an ``n_heads`` column no NaN is unfounded."""
-    if "n_heads" not in df.columns:
+def unfounded_values(df: pd.DataFrame, metrics: Collection[str], column: str = "value") -> pd.DataFrame:
+    """Rows of ``df`` for one of ``metrics`` whose ``column`` is NaN because no head founds it (``n_heads`` 0):
+    a summary over an empty set of heads, undefined rather than wrong where the analysis says it may be."""
+    if "n_heads" not in df.columns or "metric" not in df.columns or not metrics:
         return df.iloc[:0]
-    return df[np.isnan(_floats(df[column])) & (_floats(df["n_heads"]) == 0)]
+    return df[df["metric"].isin(list(metrics)) & np.isnan(_floats(df[column])) & (_floats(df["n_heads"]) == 0)]
 
 
 @dataclass
