@@ -94,3 +94,39 @@ def test_a_removed_model_is_not_automated_and_keeps_its_history(tmp_path: Path,
             assert requested(third, capture) == {"c|m2"}
     finally:
         partitions.registry.cache_clear()
+
+
+def test_the_partitions_sensor_reports_a_removal_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """registry_partitions_sensor, ticked as the daemon does (its cursor carried): adds partitions and asks for
+    an observation on a change; a removed entry is reported on the tick that first sees it, not on every tick."""
+    from dagster import SensorResult, SkipReason, build_sensor_context
+
+    from qk_assets import partitions
+    from qk_assets.defs.registry import registry_partitions_sensor
+
+    path = tmp_path / "registry.toml"
+    path.write_text(CORPUS + model("m1") + model("m2"))
+    monkeypatch.setenv("QK_REGISTRY", str(path))
+    partitions.registry.cache_clear()
+    try:
+        with DagsterInstance.ephemeral() as instance:
+            def tick(cursor: str | None):
+                return registry_partitions_sensor(build_sensor_context(instance=instance, cursor=cursor))
+
+            first = tick(None)
+            assert isinstance(first, SensorResult) and len(first.run_requests) == 1
+            for req in first.dynamic_partitions_requests:  # what the daemon does with them
+                instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+            assert isinstance(tick(first.cursor), SkipReason)  # nothing changed
+
+            path.write_text(CORPUS + model("m1"))
+            removal = tick(first.cursor)  # m2's entry changed the versions: an observation, and the report
+            assert isinstance(removal, SensorResult) and len(removal.run_requests) == 1
+            later = tick(removal.cursor)
+            assert isinstance(later, SkipReason) and "no longer in" not in (later.skip_message or "")
+            assert "1 removed keys reported earlier" in later.skip_message
+            path.write_text(CORPUS + model("m1") + model("m2"))  # listed again: a change, observed again
+            back = tick(removal.cursor)
+            assert isinstance(back, SensorResult) and len(back.run_requests) == 1
+    finally:
+        partitions.registry.cache_clear()

@@ -53,7 +53,7 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
                     "belongs to its folder (SPEC 1.9); downstream assets do not run on a failed check.")],
     description=(
         "Post-RoPE query/key vectors of sampled heads at sampled positions (SPEC 1), stored under "
-        "captures/<model>/<fingerprint>/. Value: one row per sampled head (layer, q_head, kv_head, d, "
+        "`captures/<model>/<fingerprint>/`. Value: one row per sampled head (layer, q_head, kv_head, d, "
         "attention_type, sliding_window (-1 for full attention), rope_applied, n_q_rows, n_k_rows, "
         "capture_prefix); per-layer metadata is in the capture manifest."),
 )

@@ -121,8 +121,8 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
             "Per-layer and whole-model summaries of the per-head PCA values: mean, median, quartiles, IQR, "
             "heads used and skipped; taxonomy shares.")),
         "pca_metrics": AssetOut(**OUT, description=(
-            "Per-model PCA values in the long metrics format: pca_share_<class>, pos_budget_q/k, "
-            "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key pc<j>).")),
+            "Per-model PCA values in the long metrics format: `pca_share_<class>`, pos_budget_q/k, "
+            "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key `pc<j>`).")),
         "rotation_heads": AssetOut(**OUT, description=(
             "One row per sampled head: drift axis a, separation axis b, alpha_Q/alpha_K (per token and x L), "
             "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "

@@ -137,16 +137,24 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
     adds, gone = partition_requests(reg, existing)
     versions = entry_versions(reg)
     state = hashlib.sha256(json.dumps([versions, analysis_versions(reg)], sort_keys=True).encode()).hexdigest()
+    seen = hashlib.sha256(json.dumps([state, gone], sort_keys=True).encode()).hexdigest()[:16]
+    cursor_state, _, cursor_seen = (context.cursor or "").partition(":")
     notes = [f"added {r.partitions_def_name}: {', '.join(r.partition_keys)}" for r in adds]
-    notes += [f"no longer in {reg.path}: {dim} {', '.join(keys)} (partitions and stored outputs kept)"
-              for dim, keys in gone.items()]
+    removed = [f"no longer in {reg.path}: {dim} {', '.join(keys)} (partitions and stored outputs kept)"
+               for dim, keys in gone.items()]
+    if seen != cursor_seen:  # a removal is reported once, on the tick that first sees it, not on every tick
+        notes += removed
     for note in notes:
         context.log.info(note)
-    if not adds and state == context.cursor:
-        return SkipReason("; ".join(notes) or f"registry unchanged ({len(versions)} (model, corpus) pairs)")
-    runs = [] if state == context.cursor else [RunRequest(
+    cursor = f"{state}:{seen}"
+    if not adds and state == cursor_state:
+        if seen != cursor_seen:
+            return SensorResult(skip_reason="; ".join(notes), cursor=cursor)
+        return SkipReason(f"registry unchanged ({len(versions)} (model, corpus) pairs"
+                          + (f"; {sum(map(len, gone.values()))} removed keys reported earlier)" if gone else ")"))
+    runs = [] if state == cursor_state else [RunRequest(
         run_key=state, asset_selection=[REGISTRY_ENTRY, REGISTRY_ANALYSIS], tags={"qk/trigger": "registry"})]
-    return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=state)
+    return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=cursor)
 
 
 def model_automation_sensor(per_model: list[AssetKey]) -> AutomationConditionSensorDefinition:
