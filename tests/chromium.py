@@ -23,19 +23,24 @@ FLAGS = [
     "--hide-scrollbars", "--force-device-scale-factor=1", "--disable-dev-shm-usage",
 ]
 
-# Appended to a copy of a page: after load, writes every <img>'s state and box into the DOM.
-IMG_PROBE = """<script>
+# Appended to a copy of a page: after load, runs a JavaScript expression and writes its JSON value into the DOM.
+PROBE = """<script>
 window.addEventListener('load', () => {
+  const out = (() => { %s })();
+  const pre = document.createElement('pre'); pre.id = 'qk-probe';
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+});
+</script>"""
+
+# Every <img>'s state and box (page coordinates), the page's height and title.
+IMG_PROBE = """
   const imgs = [...document.images].map(i => {
     const b = i.getBoundingClientRect();
     return {src: i.getAttribute('src'), naturalWidth: i.naturalWidth, naturalHeight: i.naturalHeight,
             complete: i.complete, x: b.left + scrollX, y: b.top + scrollY, w: b.width, h: b.height};
   });
-  const out = {images: imgs, height: document.documentElement.scrollHeight, title: document.title};
-  const pre = document.createElement('pre'); pre.id = 'qk-probe';
-  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
-});
-</script>"""
+  return {images: imgs, height: document.documentElement.scrollHeight, title: document.title};
+"""
 
 
 def chromium() -> str:
@@ -71,14 +76,15 @@ def dump_dom(url: str, timeout: float = 120, budget_ms: int = 8000, width: int =
     return proc.stdout
 
 
-def probe_images(page: Path, width: int = 1280) -> dict:
-    """Load a copy of ``page`` (same folder, so relative links resolve) with :data:`IMG_PROBE`; return
-    ``{"images": [{src, naturalWidth, x, y, w, h, ...}], "height": ...}``."""
+def probe_page(page: Path, script: str, width: int = 1280, height: int = 1600) -> object:
+    """Load a copy of ``page`` (same folder, so relative links resolve) at ``width`` x ``height``, run the
+    JavaScript function body ``script`` after load and return the JSON value it returns."""
     page = page.resolve()
     probe = page.with_name(".probe-" + page.name)
-    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", IMG_PROBE + "</body>"), encoding="utf-8")
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", PROBE % script + "</body>"),
+                     encoding="utf-8")
     try:
-        dom = dump_dom(probe.as_uri(), width=width)
+        dom = dump_dom(probe.as_uri(), width=width, height=height)
     finally:
         probe.unlink(missing_ok=True)
     m = re.search(r'<pre id="qk-probe">(.*?)</pre>', dom, re.S)
@@ -86,6 +92,11 @@ def probe_images(page: Path, width: int = 1280) -> dict:
     import html
 
     return json.loads(html.unescape(m.group(1)))
+
+
+def probe_images(page: Path, width: int = 1280) -> dict:
+    """Every image of ``page`` as drawn: ``{"images": [{src, naturalWidth, x, y, w, h, ...}], "height": ...}``."""
+    return probe_page(page, IMG_PROBE, width=width)  # type: ignore[return-value]
 
 
 def load_png(path: Path) -> np.ndarray:

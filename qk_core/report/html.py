@@ -23,6 +23,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from qk_core.report.findings import build_findings
 from qk_core.report.tables import (
     Cell,
     Entries,
@@ -54,6 +55,7 @@ class Figure:
     partition: str | None = None
     width: int = 0
     height: int = 0
+    files: tuple[tuple[str, str], ...] = ()  # (format, URL relative to the page): SVG / PDF beside the PNG
 
 
 @dataclass(frozen=True)
@@ -121,29 +123,30 @@ class SectionSpec:
     intro: str
     patterns: tuple[str, ...]  # regexes on asset names
     template: str = "section.html.j2"
+    nav: str = ""  # the table of contents' short label (the title when empty)
+
+    @property
+    def label(self) -> str:
+        return self.nav or self.title
 
 
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
-                "What was measured and how: weights, capture window L, bucket width B, head and position "
-                "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),
-                "models.html.j2"),
     SectionSpec("summary", "Model summary", "SPEC 4.5, 5",
                 "Model values are means over heads, with 95% document-bootstrap intervals where the spec "
                 "defines one. Measured values sit beside the thesis's published reference values.",
-                (r"^model_report",), "summary.html.j2"),
+                (r"^model_report",), "summary.html.j2", "Summary"),
     SectionSpec("plasticity", "Attention plasticity", "SPEC 4",
                 "Attention plasticity AP in [0, 1]: how much the order of two earlier keys can still be "
                 "changed by the query content (1 = fully plastic, 0 = order fixed by position).",
-                (r"^plasticity",)),
+                (r"^plasticity",), nav="Plasticity"),
     SectionSpec("pca", "Combined Q+K PCA", "SPEC 2",
                 "Per head, exact PCA of the pooled query and key vectors; r_q and r_k are the Pearson "
-                "correlations of each component's projections with token position.", (r"^pca",)),
+                "correlations of each component's projections with token position.", (r"^pca",), nav="PCA"),
     SectionSpec("rotation", "Planar rotation and positional bias", "SPEC 3",
                 "The drift axis a (covariance with position) and separation axis b; bias_strength = "
                 "mu_Q^a * alpha_K > 0 means recency. Two diagnostics per head can fail: split-half stability "
                 "|cos(a_even, a_odd)| of the axes fitted on even and odd documents, and position capture "
-                "R^2(t ~ x.a) / R^2(t ~ x); their thresholds are in the options.", (r"^rotation",)),
+                "R^2(t ~ x.a) / R^2(t ~ x); their thresholds are in the options.", (r"^rotation",), nav="Rotation"),
     SectionSpec("corpora", "Model or text? One model on several corpora", "SPEC 10",
                 "Each model with two or more corpora is captured and analysed on each; its plasticity and "
                 "positional bias are compared between the corpora, documents resampled within each corpus "
@@ -152,32 +155,41 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "data). A "
                 "difference whose 95% interval excludes 0 is the text's; one that covers 0 within a small "
                 "fraction of the value is the model's; otherwise the data cannot tell. Per head: are the same "
-                "heads plastic (and biased) on every corpus?", (r"^cross_corpus",), "cross_corpus.html.j2"),
+                "heads plastic (and biased) on every corpus?", (r"^cross_corpus",), "cross_corpus.html.j2",
+                "Model or text?"),
     SectionSpec("across", "Across models", "SPEC 7",
                 "Figures that compare the models with each other and with the thesis's reference models.",
-                (r"^geometry", r"across", r"cross_model", r"^figures")),
+                (r"^geometry", r"across", r"cross_model", r"^figures"), nav="Across models"),
     SectionSpec("benchmarks", "Benchmarks and joins", "SPEC 5",
                 "Geometry joined with LongBench-Pro and RULER scores. Each joined row says whether the "
                 "mechanistic value was measured here or taken from the thesis (reference); benchmark modes "
                 "are never mixed in one statistic.", (r"bench", r"join", r"alias", r"reference", r"stats"),
-                "benchmarks.html.j2"),
+                "benchmarks.html.j2", "Benchmarks"),
     SectionSpec("interventions", "Interventions: does low plasticity cause long-context failure?", "SPEC 11",
                 "A needle (a pass code) is hidden at a token depth of a corpus document and the model ranks the "
                 "correct code among K candidates; heads with the lowest, highest or random AP_last20 are "
                 "ablated or debiased. The verdict table states plainly whether the data support 'low-plasticity "
                 "heads matter more for distant retrieval than random heads' and 'removing bias raises distant "
-                "plasticity', with 95% intervals, including when they do not.", (r"^intervention",)),
+                "plasticity', with 95% intervals, including when they do not.", (r"^intervention",),
+                nav="Interventions"),
     SectionSpec("trajectory", "Training trajectory", "SPEC 6",
                 "Geometry across SmolLM3-3B training checkpoints. The checkpoints come from the hub, so "
                 "the offline demo captures none of them: its trajectory shows the thesis's published "
-                "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",)),
+                "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",),
+                nav="Trajectory"),
+    SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
+                "What was measured and how: weights, capture window L, bucket width B, head and position "
+                "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),
+                "models.html.j2", "Models & capture"),
 )
 OTHER = SectionSpec("other", "Other assets", "", "Assets not covered by a section above.", (r".*",))
 SKIP_ASSETS = {"report_html"}
 
 
 def section_of(asset: str) -> SectionSpec:
-    for sec in SECTIONS:
+    """The section an asset belongs to (the models section matches first: it is shown last, but owns every
+    asset named like a capture)."""
+    for sec in sorted(SECTIONS, key=lambda s: s.id != "models"):
         if any(re.search(p, asset) for p in sec.patterns):
             return sec
     return OTHER
@@ -239,6 +251,23 @@ FIGURE_ORDER = ("ap_bias", "bias_decomposition", "profiles", "heatmap", "closed_
                 "depth_rotation", "pc_roles", "rq_rk_bars", "bias_distributions", "bias_vs_separation")
 
 
+# The figures a paper would use (asset regex, figure-name regex): shown together right after the findings,
+# per-model ones for each model's first corpus only (the others stay in their sections).
+PAPER_FIGURES: tuple[tuple[str, str], ...] = (
+    (r"^plasticity", r"^(profiles|heatmap|decile_profiles)$"), (r"^pca", r"^pc0_taxonomy$"),
+    (r"geometry", r"^(pc_roles|rq_rk_bars|bias_distributions|bias_vs_separation)$"),
+    (r"bench|join|stats", r"^scores"), (r"trajectory", r"^(ap_bias|bias_decomposition)$"),
+    (r"^cross_corpus", r"^differences$"), (r"^intervention", r"^contrast$"),
+)
+
+
+def is_paper_figure(fig: Figure) -> bool:
+    """A figure of :data:`PAPER_FIGURES` (a per-model one only on the model's first corpus)."""
+    if fig.partition and " (" in fig.partition:
+        return False
+    return any(re.search(a, fig.asset) and re.search(n, fig.name) for a, n in PAPER_FIGURES)
+
+
 def caption_for(fig: Figure) -> str:
     name = fig.name.lower()
     for asset_pat, name_pat, text in CAPTIONS:
@@ -261,6 +290,8 @@ class FigureView:
     width: int
     height: int
     wide: bool
+    section: str = ""  # the anchor of the figure's own section
+    files: tuple[tuple[str, str], ...] = ()  # (format, URL) of the vector files beside the PNG
 
 
 @dataclass
@@ -295,11 +326,17 @@ class SectionView:
     entries: list[tuple[str, Entries]] = field(default_factory=list)  # metadata shown open (models section)
     stored: list[Stored] = field(default_factory=list)
     missing: list[Missing] = field(default_factory=list)
+    options: list[tuple[str, Table]] = field(default_factory=list)  # shown in the appendix
+    paper_figures: int = 0  # figures of this section shown under "Figures"
 
     @property
     def empty(self) -> bool:
         return not (self.lead or self.figure_groups or self.metric_blocks or self.small_tables or self.entries
-                    or self.stored or self.missing)
+                    or self.stored or self.missing or self.paper_figures)
+
+    @property
+    def appendix(self) -> bool:
+        return bool(self.options or self.stored)
 
 
 def _part_order(parts: Iterable[str | None], model_order: list[str]) -> list[str | None]:
@@ -335,7 +372,21 @@ def _partition_missing(asset: str, inputs: ReportInputs, partitions: set[str | N
 def figure_view(fig: Figure) -> FigureView:
     where = f"{fig.asset}[{fig.partition}]" if fig.partition else fig.asset
     return FigureView(fig.src, fig.name.replace("_", " "), caption_for(fig), where, fig.width, fig.height,
-                      wide=fig.width == 0 or fig.width >= WIDE_FIGURE_PX)
+                      wide=fig.width == 0 or fig.width >= WIDE_FIGURE_PX, section=section_of(fig.asset).id,
+                      files=fig.files)
+
+
+def paper_figure_groups(inputs: ReportInputs) -> list[tuple[str, list[FigureView]]]:
+    """The paper figures (:func:`is_paper_figure`): those over all models first, then per model, each group
+    in section order."""
+    figs = [f for f in inputs.figures if is_paper_figure(f)]
+    sec_rank = {s.id: i for i, s in enumerate(SECTIONS)}
+    groups = []
+    for part in sorted(_part_order((f.partition for f in figs), inputs.order()), key=lambda p: p is not None):
+        shown = sorted((f for f in figs if f.partition == part),
+                       key=lambda f: (sec_rank.get(section_of(f.asset).id, 99), *_figure_rank(f)))
+        groups.append((part if part is not None else "All models", [figure_view(f) for f in shown]))
+    return groups
 
 
 def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
@@ -346,14 +397,16 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
     assets = sorted({a for a in inputs.tables if section_of(a) is sec and a not in SKIP_ASSETS}
                     | {f.asset for f in inputs.figures if section_of(f.asset) is sec})
     figs = [f for f in inputs.figures if section_of(f.asset) is sec]
+    view.paper_figures = sum(is_paper_figure(f) for f in figs)
     view.missing = _missing(sec, inputs, set(assets))
     for asset in assets:
         parts = set(inputs.tables.get(asset, {})) | {f.partition for f in figs if f.asset == asset}
         view.missing += _partition_missing(asset, inputs, parts)
     if sec.id == "models" and inputs.models:
         view.lead.append(("Registry entries", models_table(inputs.models)))
-    for part in _part_order((f.partition for f in figs), model_order):
-        shown = sorted((f for f in figs if f.partition == part), key=_figure_rank)
+    own = [f for f in figs if not is_paper_figure(f)]
+    for part in _part_order((f.partition for f in own), model_order):
+        shown = sorted((f for f in own if f.partition == part), key=_figure_rank)
         view.figure_groups.append((part if part is not None else "All models", [figure_view(f) for f in shown]))
     stored = {a: Stored(a) for a in assets}
     for asset in assets:
@@ -383,8 +436,10 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
                 view.lead.append(("Correlations with the benchmark scores", table))
         elif all(is_metrics_frame(df) for df in present.values()):
             plain, keyed = metrics_table(present, model_order)
-            view.metric_blocks.append({"asset": asset, "plain": plain, "keyed": keyed,
-                                       "options": options_table(present)})
+            view.metric_blocks.append({"asset": asset, "plain": plain, "keyed": keyed})
+            options = options_table(present)
+            if options is not None:
+                view.options.append((asset, options))
             continue
         for p in _part_order(present, model_order):
             df = present[p]
@@ -422,6 +477,8 @@ def render_report(inputs: ReportInputs) -> str:
     done = {st.asset for st in inputs.states}
     n_missing = len([a for a in set(inputs.expected_assets) | set(inputs.defined_assets)
                      if a not in done and a not in SKIP_ASSETS])
+    found = build_findings(inputs.tables, inputs.order())
     return _environment().get_template("page.html.j2").render(
         inputs=inputs, sections=views, provenance=provenance_table(inputs), n_done=len(done),
-        n_missing=n_missing, n_figures=len(inputs.figures))
+        n_missing=n_missing, n_figures=len(inputs.figures), findings=found,
+        paper_figures=paper_figure_groups(inputs))

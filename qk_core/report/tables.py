@@ -26,6 +26,10 @@ from qk_core.stats.intervals import interval_rule
 
 PREVIEW_ROWS = 3  # rows of a stored table shown in the page (the whole table is the linked Parquet file)
 PREVIEW_COLUMNS = 8
+MAX_MODEL_COLUMNS = 6  # models side by side in one metrics table (more: the table is split)
+# Columns of a metrics table (mean over heads with its interval, and the median apart) as the page labels them.
+METRIC_LABELS = {"value": "value (mean over heads)", "lo": "lo (95% CI of the mean)",
+                 "hi": "hi (95% CI of the mean)", "median": "median over heads (no interval)"}
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,10 @@ def frame_table(df: pd.DataFrame, *, caption: str = "", max_rows: int | None = N
     total = len(df) if total is None else total
     if not cls and any(len(c.text) > 60 for row in rows for c in row):
         cls = "wrap"  # sentences (verdicts, notes, options) wrap instead of widening the table
-    return Table([str(c) for c in df.columns], rows, caption=caption, link=link,
-                 total=total if total > len(rows) else None, cls=cls)
+    columns = [str(c) for c in df.columns]
+    if {"value", "median"} <= set(columns):  # a mean beside a median: say which is which
+        columns = [METRIC_LABELS.get(c, c) for c in columns]
+    return Table(columns, rows, caption=caption, link=link, total=total if total > len(rows) else None, cls=cls)
 
 
 def preview_table(df: pd.DataFrame, link: str = "") -> Table:
@@ -166,22 +172,33 @@ def preview_table(df: pd.DataFrame, link: str = "") -> Table:
                        total=total)
 
 
-def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]) -> tuple[Table | None,
-                                                                                          Table | None]:
-    """Long-format metrics of several models side by side: (model values, keyed rows).
+def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str],
+                  max_models: int = MAX_MODEL_COLUMNS) -> tuple[list[Table], list[Table]]:
+    """Long-format metrics of several models side by side: (model values, keyed rows), each as tables of at
+    most ``max_models`` model columns (so that a table of many reference models fits the page width).
 
     One row per metric (the keyed rows - bins, deciles, components - in the second table, with a key
     column); each model's cell is ``value [lo, hi]`` with the number of heads as its note.
     """
     frames_ = [f for f in frames.values() if f is not None and len(f)]
     if not frames_:
-        return None, None
+        return [], []
     df = pd.concat(frames_, ignore_index=True)
     models = [m for m in model_order if m in set(df["model"])] + sorted(set(df["model"]) - set(model_order))
+    plain: list[Table] = []
+    keyed: list[Table] = []
+    for i in range(0, len(models), max_models):
+        p, k = _metrics_chunk(df[df["model"].isin(models[i:i + max_models])], models[i:i + max_models])
+        plain += [p] if p is not None else []
+        keyed += [k] if k is not None else []
+    return plain, keyed
+
+
+def _metrics_chunk(df: pd.DataFrame, models: list[str]) -> tuple[Table | None, Table | None]:
     df = df.assign(key=df["key"].fillna("").astype(str))
     # a model whose rows all count the same heads says n once, in its column header
     same_n = {m: int(g["n_heads"].iloc[0]) for m, g in df.groupby("model") if g["n_heads"].nunique() == 1}
-    headers = [f"{m} (n = {same_n[m]} heads)" if m in same_n else m for m in models]
+    headers = [f"{m} (n = {same_n[m]} heads)" if same_n.get(m) else m for m in models]  # n 0: reference values
     plain: list[list[Cell]] = []
     keyed: list[list[Cell]] = []
     for (metric, key), sub in df.groupby(["metric", "key"], sort=False):
@@ -194,8 +211,8 @@ def metrics_table(frames: dict[str | None, pd.DataFrame], model_order: list[str]
         label = [Cell(str(metric), bold=True)] + ([Cell(key)] if key else [])
         (keyed if key else plain).append([*label, Cell(str(sub["unit"].iloc[0])), *cells])
     caption = "model value = mean over heads [95% interval where defined]; n = heads contributing"
-    t_plain = Table(["metric", "unit", *headers], plain, caption=caption) if plain else None
-    t_keyed = Table(["metric", "key", "unit", *headers], keyed, caption=caption) if keyed else None
+    t_plain = Table(["metric", "unit", *headers], plain, caption=caption, cls="metrics") if plain else None
+    t_keyed = Table(["metric", "key", "unit", *headers], keyed, caption=caption, cls="metrics") if keyed else None
     return t_plain, t_keyed
 
 
