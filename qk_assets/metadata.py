@@ -1,4 +1,5 @@
-"""DataFrames as Dagster table metadata, which the UI draws as a table on the materialisation itself.
+"""DataFrames as Dagster table metadata, which the UI draws as a table on the materialisation itself, and the
+order of a materialisation's entries (:func:`results_first`: headline values, figures, tables, options last).
 
 The Dagster UI shows a ``MetadataValue.table`` inline (its rows and typed columns), whereas markdown
 tables and images longer than 1000 characters sit behind a "[Show Markdown]" button; so every table an
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
+from dagster import MarkdownMetadataValue, MetadataValue, TableColumn, TableMetadataValue, TableRecord, TableSchema
 
 #: Rows kept in a table entry; the whole table is the asset's stored value.
 MAX_ROWS = 200
@@ -77,4 +78,64 @@ def table_metadata(table: pa.Table, partitioned: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"dagster/column_schema": MetadataValue.table_schema(schema), "dagster/row_count": rows}
     if partitioned:
         out["dagster/partition_row_count"] = rows
+    return out
+
+
+# ---- results first (issue 26.2) -----------------------------------------------------------------
+#: model-level metrics a materialisation leads with when its table has them, in this order
+HEADLINE_METRICS = ("ap_overall", "ap_drop", "ap_first20", "ap_last20", "bias_strength", "abs_r_k_a",
+                    "pca_pc0_abs_r_k", "pca_share_position_dominated")
+#: column names of a metrics table as a reader needs them: the mean with its interval, the median apart
+MEAN_MEDIAN = {"value": "mean over heads", "lo": "mean: 95% lo", "hi": "mean: 95% hi",
+               "median": "median over heads (no interval)"}
+#: at most this many headline values per materialisation (the rest stay in its tables)
+MAX_HEADLINE = 5
+
+
+def headline_values(metrics: pd.DataFrame, names: tuple[str, ...] = HEADLINE_METRICS,
+                    limit: int = MAX_HEADLINE) -> dict[str, Any]:
+    """The model values (mean over heads, rows with an empty key) of ``names`` in a long-format metrics table
+    as plain floats, then ``n_heads`` (the most heads behind any of them) as an int: numbers Dagster plots
+    across partitions. The same numbers as the ``value`` column the report shows; non-finite values left out."""
+    if metrics is None or not len(metrics) or not {"metric", "value"} <= set(metrics.columns):
+        return {}
+    rows = metrics if "key" not in metrics.columns else metrics[metrics["key"].fillna("").astype(str) == ""]
+    out: dict[str, Any] = {}
+    n_heads = 0
+    for name in names:
+        sub = rows[rows["metric"] == name]
+        if not len(sub) or len(out) >= limit:
+            continue
+        value = float(sub["value"].iloc[0])
+        if math.isfinite(value):
+            out[name] = value
+            if "n_heads" in sub.columns and pd.notna(sub["n_heads"].iloc[0]):
+                n_heads = max(n_heads, int(sub["n_heads"].iloc[0]))
+    if out and n_heads:
+        out["n_heads"] = n_heads
+    return out
+
+
+def _is_figure(key: str) -> bool:
+    return key.startswith("fig_")
+
+
+def _is_table(value: Any) -> bool:
+    if isinstance(value, TableMetadataValue):
+        return True
+    return isinstance(value, MarkdownMetadataValue) and str(value.value).lstrip().startswith("|")
+
+
+def results_first(headline: dict[str, Any], metadata: dict[str, Any], options: Any = None) -> dict[str, Any]:
+    """A materialisation's metadata in the order a reader wants it: the ``headline`` values, then the figures
+    (``fig_*``), then the tables, then the other entries, and the options last as one entry (``options`` of
+    ``metadata`` unless given). The Dagster UI lists entries in this order."""
+    rest = {k: v for k, v in metadata.items() if k not in headline and k != "options"}
+    options = metadata.get("options") if options is None else options
+    out = {**headline}
+    out.update({k: v for k, v in rest.items() if _is_figure(k)})
+    out.update({k: v for k, v in rest.items() if not _is_figure(k) and _is_table(v)})
+    out.update({k: v for k, v in rest.items() if k not in out})
+    if options is not None:
+        out["options"] = options if not isinstance(options, dict) else MetadataValue.json(options)
     return out

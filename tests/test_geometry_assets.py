@@ -212,3 +212,20 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     assert "smollm2-135m: pca: 2 of 15 heads could not be read or analysed" in failure
     assert "layer 7 head 0: non_finite" in failure and "allow_partial" in failure
     assert {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in names} == before
+
+
+def test_materialisations_lead_with_headline_values_and_end_with_options(materialised) -> None:
+    """Issue 26.2: the rotation outputs open with bias_strength and |r_k_a|, the PCA outputs with the PC0
+    values, each a plain float equal to the stored model value, then n_heads; figures before tables; options last."""
+    from report_metadata import assert_results_first
+
+    mats = materialised["results"]["smollm2-135m"].get_asset_materialization_events()
+    by_asset = {e.materialization.asset_key.to_user_string(): e.materialization.metadata for e in mats}
+    assert {"rotation_heads", "rotation_metrics", "pca_heads", "pca_metrics"} <= set(by_asset)
+    rot = materialised["read"]("rotation_metrics", "smollm2-135m")
+    pca = materialised["read"]("pca_metrics", "smollm2-135m")
+    for name, meta in by_asset.items():
+        if name.startswith("rotation"):
+            assert_results_first(meta, ["bias_strength", "abs_r_k_a", "n_heads"], rot)
+        elif name.startswith("pca"):
+            assert_results_first(meta, ["pca_pc0_abs_r_k", "pca_share_position_dominated", "n_heads"], pca)

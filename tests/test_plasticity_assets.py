@@ -207,3 +207,17 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     assert "smollm2-135m: plasticity: 2 of 10 heads could not be read or analysed" in failure
     assert "analysis.plasticity.allow_partial" in failure
     assert {n: storage.read_bytes(asset_rel([n], pair("smollm2-135m"))) for n in outs} == before
+
+
+def test_materialisations_lead_with_headline_values_and_end_with_options(materialised) -> None:
+    """Issue 26.2: every plasticity output's metadata opens with the model values as plain floats (the same
+    numbers as the stored metrics table and the report) and n_heads, then figures and tables, options last."""
+    from report_metadata import assert_results_first
+
+    metrics = materialised["read"]("plasticity_metrics", "smollm2-135m")
+    mats = materialised["results"]["smollm2-135m"].get_asset_materialization_events()
+    assert len(mats) == 7
+    for e in mats:
+        meta = e.materialization.metadata
+        assert_results_first(meta, ["ap_overall", "ap_drop", "ap_first20", "ap_last20", "n_heads"], metrics)
+        assert meta["n_heads"].value == 8

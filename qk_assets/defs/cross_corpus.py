@@ -26,6 +26,7 @@ corpus gets empty tables and a verdict row saying so. Bootstrap resamples, seed 
 model's plasticity options (registry ``analysis.plasticity``).
 """
 
+import numpy as np
 import pandas as pd
 from dagster import (
     AssetExecutionContext,
@@ -40,7 +41,7 @@ from dagster import (
 from qk_assets import checks
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
-from qk_assets.metadata import table_value
+from qk_assets.metadata import results_first, table_value
 from qk_assets.partitions import model_partitions, pair_key, registry
 from qk_assets.resources import StorageResource
 from qk_core.capture.store import CaptureError, CaptureReader
@@ -93,6 +94,21 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head), ""
 
 
+def difference_values(metrics: pd.DataFrame) -> dict[str, float]:
+    """The between-corpus differences of the model values as plain floats (``<metric>_difference``, the first
+    corpus pair) and ``n_heads``: what a cross-corpus materialisation leads with."""
+    out: dict[str, float] = {}
+    if not len(metrics) or "kind" not in metrics.columns:
+        return out
+    diffs = metrics[metrics["kind"] == "difference"]
+    for r in diffs.drop_duplicates("metric").itertuples():
+        if np.isfinite(r.value):
+            out[f"{r.metric}_difference"] = float(r.value)
+    if len(diffs):
+        out["n_heads"] = int(diffs["n_heads"].max())
+    return out
+
+
 @multi_asset(
     outs={
         "cross_corpus_metrics": AssetOut(**OUT, description=(
@@ -138,20 +154,23 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
               "missing": MetadataValue.json(missing)}
     statements = MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
                                             for r in res.verdicts.itertuples()) or "(none)")
-    yield Output(res.metrics, output_name="cross_corpus_metrics", metadata={
+    lead = difference_values(res.metrics)
+    yield Output(res.metrics, output_name="cross_corpus_metrics", metadata=results_first(lead, {
         **common, "statements": statements,
         "preview": table_value(res.metrics[["kind", "corpus", "metric", "value", "lo", "hi", "boot_bias", "z0",
                                             "interval", "n_heads", "n_docs", "verdict"]], max_rows=30),
-        **save_figures(store, folder, {"differences": figures["differences"]})})
-    yield Output(res.correlations, output_name="cross_corpus_correlations", metadata={
+        **save_figures(store, folder, {"differences": figures["differences"]})}))
+    yield Output(res.correlations, output_name="cross_corpus_correlations", metadata=results_first(lead, {
         **common, "preview": table_value(res.correlations[["metric", "corpus", "n_heads", "spearman_rho", "spearman_p",
                                                            "spearman_method", "share_head", "share_corpus",
                                                            "verdict"]], max_rows=20),
-        **save_figures(store, folder, {"heads": figures["heads"]})})
-    yield Output(res.profiles, output_name="cross_corpus_profiles", metadata={
-        **common, **save_figures(store, folder, {"profiles": figures["profiles"]})})
-    yield Output(res.heads, output_name="cross_corpus_heads", metadata={**common, "rows": len(res.heads)})
-    yield Output(res.verdicts, output_name="cross_corpus_verdicts", metadata={**common, "statements": statements})
+        **save_figures(store, folder, {"heads": figures["heads"]})}))
+    yield Output(res.profiles, output_name="cross_corpus_profiles", metadata=results_first(lead, {
+        **common, **save_figures(store, folder, {"profiles": figures["profiles"]})}))
+    yield Output(res.heads, output_name="cross_corpus_heads",
+                 metadata=results_first(lead, {**common, "rows": len(res.heads)}))
+    yield Output(res.verdicts, output_name="cross_corpus_verdicts",
+                 metadata=results_first(lead, {**common, "statements": statements}))
     listed = len(entry.corpora)
     yield from checks.selected(context, [
         checks.values_finite("cross_corpus_metrics", res.metrics, ("kind", "corpus", "metric"),

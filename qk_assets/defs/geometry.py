@@ -36,7 +36,7 @@ from dagster import (
 from qk_assets import checks
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
-from qk_assets.metadata import table_value
+from qk_assets.metadata import MEAN_MEDIAN, headline_values, results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
@@ -179,11 +179,13 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
                                   "units": units_table(PCA_UNITS), **figures}),
             "pca_layers": (layers, {**common, "model_summary": table_value(model_rows)}),
             "pca_metrics": (metrics, {**common, "preview": table_value(
-                metrics[["metric", "key", "value", "median", "n_heads", "unit"]], max_rows=40)}),
+                metrics[["metric", "key", "value", "median", "n_heads", "unit"]].rename(columns=MEAN_MEDIAN),
+                max_rows=40)}),
         }
+        lead = headline_values(metrics)
         for name, (value, meta) in outputs.items():
             if name in selected:
-                yield Output(value, output_name=name, metadata=meta)
+                yield Output(value, output_name=name, metadata=results_first(lead, meta))
         yield from checks.selected(context, [
             checks.heads_analysed("pca_heads", qk_capture, heads, pca_opts.allow_partial,
                                   "analysis.pca.allow_partial (run config options.pca.allow_partial)"),
@@ -210,11 +212,13 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
                                        **figures}),
             "rotation_layers": (layers, {**common, "model_summary": table_value(model_rows)}),
             "rotation_metrics": (metrics, {**common, "preview": table_value(
-                metrics.loc[metrics["metric"].isin(main), ["metric", "value", "median", "n_heads", "unit"]])}),
+                metrics.loc[metrics["metric"].isin(main), ["metric", "value", "median", "n_heads", "unit"]]
+                .rename(columns=MEAN_MEDIAN))}),
         }
+        lead = headline_values(metrics)
         for name, (value, meta) in outputs.items():
             if name in selected:
-                yield Output(value, output_name=name, metadata=meta)
+                yield Output(value, output_name=name, metadata=results_first(lead, meta))
         yield from checks.selected(context, [
             checks.heads_analysed("rotation_heads", qk_capture, heads, rot_opts.allow_partial,
                                   "analysis.rotation.allow_partial (run config options.rotation.allow_partial)"),

@@ -27,6 +27,7 @@ import pandas as pd
 from dagster import AssetExecutionContext, AssetIn, AssetOut, Failure, MetadataValue, Output, multi_asset
 
 from qk_assets.figures import save_figures
+from qk_assets.metadata import results_first
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
@@ -103,34 +104,46 @@ def interventions(context: AssetExecutionContext, config: AnalysisConfig, storag
               "seconds_per_forward": float(round(res.seconds_per_forward, 3))}
     headline = res.contrast.sort_values(["intervention", "k", "head_set", "depth"]) if len(res.contrast) else \
         res.contrast
-    yield Output(res.trials, output_name="intervention_trials", metadata={
+    lead = verdict_values(res.verdicts)
+    yield Output(res.trials, output_name="intervention_trials", metadata=results_first(lead, {
         **common, "trials": int(res.trials[["doc_id", "depth", "repeat"]].drop_duplicates().shape[0]),
-        "conditions": int(res.trials.groupby(["intervention", "head_set", "set_seed", "k"]).ngroups)})
-    yield Output(res.summary, output_name="intervention_summary", metadata={
+        "conditions": int(res.trials.groupby(["intervention", "head_set", "set_seed", "k"]).ngroups)}))
+    yield Output(res.summary, output_name="intervention_summary", metadata=results_first(lead, {
         **common, "preview": _md(res.summary[["intervention", "head_set", "k", "depth", "n_trials", "accuracy",
                                               "accuracy_lo", "accuracy_hi", "margin", "margin_lo", "margin_hi"]], 80),
-        **save_figures(store, folder, {"accuracy": fig_accuracy(res.summary, title, res.options)})})
-    yield Output(res.contrast, output_name="intervention_contrast", metadata={
+        **save_figures(store, folder, {"accuracy": fig_accuracy(res.summary, title, res.options)})}))
+    yield Output(res.contrast, output_name="intervention_contrast", metadata=results_first(lead, {
         **common, "preview": _md(headline, 80),
-        **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, title, res.options)})})
+        **save_figures(store, folder, {"contrast": fig_contrast(res.contrast, title, res.options)})}))
     hs = res.head_sets
     rnd = hs[hs["head_set"] == "random"].groupby(["k", "set_seed"])["overlap_lowest"].first().reset_index() \
         if len(hs) else hs
-    yield Output(hs, output_name="intervention_head_sets", metadata={
+    yield Output(hs, output_name="intervention_head_sets", metadata=results_first(lead, {
         **common, "preview": _md(hs[hs["head_set"] != "random"] if len(hs) else hs, 60),
-        "random_overlap_with_lowest": _md(rnd, 40)})
-    yield Output(res.profiles, output_name="intervention_debias_profiles", metadata={
+        "random_overlap_with_lowest": _md(rnd, 40)}))
+    yield Output(res.profiles, output_name="intervention_debias_profiles", metadata=results_first(lead, {
         **common, **save_figures(store, folder, {"debias_profile": fig_debias_profile(
-        res.profiles, res.remeasured, title)})})
-    yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata={
-        **common, "preview": _md(res.remeasured, 40)})
-    yield Output(res.verdicts, output_name="intervention_verdicts", metadata={
+        res.profiles, res.remeasured, title)})}))
+    yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata=results_first(lead, {
+        **common, "preview": _md(res.remeasured, 40)}))
+    yield Output(res.verdicts, output_name="intervention_verdicts", metadata=results_first(lead, {
         **common, "statements": MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
-                                                           for r in res.verdicts.itertuples()) or "(none)")})
+                                                           for r in res.verdicts.itertuples()) or "(none)")}))
 
 
 OUTPUTS = ("intervention_trials", "intervention_summary", "intervention_contrast", "intervention_head_sets",
            "intervention_debias_profiles", "intervention_debias_metrics", "intervention_verdicts")
+
+
+def verdict_values(verdicts: pd.DataFrame) -> dict[str, float]:
+    """Each stated verdict's estimate as a plain float (``h1_ablate_k40``: hypothesis, intervention, k heads): what
+    an intervention materialisation leads with (the verdicts and their intervals are its table)."""
+    out: dict[str, float] = {}
+    for r in verdicts.itertuples():
+        hyp = str(r.hypothesis).split(":", 1)[0].strip().lower()
+        if hyp and r.intervention and pd.notna(r.estimate):
+            out[f"{hyp}_{r.intervention}_k{int(r.k)}"] = float(r.estimate)
+    return out
 
 
 def _not_run(model: str, corpus_name: str, opts) -> list[Output]:

@@ -53,7 +53,7 @@ from dagster import (
 from pydantic import Field
 
 from qk_assets.figures import save_figures
-from qk_assets.metadata import table_value
+from qk_assets.metadata import results_first, table_value
 from qk_assets.partitions import by_model, registry
 from qk_assets.resources import StorageResource
 from qk_core.benchmarks.joins import (
@@ -173,6 +173,19 @@ def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: Bench
     return figs
 
 
+def statistic_values(headline: pd.DataFrame, metric: str = "ap_drop") -> dict[str, float]:
+    """The headline statistic as plain floats: ``metric`` against the first benchmark's overall score over all
+    matched models (Spearman rho and its p, Pearson r, n), as the report's findings state it."""
+    rows = headline[headline["metric"] == metric]
+    if "scope" in rows.columns and (rows["scope"] == "all").any():
+        rows = rows[rows["scope"] == "all"]
+    if not len(rows):
+        return {}
+    r = rows.sort_values(["benchmark", "mode"]).iloc[0]
+    return {f"{metric}_spearman_rho": float(r["spearman_rho"]), f"{metric}_spearman_p": float(r["spearman_p"]),
+            f"{metric}_pearson_r": float(r["pearson_r"]), "n_models": int(r["n"])}
+
+
 @asset(group_name=GROUP, kinds={"parquet"}, automation_condition=AutomationCondition.eager())
 def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig, storage: StorageResource,
                     model_report: pd.DataFrame, benchmark_scores: pd.DataFrame, model_aliases: pd.DataFrame,
@@ -190,10 +203,10 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
     headline = df[(df["analysis"] == "across_models") & (df["value_basis"] == "preferred") & (df["n"] >= MIN_N)]
     cols = ["benchmark", "suite", "mode", "scope", "metric", "n", "pearson_r", "pearson_p", "spearman_rho",
             "spearman_p", "spearman_permutations", "kendall_tau", "kendall_p"]
-    context.add_output_metadata({
+    context.add_output_metadata(results_first(statistic_values(headline), {
         **meta, "rows": len(df),
         "headline": table_value(headline[cols], digits=3),
-    })
+    }))
     return df
 
 
@@ -277,11 +290,13 @@ def model_report(context: AssetExecutionContext, pca_metrics: object, rotation_m
     except BenchmarkDataError as exc:
         raise Failure(description=str(exc)) from exc
     counts = df.groupby(["value_source", "analysis"]).agg(models=("model", "nunique"), rows=("value", "size"))
-    context.add_output_metadata({
+    measured_models = set(df.loc[df["value_source"] == "measured", "model"])
+    lead = {"n_models_measured": len(measured_models), "n_models_reference": len(set(df["model"]) - measured_models)}
+    context.add_output_metadata(results_first(lead, {
         "partitions_read": MetadataValue.json({k: sorted(v) for k, v in measured.items()}),
         "models_measured": MetadataValue.json(sorted(df.loc[df["value_source"] == "measured", "model"].unique())),
         "models_reference": MetadataValue.json(sorted(df.loc[df["value_source"] == "reference", "model"].unique())),
         "counts": table_value(counts, index=True),
         "rows": len(df),
-    })
+    }))
     return df

@@ -40,7 +40,7 @@ from dagster import (
 from qk_assets import checks
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
-from qk_assets.metadata import table_value
+from qk_assets.metadata import MEAN_MEDIAN, headline_values, results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
@@ -142,26 +142,30 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
               "heads_ok": int((h["status"] == "ok").sum()) if len(h) else 0,
               "heads_missing": int(record.get("n_heads_missing", 0)),
               "heads_skipped": MetadataValue.json({str(k): int(v) for k, v in skipped.items()})}
-    headline = result.metrics[result.metrics["key"] == ""][["metric", "value", "median", "lo", "hi", "n_heads",
-                                                            "unit"]]
+    headline = result.metrics[result.metrics["key"] == ""][["metric", "value", "lo", "hi", "median", "n_heads",
+                                                            "unit"]].rename(columns=MEAN_MEDIAN)
     prof_status = (result.profiles["status"].value_counts().to_dict() if len(result.profiles) else {})
-    yield Output(h, output_name="plasticity_heads", metadata={
+    lead = headline_values(result.metrics)
+    yield Output(h, output_name="plasticity_heads", metadata=results_first(lead, {
         **common, "model_values": _md(headline), "units": MetadataValue.json(UNITS),
-        **save_figures(store, folder, {"closed_vs_empirical": figures["closed_vs_empirical"]})})
-    yield Output(result.profiles, output_name="plasticity_profiles", metadata={
+        **save_figures(store, folder, {"closed_vs_empirical": figures["closed_vs_empirical"]})}))
+    yield Output(result.profiles, output_name="plasticity_profiles", metadata=results_first(lead, {
         **common, "bucket_status": MetadataValue.json({str(k): int(v) for k, v in prof_status.items()}),
-        **save_figures(store, folder, {"profiles": figures["profiles"]})})
+        **save_figures(store, folder, {"profiles": figures["profiles"]})}))
     bins = result.bins
     missing = (bins[bins["status"] != "ok"].groupby(["metric", "key", "status"]).size().reset_index(name="heads")
                if len(bins) else pd.DataFrame())
-    yield Output(bins, output_name="plasticity_bins", metadata={**common, "missing_bins": _md(missing, 60)})
-    yield Output(result.pairs, output_name="plasticity_pairs", metadata={**common, "pairs": len(result.pairs)})
-    yield Output(result.heatmap, output_name="plasticity_heatmap", metadata={
-        **common, "cells": len(result.heatmap), **save_figures(store, folder, {"heatmap": figures["heatmap"]})})
-    yield Output(result.components, output_name="plasticity_components", metadata={
-        **common, **save_figures(store, folder, {"components": figures["components"]})})
-    yield Output(result.metrics, output_name="plasticity_metrics", metadata={
-        **common, "preview": _md(result.metrics[["metric", "key", "value", "median", "lo", "hi", "n_heads"]], 60)})
+    yield Output(bins, output_name="plasticity_bins",
+                 metadata=results_first(lead, {**common, "missing_bins": _md(missing, 60)}))
+    yield Output(result.pairs, output_name="plasticity_pairs",
+                 metadata=results_first(lead, {**common, "pairs": len(result.pairs)}))
+    yield Output(result.heatmap, output_name="plasticity_heatmap", metadata=results_first(lead, {
+        **common, "cells": len(result.heatmap), **save_figures(store, folder, {"heatmap": figures["heatmap"]})}))
+    yield Output(result.components, output_name="plasticity_components", metadata=results_first(lead, {
+        **common, **save_figures(store, folder, {"components": figures["components"]})}))
+    yield Output(result.metrics, output_name="plasticity_metrics", metadata=results_first(lead, {
+        **common, "preview": _md(result.metrics[["metric", "key", "value", "lo", "hi", "median", "n_heads"]]
+                        .rename(columns=MEAN_MEDIAN), 60)}))
     yield from checks.selected(context, [
         checks.heads_analysed("plasticity_heads", qk_capture, h, opts.allow_partial,
                               "analysis.plasticity.allow_partial (run config options.plasticity.allow_partial)"),
