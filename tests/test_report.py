@@ -250,3 +250,89 @@ def test_empty_trajectory_profile_says_why() -> None:
     fig = fig_profiles(pd.DataFrame(columns=["model", "tau", "ap", "tau_norm", "revision", "window"]))
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any("No checkpoint profile" in t for t in texts)
+
+
+@pytest.mark.slow  # automation evaluated over the whole code location
+def test_report_is_requested_after_a_registry_removal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26.5: a removed registry entry changes ``registry_listing`` (observed by the registry sensor); the
+    report depends on it, so its automation condition requests a rebuild, which leaves the entry out."""
+    import dagster as dg
+
+    from qk_assets.definitions import build_definitions
+    from qk_assets.defs.registry import REGISTRY_LISTING, listing_version, observe_listing, registry_partitions_sensor
+    from qk_core.config.registry import load_registry
+
+    monkeypatch.setenv("QK_STORAGE_ROOT", str(tmp_path / "storage"))
+    defs = build_definitions()
+    assert REGISTRY_LISTING in defs.resolve_asset_graph().get(AssetKey("report_html")).parent_keys
+    assert REGISTRY_LISTING in registry_partitions_sensor.asset_selection.resolve(defs.resolve_asset_graph())
+    reg = load_registry()
+    assert observe_listing().value == listing_version(reg)
+    job = defs.resolve_implicit_job_def_def_for_assets([AssetKey("report_html")])
+    with dg.instance_for_test() as instance:
+        assert job.execute_in_process(instance=instance, asset_selection=[AssetKey("report_html")]).success
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        assert first.get_requested_partitions(AssetKey("report_html")) == set()
+        instance.report_runless_asset_event(dg.AssetObservation(
+            REGISTRY_LISTING, tags={"dagster/data_version": "after-a-removal"}))
+        second = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=first.cursor)
+        assert second.get_requested_partitions(AssetKey("report_html")) == {None}
+
+
+def test_listing_changes_on_a_removal_and_rows_of_removed_models_leave_the_tables() -> None:
+    from dataclasses import replace
+
+    from qk_assets.defs.registry import listing_version
+    from qk_core.config.registry import load_registry
+
+    reg = load_registry()
+    gone = reg.model_keys[0]
+    fewer = replace(reg, models={k: v for k, v in reg.models.items() if k != gone})
+    assert listing_version(fewer) != listing_version(reg)
+    corpus = reg.model(gone).corpus
+    assert report_module.listed(f"{corpus}|{gone}", reg) and not report_module.listed(f"{corpus}|{gone}", fewer)
+    assert report_module.listed(None, fewer) and not report_module.listed(gone, fewer)
+    df = pd.DataFrame({"model": [gone, "llama3.1-8b", reg.model_keys[1]], "value": [1.0, 2.0, 3.0]})
+    df.attrs["total_rows"] = 3
+    kept = report_module.drop_removed(df, {gone})
+    assert list(kept["model"]) == ["llama3.1-8b", reg.model_keys[1]] and kept.attrs["total_rows"] == 2
+
+
+def test_report_leaves_out_what_the_registry_no_longer_lists(tmp_path: Path) -> None:
+    """A model removed from the registry (still a dynamic ``model`` partition, its outputs still stored): its
+    partitions, figures and rows of the tables across models leave the page, which names it once as removed."""
+    gone = "gone-model-7b"
+    parts = StaticPartitionsDefinition([*MODELS, gone])
+
+    @asset(name="plasticity_metrics", partitions_def=parts)
+    def toy(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
+        context.add_output_metadata(save_figures(storage.get(), f"plasticity/{context.partition_key}",
+                                                 {"profile": profile_figure(context.partition_key)}))
+        return toy_metrics(context.partition_key)
+
+    @asset(name="model_report")
+    def toy_report() -> pd.DataFrame:
+        return pd.concat([toy_metrics(m) for m in [*MODELS, gone]], ignore_index=True).assign(value_source="measured")
+
+    storage = StorageResource(root=str(tmp_path / "storage"))
+    resources = {"storage": storage, "io_manager": ParquetIOManager(storage=storage)}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(report_module, "UPSTREAM", {AssetKey("plasticity_metrics"): parts, AssetKey("model_report"): None})
+    (tmp_path / "home").mkdir()
+    try:
+        with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+            instance.add_dynamic_partitions("model", [*MODELS, gone])
+            for m in [*MODELS, gone]:
+                assert materialize([toy], partition_key=m, instance=instance, resources=resources).success
+            assert materialize([toy_report], instance=instance, resources=resources).success
+            result = materialize([report_module.report_html], instance=instance, resources=resources)
+            assert result.success
+            meta = result.asset_materializations_for_node("report_html")[0].metadata
+    finally:
+        mp.undo()
+    page = (tmp_path / "storage" / "report" / "index.html").read_text()
+    assert meta["removed_from_registry"].value == gone and meta["figures"].value == 2
+    assert page.count(gone) == 1 and "No longer in the registry, left out of this page" in page
+    for m in MODELS:
+        assert f"<td>plasticity_metrics</td><td>{m}</td>" in page
+    assert (tmp_path / "storage" / "figures" / "plasticity" / gone / "profile.png").exists()  # outputs kept

@@ -10,12 +10,14 @@
 - ``registry_analysis`` [model, corpus]: the same for the entry's ``analysis`` tables (SPEC 2-4, 11
   options). The per-model analyses (geometry, plasticity, interventions) depend on it, so editing an
   analysis option re-runs the analyses on the stored capture, never the capture (the GPU work).
+- ``registry_listing`` (unpartitioned): a hash of what the registry lists; ``report_html`` depends on it, so an
+  entry removed from the file rebuilds the report (which shows only what the registry lists).
 - ``registry_partitions_sensor`` (running by default): every few seconds it reads the registry file and adds the
   model, corpus and series keys the instance lacks (``SensorResult(dynamic_partitions_requests)``), then observes
-  ``registry_entry`` and ``registry_analysis`` when any entry changed. Entries removed from the file are reported
-  (tick message and log), never deleted: their partitions, materialisations and stored outputs stay, and
-  automation no longer requests them (``RegistryListed`` in qk_assets.automation says why a condition rather
-  than deleting the dynamic partition keys).
+  ``registry_entry``, ``registry_analysis`` and ``registry_listing`` when any entry changed. Entries removed from
+  the file are reported (tick message and log), never deleted: their partitions, materialisations and stored
+  outputs stay, and automation no longer requests them (``RegistryListed`` in qk_assets.automation says why a
+  condition rather than deleting the dynamic partition keys); the report leaves them out.
 - ``model_automation_sensor`` (stopped by default; start it in the UI under Automation): evaluates the
   automation conditions of ``corpus`` and of every (model, corpus) asset, so a new model, checkpoint or
   corpus materialises its lineage by itself. It runs in the code server (``use_user_code_server``), where
@@ -61,6 +63,7 @@ from qk_core.config.registry import Registry, RegistryError, load_registry
 REGISTRY_ENTRY = AssetKey("registry_entry")
 SENSOR_INTERVAL_S = 5
 REGISTRY_ANALYSIS = AssetKey("registry_analysis")
+REGISTRY_LISTING = AssetKey("registry_listing")
 # Fields of a model entry that do not change what is captured for a (model, corpus) pair ("analysis" has a
 # data version of its own: registry_analysis).
 NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index", "analysis")
@@ -91,6 +94,17 @@ def analysis_versions(reg: Registry) -> dict[str, str]:
     return _pair_versions(reg, lambda model, _corpus: reg.model(model).analysis)
 
 
+def listing_version(reg: Registry) -> str:
+    """``registry_listing``'s version: a hash of what the registry lists (model keys, (model, corpus) pairs,
+    series); it changes when an entry is added or removed, not when one is edited."""
+    listing = [sorted(reg.model_keys), sorted(map(list, registry_pairs(reg))), sorted(reg.series)]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+
+
+def observe_listing() -> DataVersion:
+    return DataVersion(listing_version(load_registry()))
+
+
 def _observe(versions: Callable[[Registry], dict[str, str]]) -> DataVersionsByPartition:
     reg = load_registry()  # the file as it is now, not as the code location loaded it
     return DataVersionsByPartition({pk: DataVersion(v) for pk, v in versions(reg).items()})
@@ -117,13 +131,19 @@ with warnings.catch_warnings():  # observable_source_asset is marked beta; its u
         description="One data version per (model, corpus) the registry lists: a hash of the model's analysis "
                     "options. The per-model analyses depend on it: an analysis edit re-runs them, not the capture.",
     )(observe_analysis)
+    registry_listing = observable_source_asset(
+        name="registry_listing", group_name="registry",
+        description="What the registry lists (its model keys, (model, corpus) pairs and series) as one data version. "
+                    "Observed by registry_partitions_sensor when an entry changes; report_html depends on it, so "
+                    "removing an entry rebuilds the report without it.",
+    )(observe_listing)
 
 
 @sensor(
     name="registry_partitions_sensor",
     minimum_interval_seconds=SENSOR_INTERVAL_S,
     default_status=DefaultSensorStatus.RUNNING,
-    asset_selection=AssetSelection.assets(REGISTRY_ENTRY, REGISTRY_ANALYSIS),
+    asset_selection=AssetSelection.assets(REGISTRY_ENTRY, REGISTRY_ANALYSIS, REGISTRY_LISTING),
     description="Adds the registry's models, checkpoints, corpora and series as partitions (no reload) and "
                 "observes registry_entry and registry_analysis when an entry changes; removed entries are reported, "
                 "never deleted, and no longer automated.",
@@ -153,7 +173,8 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
         return SkipReason(f"registry unchanged ({len(versions)} (model, corpus) pairs"
                           + (f"; {sum(map(len, gone.values()))} removed keys reported earlier)" if gone else ")"))
     runs = [] if state == cursor_state else [RunRequest(
-        run_key=state, asset_selection=[REGISTRY_ENTRY, REGISTRY_ANALYSIS], tags={"qk/trigger": "registry"})]
+        run_key=state, asset_selection=[REGISTRY_ENTRY, REGISTRY_ANALYSIS, REGISTRY_LISTING],
+        tags={"qk/trigger": "registry"})]
     return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=cursor)
 
 

@@ -30,9 +30,11 @@ from dagster import (
 )
 
 from qk_assets import defs as defs_pkg
+from qk_assets.defs.registry import REGISTRY_LISTING
 from qk_assets.io_manager import asset_rel
-from qk_assets.partitions import registry, split_key
+from qk_assets.partitions import MODEL_DIM, registry, registry_pairs, split_key
 from qk_assets.resources import StorageResource
+from qk_core.config.registry import Registry
 from qk_core.io.storage import Storage
 from qk_core.report.html import AssetState, Figure, ModelInfo, ReportInputs, render_report
 
@@ -142,8 +144,31 @@ REPORT_CONDITION = (
 ).with_label("after upstream updates, once nothing upstream runs")
 
 
-@asset(deps=sorted(UPSTREAM, key=lambda k: k.to_user_string()), group_name="report", kinds={"html"},
-       automation_condition=REPORT_CONDITION)
+def listed(part: str | None, reg: Registry) -> bool:
+    """Whether the registry still lists a partition: a (model, corpus) pair, a model, a corpus or a series
+    (unpartitioned values always are)."""
+    if part is None:
+        return True
+    if "|" in part:
+        return split_key(part) in set(registry_pairs(reg))
+    return part in reg.models or part in reg.series or part in reg.corpora
+
+
+def drop_removed(df: pd.DataFrame, removed: set[str]) -> pd.DataFrame:
+    """The rows of a stored table that are not about a model the registry no longer lists (by its ``model``
+    column; the thesis's reference models are never registry keys, so they stay)."""
+    if not removed or "model" not in df.columns:
+        return df
+    keep = ~df["model"].astype(str).isin(removed)
+    out = df[keep]
+    out.attrs = dict(df.attrs)
+    if "total_rows" in out.attrs and not keep.all():
+        out.attrs["total_rows"] = int(out.attrs["total_rows"]) - int((~keep).sum())
+    return out
+
+
+@asset(deps=[*sorted(UPSTREAM, key=lambda k: k.to_user_string()), REGISTRY_LISTING], group_name="report",
+       kinds={"html"}, automation_condition=REPORT_CONDITION)
 def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
     """The static HTML report with every figure and table (SPEC 7), the options and provenance of every
     number; one row per item the page shows (asset, partition, kind, path)."""
@@ -155,7 +180,9 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     tables: dict[str, dict[str | None, pd.DataFrame]] = {}
     links: dict[str, dict[str | None, str]] = {}
     inventory = []
-    model_keys = set(registry().model_keys)
+    reg = registry()
+    model_keys = set(reg.model_keys)
+    removed = {m for m in instance.get_dynamic_partitions(MODEL_DIM) if m not in reg.models}
     for key, pdef in sorted(UPSTREAM.items(), key=lambda kv: kv[0].to_user_string()):
         name = key.to_user_string()
         if pdef is None:
@@ -164,6 +191,8 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
             valid = set(pdef.get_partition_keys(dynamic_partitions_store=instance))
             parts = sorted(p for p in instance.get_materialized_partitions(key) if p in valid)
         for part in parts:
+            if not listed(part, reg):  # the registry no longer lists it: its outputs stay, the page leaves it out
+                continue
             label = partition_label(part)
             flt = AssetRecordsFilter(asset_key=key, asset_partitions=[part] if part else None)
             recs = instance.fetch_materializations(flt, limit=1, ascending=False).records
@@ -178,6 +207,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                                      st.uri(rel) if st.exists(rel) else "", _text_metadata(meta)))
             df = _read_table(st, rel)
             if df is not None:
+                df = drop_removed(df, removed)
                 tables.setdefault(name, {})[label] = df
                 links.setdefault(name, {})[label] = f"../{rel}"  # relative to report/index.html
                 inventory.append({"asset": name, "partition": label or "", "kind": "table", "path": st.uri(rel)})
@@ -208,6 +238,9 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         models=[_model_info(k) for k in models], tables=tables, figures=figures, states=states,
         defined_assets=[k.to_user_string() for k in UPSTREAM], expected_assets=EXPECTED,
         storage_url=st.url, generated_at=time.time(), model_order=list(registry().model_keys), links=links,
+        notes=[f"No longer in the registry, left out of this page (stored outputs kept): {', '.join(sorted(removed))}. "
+               "A figure across models drawn before the removal shows them until it is recomputed."]
+        if removed else [],
     )
     page = render_report(inputs)
     st.write_text(PAGE, page)
@@ -218,6 +251,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     context.add_output_metadata({
         "report": MetadataValue.url(local.as_uri()) if local else MetadataValue.path(st.uri(PAGE)),
         "models": ", ".join(models),
+        "removed_from_registry": ", ".join(sorted(removed)) or "none",
         "figures": len(figures),
         "assets_computed": len({s.asset for s in states}),
         "page_bytes": len(page.encode()),
