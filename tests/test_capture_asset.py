@@ -111,6 +111,10 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     assert "rope_theta" in layer_cols and any("scaling" in c for c in layer_cols)
     assert meta["documents"].value == 3 and meta["documents_shorter_than_window"].value == 1
     assert meta["model_identity"].value["source"]["kind"] == "local"
+    # issue 26.2: the headline counts first, then the tables, the capture settings last as one entry
+    keys = [k for k in meta if not k.startswith("dagster/") and k != "path"]
+    assert keys[:4] == ["heads", "layers_sampled", "documents", "tokens_per_second"] and keys[4] == "head_manifest"
+    assert keys[-1] == "options" and meta["options"].value["sampler"]["seed"] is not None
     logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert any("document 3/3" in m and "tok/s" in m for m in logs)
 

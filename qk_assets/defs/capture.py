@@ -27,7 +27,7 @@ from dagster import (
 
 from qk_assets.automation import PER_PAIR
 from qk_assets.checks import check_spec
-from qk_assets.metadata import table_value
+from qk_assets.metadata import results_first, table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
 from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 from qk_core.capture import capture_model
@@ -99,18 +99,16 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
         "documents_resumed_or_reused": len(result.skipped_docs),
         "tokens_this_run": int(result.tokens),
         "tokens_per_second": float(round(result.tokens_per_s, 1)) if result.tokens else 0.0,
-        "window": entry.window,
-        "bucket": entry.bucket,
-        "dtype": man["dtype"],
-        "device": man["device"],
-        "attention_backend": str(man["model"].get("attn_implementation")),
         "model_identity": MetadataValue.json(json.loads(json.dumps(man["model"], default=str))),
-        "sampler": MetadataValue.json(man["sampler"]),
-        "dataset": MetadataValue.json(dataset),
         "head_manifest": table_value(result.heads[HEAD_TABLE_COLUMNS], max_rows=1000),
         "layer_metadata": table_value(layers_frame(man), digits=6),
         "document_tokens": table_value(tokens),
     }
+    options = {"window": entry.window, "bucket": entry.bucket, "dtype": man["dtype"], "device": man["device"],
+               "attention_backend": str(man["model"].get("attn_implementation")), "sampler": man["sampler"],
+               "dataset": dataset}
+    headline = {k: metadata[k] for k in ("heads", "layers_sampled", "documents", "tokens_per_second")}
+    metadata = results_first(headline, metadata, MetadataValue.json(json.loads(json.dumps(options, default=str))))
     yield Output(result.heads, metadata=metadata)
     yield AssetCheckResult(
         check_name="capture_verified", asset_key="qk_capture", passed=bool(check["passed"]),
