@@ -223,7 +223,7 @@ def options_table(frames: dict[str | None, pd.DataFrame]) -> Table | None:
         if df is None or "options" not in df.columns:
             continue
         for opt, sub in df.groupby("options", sort=False):
-            models = ", ".join(sorted(set(sub["model"]))) if "model" in sub.columns else (part or "")
+            models = str(part) if part else ", ".join(sorted(set(sub["model"]))) if "model" in sub.columns else ""
             rows.append([Cell(models, bold=True), Cell(str(len(sub)), num=True), Cell(options_text(opt))])
     if not rows:
         return None
