@@ -90,6 +90,9 @@ def test_report_and_joins_from_synthetic_upstream(tmp_path: Path, instance: Dags
     # the figures are on disk and embedded in the stats materialisation
     figs = sorted(p.name for p in (root / "figures" / "benchmarks").glob("*.png"))
     assert any(f.startswith("scores_longbench-pro") for f in figs) and any(f.startswith("length_") for f in figs)
+    # the paper figures (scores) also as PDF, kept by the stale-figure cleanup
+    pdfs = {p.stem for p in (root / "figures" / "benchmarks").glob("*.pdf")}
+    assert pdfs == {f[:-4] for f in figs if f.startswith("scores_")}
     meta = res.asset_materializations_for_node("benchmark_stats")[0].metadata
     key = next(k for k in meta if k.startswith("fig_scores_longbench-pro") and not k.endswith("_path"))
     png = base64.b64decode(meta[key].value.split("base64,", 1)[1].rstrip(")"))

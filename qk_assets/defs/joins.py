@@ -196,7 +196,7 @@ def benchmark_stats(context: AssetExecutionContext, config: BenchmarkStatsConfig
     st = storage.get()
     figs = _figures(benchmark_joins, benchmark_length_joins, df, config)
     meta = save_figures(st, FIGURE_FOLDER, figs)
-    keep = {f"figures/{FIGURE_FOLDER}/{name}.png" for name in figs}
+    keep = {f"figures/{FIGURE_FOLDER}/{name}.{ext}" for name in figs for ext in ("png", "pdf")}
     for rel in st.ls(f"figures/{FIGURE_FOLDER}"):
         if rel not in keep:  # a suite that is gone leaves no stale figure behind
             st.delete(rel)
