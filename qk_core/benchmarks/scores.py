@@ -638,6 +638,7 @@ def registry_aliases(aliases: pd.DataFrame, registry_keys: Iterable[str], uri_of
 def check_aliases(aliases: pd.DataFrame, scores: pd.DataFrame, uri_of: Any = None) -> list[str]:
     """Problems of aliases whose (benchmark, benchmark_model_name, mode) has no score (SPEC 5)."""
     uri_of = uri_of or (lambda rel: rel)
+    scores = scores[scores["model_name"].isin(set(aliases["benchmark_model_name"]))]  # only these can match
     have = set(zip(scores["benchmark"], scores["model_name"], scores["mode"], strict=True))
     names = set(zip(scores["benchmark"], scores["model_name"], strict=True))
     problems = []
