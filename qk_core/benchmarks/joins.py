@@ -107,14 +107,15 @@ def overall_scores(scores: pd.DataFrame, aliases: pd.DataFrame | None = None) ->
     millions of rows); a suite's set of lengths is still taken from every model.
     """
     cols = ["benchmark", "suite", "mode", "model_name", "score", "score_basis", "score_source", "score_file"]
-    lengths = scores[scores["breakdown"] == "length"]
+    suites = ["benchmark", "suite", "mode"]
+    firsts = scores.loc[scores["breakdown"] == "length", [*suites, "length_tokens", "key"]].drop_duplicates(
+        [*suites, "length_tokens"])  # each suite's lengths (first label of each), without copying every row
     full_of = {g: (sorted(set(grp["length_tokens"].dropna().astype(int))),
-                   grp.drop_duplicates("length_tokens").sort_values("length_tokens")["key"].tolist())
-               for g, grp in lengths[["benchmark", "suite", "mode", "length_tokens", "key"]].groupby(
-                   ["benchmark", "suite", "mode"], sort=True, observed=True)}
+                   grp.sort_values("length_tokens")["key"].tolist())
+               for g, grp in firsts.groupby(suites, sort=True, observed=True)}
     if aliases is not None:
         scores = aliased_scores(scores, aliases)
-        lengths = scores[scores["breakdown"] == "length"]
+    lengths = scores[scores["breakdown"] == "length"]
     rep = scores[scores["breakdown"] == "overall"]
     out = [pd.DataFrame({
         "benchmark": rep["benchmark"], "suite": rep["suite"], "mode": rep["mode"], "model_name": rep["model_name"],
