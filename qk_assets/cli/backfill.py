@@ -106,7 +106,13 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"backfill: not launched: {problem}", file=sys.stderr)
         return 2
     defs = build_definitions()
-    instance = DagsterInstance.get()
+    try:
+        instance = DagsterInstance.get()
+    except Exception:  # the database went down since the check: say so rather than Dagster's traceback
+        if problem := instance_problem(home):
+            print(f"backfill: not launched: {problem}", file=sys.stderr)
+            return 2
+        raise
 
     def say(msg: str) -> None:  # on stderr: stdout's first line is the launched backfill's id
         print(f"backfill: {msg}", file=sys.stderr, flush=True)

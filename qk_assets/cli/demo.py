@@ -322,7 +322,13 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"demo: not started: {problem}", file=sys.stderr, flush=True)  # before Dagster opens the instance
         return 2
     defs = build_definitions()
-    instance = DagsterInstance.get()
+    try:
+        instance = DagsterInstance.get()
+    except Exception:  # the database went down since the check: say so rather than Dagster's traceback
+        if os.environ.get("DAGSTER_HOME") and (problem := instance_problem(Path(os.environ["DAGSTER_HOME"]))):
+            print(f"demo: not started: {problem}", file=sys.stderr, flush=True)
+            return 2
+        raise
     home = Path(instance.root_directory or os.environ.get("DAGSTER_HOME", "."))
     storage = Storage.from_settings()
 
