@@ -104,6 +104,60 @@ def needs_ray(ray: RayClusterResource) -> int:
     return 1
 
 
+@pytest.mark.slow
+def test_capture_step_with_an_unsatisfiable_request_fails_in_time(tmp_path: Any, ray_cluster: RayCluster,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through Dagster (the Ray resource connecting by Ray Client): the qk_capture step of an entry asking two
+    GPUs per shard fails within QK_RAY_SCHEDULE_TIMEOUT_S, and the run's event log names request and offer."""
+    import importlib
+
+    import ray
+
+    from qk_assets import partitions
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import StorageResource, TorchDeviceResource
+
+    _tiny(tmp_path)
+    monkeypatch.setenv("QK_REGISTRY", str(tmp_path / "registry.toml"))
+    monkeypatch.setenv("QK_RAY_SCHEDULE_TIMEOUT_S", "3")
+    gcs = ray.get_runtime_context().gcs_address
+    ray.shutdown()  # the step connects by itself, through the head's Ray Client server
+
+    def reload() -> tuple[Any, Any]:
+        partitions.registry.cache_clear()
+        return tuple(importlib.reload(importlib.import_module(f"qk_assets.defs.{m}")) for m in ("corpus", "capture"))
+
+    try:
+        corpus_mod, capture_mod = reload()
+        instance = DagsterInstance.ephemeral()
+        partitions.sync_instance(instance, partitions.registry())
+        store = StorageResource(root=str(tmp_path / "store"))
+        resources = {"storage": store, "io_manager": ParquetIOManager(storage=store),
+                     "device": TorchDeviceResource(device="cpu"),
+                     "ray": RayClusterResource(address=f"ray://127.0.0.1:{ray_cluster.client_port}")}
+        assets = [corpus_mod.corpus, capture_mod.qk_capture]
+        assert materialize(assets, selection=["corpus"], partition_key="tiny", resources=resources,
+                           instance=instance).success
+        t0 = time.monotonic()
+        result = materialize(assets, selection=["qk_capture"], partition_key="tiny|t-two-gpus", resources=resources,
+                             instance=instance, raise_on_error=False)
+        took = time.monotonic() - t0
+        logs = "\n".join(e.user_message + str(getattr(e.dagster_event, "event_specific_data", "") or "")
+                         for e in instance.all_logs(result.run_id))
+    finally:
+        monkeypatch.undo()
+        reload()
+        if not ray.is_initialized():
+            ray.init(address=gcs, logging_level="warning", log_to_driver=False)
+    assert not result.success
+    assert took < 120, took  # connect + 3 s + cancel, on a busy 2-core machine
+    assert "no Ray node can hold a task of CPU 1, GPU 2" in logs  # the warning, at once, in the run's log
+    assert "t-two-gpus (registry capture.num_gpus = 2)" in logs and "which no node of the cluster offers" in logs
+    assert "gave up after 3 s (QK_RAY_SCHEDULE_TIMEOUT_S)" in logs
+    assert "Deleted Ray cluster" not in logs and "Disconnected from Ray cluster" in logs
+    assert _gpus_free() == 2.0
+
+
 def _materialize_with_ray(address: str) -> tuple[Any, str]:
     instance = DagsterInstance.ephemeral()
     result = materialize([needs_ray], resources={"ray": RayClusterResource(address=address)}, instance=instance,

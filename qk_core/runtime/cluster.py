@@ -18,6 +18,7 @@ task started again on another node (Ray's retry) are events in the caller's log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -124,11 +125,13 @@ def start_tracker() -> Any:
 
 
 def _tracked(tracker: Any, label: str, fn: Callable[..., T], *args: Any) -> T:
-    """Body of a tracked task: report the start (fire and forget), then ``fn(*args)``."""
+    """Body of a tracked task: report the start (recorded before ``fn`` runs, so the driver sees it no later
+    than the result; a tracker that does not answer in 10 s is skipped), then ``fn(*args)``."""
     if tracker is not None:
         import ray
 
-        tracker.started.remote(label, ray.get_runtime_context().get_node_id(), os.getpid())
+        with contextlib.suppress(Exception):  # the events are a help; the work goes on without them
+            ray.get(tracker.started.remote(label, ray.get_runtime_context().get_node_id(), os.getpid()), timeout=10)
     return fn(*args)
 
 
