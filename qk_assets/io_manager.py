@@ -56,6 +56,12 @@ def asset_rel(key_path: list[str], partition: str | None) -> str:
     return "assets/" + "/".join(key_path) + f"/{partition or '_all'}.parquet"
 
 
+def _frame(table: pa.Table) -> pd.DataFrame:
+    """``table`` as a DataFrame, its Arrow buffers freed column by column while converting (issue 25.6: a
+    multi-million-row input is then held once, not twice); the table is not used afterwards."""
+    return table.to_pandas(self_destruct=True)
+
+
 class ParquetIOManager(ConfigurableIOManager):
     storage: ResourceDependency[StorageResource]
 
@@ -78,14 +84,14 @@ class ParquetIOManager(ConfigurableIOManager):
             rel = asset_rel(key_path, None)
             if (context.definition_metadata or {}).get("allow_missing") and not storage.exists(rel):
                 return {}
-            return storage.read_parquet(rel).to_pandas()
+            return _frame(storage.read_parquet(rel))
         keys = list(context.asset_partition_keys)
         downstream_partitioned = context.has_partition_key if hasattr(context, "has_partition_key") else False
         if len(keys) == 1 and downstream_partitioned:
-            return storage.read_parquet(asset_rel(key_path, keys[0])).to_pandas()
+            return _frame(storage.read_parquet(asset_rel(key_path, keys[0])))
         out = {}
         for key in keys:
             rel = asset_rel(key_path, key)
             if storage.exists(rel):
-                out[key] = storage.read_parquet(rel).to_pandas()
+                out[key] = _frame(storage.read_parquet(rel))
         return out

@@ -45,7 +45,9 @@ class RayClusterResource(RayResource):
     dagster-ray's resource interface for a cluster this platform neither creates nor deletes: with an
     ``address`` (Ray Client, ``ray://host:10001``, e.g. a KubeRay head service) the step connects with
     ``ray.init`` for its duration and :func:`qk_core.capture.sharded.capture_sharded` submits one GPU task
-    per shard; without one nothing connects and the capture runs in the step process as before.
+    per shard; without one nothing connects and the capture runs in the step process as before. The
+    cluster is never deleted: the step only disconnects (and says so), and an unreachable address is a
+    ``ConnectionError`` naming it.
     """
 
     address: str = ""
@@ -85,13 +87,19 @@ class RayClusterResource(RayResource):
             return None
         import ray
 
+        t0 = time.monotonic()
         for attempt in range(1, self.CONNECT_ATTEMPTS + 1):
             try:
                 return super().connect(context)
             except (ConnectionError, AssertionError) as exc:
                 ray.shutdown()
                 if attempt == self.CONNECT_ATTEMPTS:
-                    raise
+                    port = urlparse(self.address).port or 10001
+                    raise ConnectionError(
+                        f"{self.name} (QK_RAY_ADDRESS): no Ray Client connection after {attempt} attempts over "
+                        f"{time.monotonic() - t0:.0f} s ({type(exc).__name__}: {exc}); check that the head runs "
+                        f"`ray start --head --ray-client-server-port={port}` and that {self.host}:{port} is "
+                        f"reachable from this host") from exc
                 context.log.warning(f"{self.name}: connection attempt {attempt} failed ({type(exc).__name__}: "
                                     f"{str(exc).splitlines()[0] if str(exc) else ''}); trying again")
                 time.sleep(2.0 * attempt)
@@ -100,6 +108,13 @@ class RayClusterResource(RayResource):
     def on_connect(self, context):  # type: ignore[no-untyped-def]
         if self.enabled:  # without a cluster nothing connected: say nothing
             super().on_connect(context)
+
+    def on_cleanup(self, context, *, deleted: bool):  # type: ignore[no-untyped-def]
+        """Replaces dagster-ray's 'Deleted <cluster> according to cleanup policy' line: nothing is deleted
+        here (``delete`` is a no-op for an existing cluster), the step only disconnected."""
+        if self.enabled and self.connected:  # a failed connect has nothing to disconnect
+            context.log.info(f"Disconnected from {self.name}; the cluster keeps running (not created or "
+                             f"deleted by this platform)")
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> "RayClusterResource":

@@ -97,6 +97,22 @@ class RayCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+class Log:
+    """A stand-in for ``context.log``: keeps (level, message)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, message: str) -> None:
+        self.lines.append(("info", message))
+
+    def warning(self, message: str) -> None:
+        self.lines.append(("warning", message))
+
+    def text(self) -> str:
+        return "\n".join(m for _, m in self.lines)
+
+
 def _ports(client_port: int | None = None) -> list[str]:
     out = ["--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
            "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),

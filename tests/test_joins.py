@@ -200,3 +200,21 @@ def test_report_rejects_malformed_measured_frames(reference: pd.DataFrame) -> No
     with pytest.raises(BenchmarkDataError, match=r"assets/rotation_metrics/qwen3-8b.parquet: field 'median'"):
         build_model_report({"rotation_metrics": {"qwen3-8b": bad}}, reference)
     assert list(COLUMNS) == list(metrics_frame([]).columns)
+
+
+def test_joins_score_only_the_aliased_models_with_the_same_result(aliases: pd.DataFrame, scores: pd.DataFrame) -> None:
+    """Issue 25.6: overall scores computed for the aliased models only equal the full computation's rows for
+    them, including a RULER-style suite whose set of lengths comes from models that are not aliased."""
+    full = overall_scores(scores)
+    only = overall_scores(scores, aliases)
+    keys = set(zip(aliases["benchmark"], aliases["benchmark_model_name"], aliases["mode"], strict=True))
+    want = full[[k in keys for k in zip(full["benchmark"], full["model_name"], full["mode"], strict=True)]]
+    assert len(only) == len(want) > 0 and len(only) < len(full)
+    pd.testing.assert_frame_equal(only.astype(str).reset_index(drop=True), want.astype(str).reset_index(drop=True))
+    # a longer length reported by an unaliased model only: no aliased model is complete in that suite any more
+    suite, mode = only.loc[only["score_basis"] != "reported", ["suite", "mode"]].iloc[0]
+    ruler = scores[(scores["breakdown"] == "length") & (scores["suite"] == suite) & (scores["mode"] == mode)]
+    extra = ruler.iloc[[0]].astype(object).assign(model_name="unaliased/model", key="9m", length_tokens=9_000_000)
+    more = pd.concat([scores.astype(object), extra], ignore_index=True)
+    for out in (overall_scores(more, aliases), overall_scores(more)):
+        assert not ((out["suite"] == suite) & (out["mode"] == mode) & (out["score_basis"] != "reported")).any()

@@ -25,7 +25,7 @@ import pandas as pd
 import pytest
 import tiny_models as tm
 import torch
-from ray_cluster import WORKER_THREADS, RayCluster, cmdline, descendants
+from ray_cluster import WORKER_THREADS, Log, RayCluster, cmdline, descendants
 from servers import wait_for
 
 from qk_core.capture import capture_model
@@ -137,6 +137,8 @@ def test_dagster_capture_runs_on_the_cluster(lab: dict, monkeypatch: pytest.Monk
         logs = " ".join(e.user_message for e in instance.all_logs(result.run_id))
         assert "2 shard(s) of 1.0 GPU(s) each on Ray cluster ray://127.0.0.1" in logs
         assert "sharded capture of 16 documents over 2 Ray tasks" in logs
+        assert logs.count("started on Ray node") == 2  # one event per shard
+        assert "Deleted Ray cluster" not in logs and "Disconnected from Ray cluster ray://127.0.0.1" in logs
         assert not ray.is_initialized()  # the resource disconnected after the step
     finally:
         monkeypatch.undo()
@@ -315,7 +317,8 @@ def whole_afterwards(lab: dict) -> Iterator[None]:
 
 
 def test_killed_worker_node_is_redone_elsewhere(lab: dict, whole_afterwards: None) -> None:
-    """SIGKILL a worker node while its shard is half committed: nothing lost, nothing duplicated."""
+    """SIGKILL a worker node while its shard is half committed: nothing lost, nothing duplicated; the node's
+    death and the shard's retry are events in the log handed to the capture (the step's ``context.log``)."""
     import ray
 
     cluster: RayCluster = lab["cluster"]
@@ -324,8 +327,10 @@ def test_killed_worker_node_is_redone_elsewhere(lab: dict, whole_afterwards: Non
     shards = shard_documents(ids, 2)
     prefix = lab["ref"].prefix
     node_ids = {n["NodeManagerPort"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    log = Log()
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(capture_sharded, lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu")
+        future = pool.submit(capture_sharded, lab["entry"], lab["corpus"], storage, n_shards=2, device="cpu",
+                             log=log)
         node, pid, shard = _shard_process(cluster)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -347,3 +352,8 @@ def test_killed_worker_node_is_redone_elsewhere(lab: dict, whole_afterwards: Non
     assert set(redo["skipped"]) >= done_before and redo["captured"]  # resumed, not restarted
     assert len(storage.ls(f"{prefix}/docs")) == N_DOCS
     assert assert_bit_identical(lab["ref_storage"], storage, prefix) > N_DOCS
+    text = log.text()
+    label = f"shard {shard} of t-llama ({len(shards[shard])} documents)"
+    assert f"Ray node {killed[0][:12]} (" in text and f") died while running {label}" in text, text
+    assert f"{label}: retried by Ray, attempt 2 of 4, on node {redo['node_id'][:12]}" in text, text
+    assert f"the previous attempt ran on node {killed[0][:12]}" in text, text

@@ -27,6 +27,7 @@ from pathlib import Path
 from dagster import AssetKey, DagsterInstance, Definitions
 
 from qk_assets.cli.dagster_api import DagsterAPI, Interrupted, dagster_at, run_backfill, stop_on_signals
+from qk_assets.cli.preflight import InstanceError, instance_problem
 from qk_assets.definitions import build_definitions, per_model_keys
 from qk_assets.partitions import pair_key, registry, sync_instance
 from qk_core.config.registry import Registry, RegistryError
@@ -100,9 +101,18 @@ def main(argv: Iterable[str] | None = None) -> int:
         print("backfill: not launched: DAGSTER_HOME is not set (the instance `make ui` runs on); run "
               f"`make backfill SERIES={args.series}` or set DAGSTER_HOME", file=sys.stderr)
         return 2
-    defs = build_definitions()
-    instance = DagsterInstance.get()
     home = Path(os.environ["DAGSTER_HOME"])
+    if problem := instance_problem(home):  # before Dagster opens the instance
+        print(f"backfill: not launched: {problem}", file=sys.stderr)
+        return 2
+    defs = build_definitions()
+    try:
+        instance = DagsterInstance.get()
+    except Exception:  # the database went down since the check: say so rather than Dagster's traceback
+        if problem := instance_problem(home):
+            print(f"backfill: not launched: {problem}", file=sys.stderr)
+            return 2
+        raise
 
     def say(msg: str) -> None:  # on stderr: stdout's first line is the launched backfill's id
         print(f"backfill: {msg}", file=sys.stderr, flush=True)
@@ -117,7 +127,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             print(f"follow it at {api.url}/runs/b/{backfill_id}", flush=True)
             if args.url:
                 return 0
-            b = run_backfill(api, backfill_id, say)
+            b = run_backfill(api, backfill_id, say, health=lambda: instance_problem(home))
     except Interrupted as exc:
         print(f"backfill: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -128,8 +138,11 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"backfill: not launched: no Dagster webserver answers at {args.url} ({exc}); start it with "
               "`make ui` or leave --url out", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # Dagster refused the backfill; its message says why
-        print(f"backfill: {exc}", file=sys.stderr)
+    except Exception as exc:  # the instance's database or volume first: what Dagster says then is a consequence
+        problem = str(exc) if isinstance(exc, InstanceError) else instance_problem(home)
+        if problem is None and not isinstance(exc, RuntimeError):
+            raise
+        print(f"backfill: {problem or exc}", file=sys.stderr)  # else Dagster refused the backfill: it says why
         return 2
     say(f"{b.status.lower()}" + "".join(f"; {asset}: {n} partition(s) failed or skipped"
                                         for asset, n in sorted(b.failed.items())))

@@ -33,6 +33,8 @@ from typing import Any
 
 from dagster import AssetKey
 
+from qk_assets.cli.preflight import InstanceError
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 FINISHED_BACKFILL = ("COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED")
@@ -490,13 +492,28 @@ def _assets(run: Run, width: int = 90) -> str:
     return text if len(text) <= width else f"{len(names)} assets ({text[:width].rsplit(', ', 1)[0]}, ...)"
 
 
-def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
+Health = Callable[[], "str | None"]  # why the instance cannot work (database down, home volume full), or None
+
+
+def follow_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0,
+                    health: Health | None = None, health_every_s: float = 10.0) -> Backfill:
     """Poll the backfill until it finishes, printing each of its runs (one per partition) as it is queued, starts,
-    materialises its assets and ends."""
+    materialises its assets and ends. ``health`` (qk_assets.cli.preflight) is asked every ``health_every_s``
+    and when a poll fails: a problem it names ends the wait with :class:`InstanceError` saying it."""
     seen: dict[str, str] = {}
     done: dict[str, int] = {}
+    checked = time.monotonic()
     while True:
-        b = api.backfill(backfill_id)
+        if health is not None and time.monotonic() - checked >= health_every_s:
+            checked = time.monotonic()
+            if problem := health():
+                raise InstanceError(f"backfill {backfill_id} not followed to its end: {problem}")
+        try:
+            b = api.backfill(backfill_id)
+        except Exception as exc:
+            if health is not None and (problem := health()):
+                raise InstanceError(f"backfill {backfill_id} not followed to its end: {problem}") from exc
+            raise
         for run in b.runs:
             before = seen.get(run.run_id)
             if run.status == "STARTED" and before == "STARTED" and run.materialized != done.get(run.run_id, 0):
@@ -534,10 +551,11 @@ def cancel_and_wait(api: DagsterAPI, backfill_id: str, say: Callable[[str], None
     return f"backfill {backfill_id} {b.status.lower()}" + (f", {len(ended)} run(s) canceled" if ended else "")
 
 
-def run_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0) -> Backfill:
+def run_backfill(api: DagsterAPI, backfill_id: str, say: Callable[[str], None], poll_s: float = 2.0,
+                 health: Health | None = None) -> Backfill:
     """:func:`follow_backfill`; on SIGINT / SIGTERM (:func:`stop_on_signals`) cancel it, then raise
     :class:`Interrupted` saying what became of it."""
     try:
-        return follow_backfill(api, backfill_id, say, poll_s)
+        return follow_backfill(api, backfill_id, say, poll_s, health)
     except Interrupted as exc:
         raise Interrupted(exc.signum, cancel_and_wait(api, backfill_id, say)) from None

@@ -45,7 +45,16 @@ from dagster import (
     partition_loading_context,
 )
 
-from qk_assets.cli.dagster_api import DagsterAPI, Interrupted, dagster_at, partitions_of, run_backfill, stop_on_signals
+from qk_assets.cli.dagster_api import (
+    DagsterAPI,
+    Health,
+    Interrupted,
+    dagster_at,
+    partitions_of,
+    run_backfill,
+    stop_on_signals,
+)
+from qk_assets.cli.preflight import InstanceError, instance_problem
 from qk_assets.definitions import build_definitions
 from qk_assets.partitions import multi_corpus_models, pair_key, registry, sync_instance
 from qk_core.config.registry import Registry
@@ -209,17 +218,19 @@ def report_location(storage: Storage) -> str:
 
 def run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
              group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-             log_level: str = "INFO", verbose: bool = False, out: TextIO = sys.stdout, poll_s: float = 2.0) -> int:
+             log_level: str = "INFO", verbose: bool = False, out: TextIO = sys.stdout, poll_s: float = 2.0,
+             health: Health | None = None) -> int:
     """Plan with Dagster's staleness and execute the plan as one asset backfill through ``api`` (a webserver whose
-    instance runs the backfill daemon); return the number of failed or skipped asset partitions (0 = success)."""
+    instance runs the backfill daemon); return the number of failed or skipped asset partitions (0 = success).
+    ``health`` (:func:`qk_assets.cli.preflight.instance_problem`) is asked while the backfill is followed."""
     with partition_loading_context(dynamic_partitions_store=instance):
         return _run_demo(api, defs, instance, registry, storage, group=group, models=models, dry_run=dry_run,
-                         force=force, log_level=log_level, verbose=verbose, out=out, poll_s=poll_s)
+                         force=force, log_level=log_level, verbose=verbose, out=out, poll_s=poll_s, health=health)
 
 
 def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
               group: str, models: Iterable[str], dry_run: bool, force: bool, log_level: str, verbose: bool,
-              out: TextIO, poll_s: float) -> int:
+              out: TextIO, poll_s: float, health: Health | None = None) -> int:
 
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
@@ -237,7 +248,7 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
     if not dry_run and (open_ids := api.open_backfills({DEMO_TAG: "1"})):  # e.g. of a demo that was killed
         say(f"demo: backfill {open_ids[0]} of an earlier demo is still in progress; following it first "
             f"({api.url}/runs/b/{open_ids[0]})")
-        run_backfill(api, open_ids[0], say, poll_s)
+        run_backfill(api, open_ids[0], say, poll_s, health)
     t0 = time.monotonic()
     observe_registry_entries(api, defs)  # registry edits reach Dagster's staleness as data versions
     say(f"demo: registry entries observed in {time.monotonic() - t0:.0f} s")
@@ -271,7 +282,7 @@ def _run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, reg
     t_start = time.monotonic()
     say(f"demo: launched backfill {backfill_id} of {len(todo)} asset partitions; Dagster's daemon runs it "
         f"({api.url}/runs/b/{backfill_id})")
-    b = run_backfill(api, backfill_id, say, poll_s)  # SIGINT / SIGTERM: canceled, then Interrupted
+    b = run_backfill(api, backfill_id, say, poll_s, health)  # SIGINT / SIGTERM: canceled, then Interrupted
     failed = sum(b.failed.values())
     if not failed and b.status != "COMPLETED_SUCCESS":
         failed = 1
@@ -307,10 +318,22 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     os.environ.setdefault("TQDM_DISABLE", "1")  # no carriage-return progress bars in the run log
 
+    if os.environ.get("DAGSTER_HOME") and (problem := instance_problem(Path(os.environ["DAGSTER_HOME"]))):
+        print(f"demo: not started: {problem}", file=sys.stderr, flush=True)  # before Dagster opens the instance
+        return 2
     defs = build_definitions()
-    instance = DagsterInstance.get()
+    try:
+        instance = DagsterInstance.get()
+    except Exception:  # the database went down since the check: say so rather than Dagster's traceback
+        if os.environ.get("DAGSTER_HOME") and (problem := instance_problem(Path(os.environ["DAGSTER_HOME"]))):
+            print(f"demo: not started: {problem}", file=sys.stderr, flush=True)
+            return 2
+        raise
     home = Path(instance.root_directory or os.environ.get("DAGSTER_HOME", "."))
     storage = Storage.from_settings()
+
+    def health() -> str | None:
+        return instance_problem(home) if instance.root_directory else None
 
     def say(msg: str) -> None:
         print(f"demo: {msg}", flush=True)
@@ -320,12 +343,16 @@ def main(argv: Iterable[str] | None = None) -> int:
                                            say=say) as api:
             failed = run_demo(api, defs, instance, registry(), storage, group=args.group, models=args.models,
                               dry_run=args.dry_run, verbose=args.verbose, force=args.force,
-                              log_level=args.log_level)
+                              log_level=args.log_level, health=health)
     except DemoInterrupted as exc:
         print(f"demo: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except RuntimeError as exc:  # Dagster refused (daemon missing, backfill not launched): its message says why
-        print(f"demo: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # the instance's database or volume first: what Dagster says then is a consequence
+        problem = str(exc) if isinstance(exc, InstanceError) else health()
+        if problem is None and not isinstance(exc, RuntimeError):
+            raise
+        # else Dagster refused (daemon missing, backfill not launched): its message says why
+        print(f"demo: {problem or exc}", file=sys.stderr, flush=True)
         return 2
     return 1 if failed else 0
 

@@ -153,7 +153,7 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
     placed = on_cpu_worker(  # a CPU task on the Ray cluster when connected (issue 12), else here
         geometry_of_capture, model, store, qk_capture, pca_opts if do_pca else None, rot_opts if do_rot else None,
         keep_points=config.plane_points, blas=config.blas_threads,
-        progress=None if ray.enabled else progress_logger(context, label), cluster=ray.enabled,
+        progress=None if ray.enabled else progress_logger(context, label), cluster=ray.enabled, ray_log=context.log,
         name=f"qk_geometry:{model}:{corpus}")
     context.log.info(f"{label}: {len(qk_capture)} heads on {placed.where}")
     out = placed.value

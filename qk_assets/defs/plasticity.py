@@ -127,7 +127,7 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
 
     placed = on_cpu_worker(  # a CPU task on the Ray cluster when connected (issue 12), else here
         analyse_capture, model, store, prefixes[0], heads, opts, progress=None if ray.enabled else progress,
-        cluster=ray.enabled, name=f"qk_plasticity:{model}:{corpus}")
+        cluster=ray.enabled, ray_log=context.log, name=f"qk_plasticity:{model}:{corpus}")
     context.log.info(f"plasticity {model} on {corpus}: {len(heads)} heads on {placed.where}")
     result = placed.value
     L, B = result.window, result.bucket

@@ -97,33 +97,54 @@ def metric_values(report: pd.DataFrame, basis: str = "preferred") -> pd.DataFram
 
 
 # ---- scores -------------------------------------------------------------------------------------
-def overall_scores(scores: pd.DataFrame) -> pd.DataFrame:
+def overall_scores(scores: pd.DataFrame, aliases: pd.DataFrame | None = None) -> pd.DataFrame:
     """The overall score of every (benchmark, suite, mode, model) (SPEC 5 a).
 
     A reported ``overall`` row is used as is. A suite that reports per-length scores only (RULER
     tables) gets the mean over its lengths — the RULER paper's average — for models that have every
-    length the suite reports in that mode; ``score_basis`` says which.
+    length the suite reports in that mode; ``score_basis`` says which. With ``aliases``, only the
+    models they name are scored (issue 25.6: a join needs a few models of a table that may hold
+    millions of rows); a suite's set of lengths is still taken from every model.
     """
     cols = ["benchmark", "suite", "mode", "model_name", "score", "score_basis", "score_source", "score_file"]
+    suites = ["benchmark", "suite", "mode"]
+    firsts = scores.loc[scores["breakdown"] == "length", [*suites, "length_tokens", "key"]].drop_duplicates(
+        [*suites, "length_tokens"])  # each suite's lengths (first label of each), without copying every row
+    full_of = {g: (sorted(set(grp["length_tokens"].dropna().astype(int))),
+                   grp.sort_values("length_tokens")["key"].tolist())
+               for g, grp in firsts.groupby(suites, sort=True, observed=True)}
+    if aliases is not None:
+        scores = aliased_scores(scores, aliases)
+    lengths = scores[scores["breakdown"] == "length"]
     rep = scores[scores["breakdown"] == "overall"]
     out = [pd.DataFrame({
         "benchmark": rep["benchmark"], "suite": rep["suite"], "mode": rep["mode"], "model_name": rep["model_name"],
         "score": rep["score"], "score_basis": "reported", "score_source": rep["source"], "score_file": rep["file"]})]
-    lengths = scores[scores["breakdown"] == "length"]
     have = set(zip(rep["benchmark"], rep["suite"], rep["mode"], rep["model_name"], strict=True))
-    for (bench, suite, mode), grp in lengths.groupby(["benchmark", "suite", "mode"], sort=True):
-        full = sorted(set(grp["length_tokens"].dropna().astype(int)))
-        labels = grp.drop_duplicates("length_tokens").sort_values("length_tokens")["key"].tolist()
-        for model, mg in grp.groupby("model_name", sort=True):
+    rows = []
+    for (bench, suite, mode), grp in lengths.groupby(["benchmark", "suite", "mode"], sort=True, observed=True):
+        full, labels = full_of[(bench, suite, mode)]
+        for model, mg in grp.groupby("model_name", sort=True, observed=True):
             if (bench, suite, mode, model) in have or sorted(set(mg["length_tokens"].astype(int))) != full:
                 continue
-            out.append(pd.DataFrame([{
+            rows.append({
                 "benchmark": bench, "suite": suite, "mode": mode, "model_name": model,
                 "score": float(mg["score"].mean()), "score_basis": f"mean over lengths {', '.join(labels)}",
                 "score_source": " | ".join(sorted(set(mg["source"]))),
                 "score_file": " | ".join(sorted(set(mg["file"]))),
-            }]))
+            })
+    if rows:
+        out.append(pd.DataFrame(rows))
     return pd.concat(out, ignore_index=True)[cols]
+
+
+def aliased_scores(scores: pd.DataFrame, aliases: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``scores`` whose (benchmark, model_name, mode) an alias names; the others cannot join."""
+    keys = aliases[["benchmark", "benchmark_model_name", "mode"]].drop_duplicates()
+    sub = scores[scores["model_name"].isin(set(keys["benchmark_model_name"]))]
+    want = set(zip(keys["benchmark"], keys["benchmark_model_name"], keys["mode"], strict=True))
+    mask = [t in want for t in zip(sub["benchmark"], sub["model_name"], sub["mode"], strict=True)]
+    return sub[mask]
 
 
 def _alias_frame(aliases: pd.DataFrame) -> pd.DataFrame:
@@ -133,7 +154,7 @@ def _alias_frame(aliases: pd.DataFrame) -> pd.DataFrame:
 def join_model(values: pd.DataFrame, aliases: pd.DataFrame, scores: pd.DataFrame,
                model_types: pd.DataFrame | None = None) -> pd.DataFrame:
     """SPEC 5 a: every metric of every aliased model x the benchmark's overall score."""
-    ov = overall_scores(scores).rename(columns={"model_name": "benchmark_model_name"})
+    ov = overall_scores(scores, aliases).rename(columns={"model_name": "benchmark_model_name"})
     matched = _alias_frame(aliases).merge(ov, on=["benchmark", "benchmark_model_name", "mode"], how="inner")
     if model_types is not None and len(model_types):
         types = model_types[["benchmark", "model_name", "type"]].rename(
@@ -155,6 +176,7 @@ def join_length(values: pd.DataFrame, aliases: pd.DataFrame, scores: pd.DataFram
     bins = values[values["metric"].isin(LENGTH_METRICS)].copy()
     bins["length_tokens"] = bins["key"].map(bin_upper_tokens).astype("Int64")
     bins = bins.rename(columns={"metric": "length_metric", "key": "bin_key", "source": "metric_source"})
+    scores = aliased_scores(scores, aliases)
     per_len = scores[scores["breakdown"] == "length"].rename(columns={
         "model_name": "benchmark_model_name", "key": "length", "source": "score_source", "file": "score_file"})
     per_len = per_len[["benchmark", "suite", "mode", "benchmark_model_name", "length", "length_tokens", "score",

@@ -13,6 +13,11 @@ The result is bit-identical to a single-worker capture: the fingerprint, head ma
 depend only on the entry and the whole corpus, a document's rows only on that document, and
 ``finalize()`` reads the document files in name order whoever wrote them.
 
+While the shards run, the driver watches the cluster (:func:`qk_core.runtime.cluster.wait_for_tasks`):
+each shard's start, a node's death and a shard started again by Ray are events in ``log``; a request no
+node can hold (``num_gpus = 2`` on one-GPU nodes, no GPU worker at all) fails after
+``QK_RAY_SCHEDULE_TIMEOUT_S`` naming the request and what the cluster offers.
+
 Workers need this package importable and the storage credentials in their own environment
 (``AWS_*``); only the storage root and endpoint URL travel with the task.
 """
@@ -29,6 +34,7 @@ from qk_core.capture.run import CaptureResult, _result_from_storage, capture_mod
 from qk_core.capture.store import CaptureError, CaptureWriter
 from qk_core.config.registry import ModelEntry
 from qk_core.io.storage import Storage
+from qk_core.runtime.cluster import RayScheduleError, _tracked, start_tracker, wait_for_tasks
 
 
 def shard_documents(example_ids: list[int], n_shards: int) -> list[list[int]]:
@@ -55,12 +61,13 @@ def capture_shard(entry: ModelEntry, corpus: pd.DataFrame, storage_root: str, s3
 
 def capture_sharded(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, n_shards: int,
                     num_gpus: float = 1.0, corpus_name: str | None = None, device: str = "auto",
-                    max_retries: int = 3, log: Any = None) -> CaptureResult:
+                    max_retries: int = 3, log: Any = None, schedule_timeout_s: float | None = None) -> CaptureResult:
     """Capture ``entry`` over ``corpus`` with ``n_shards`` Ray tasks on the connected cluster, then finalize.
 
     ``ray.init(address=...)`` must have been called (the caller owns the connection). Returns the same
     :class:`CaptureResult` as :func:`capture_model`, with ``shards``: what each task reported (documents
-    captured and found committed, node, pid, timings).
+    captured and found committed, node, pid, timings). ``schedule_timeout_s`` (default
+    ``QK_RAY_SCHEDULE_TIMEOUT_S``) bounds the wait while no node can hold one shard's request.
     """
     import ray
 
@@ -71,14 +78,21 @@ def capture_sharded(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *
         docs = docs.head(entry.capture.max_docs)
     ids = [int(e) for e in docs["example_id"]]
     shards = shard_documents(ids, n_shards)
-    task = ray.remote(capture_shard)
+    task = ray.remote(_tracked)
     corpus_ref = ray.put(docs)
+    tracker = start_tracker()
     t0 = time.perf_counter()
-    refs = [task.options(name=f"qk_capture_shard:{entry.key}:{i}", num_gpus=num_gpus, max_retries=max_retries,
-                         retry_exceptions=False).remote(
-        entry, corpus_ref, storage.url, storage.s3_endpoint_url, corpus_name, shard, device)
+    labels = [f"shard {i} of {entry.key} ({len(shard)} documents)" for i, shard in enumerate(shards)]
+    refs = [task.options(name=f"qk_capture_shard:{entry.key}:{i}", num_cpus=1, num_gpus=num_gpus,
+                         max_retries=max_retries, retry_exceptions=False).remote(
+        tracker, labels[i], capture_shard, entry, corpus_ref, storage.url, storage.s3_endpoint_url, corpus_name,
+        shard, device)
         for i, shard in enumerate(shards)]
-    reports = ray.get(refs)
+    try:
+        reports = wait_for_tasks(refs, {"CPU": 1.0, "GPU": float(num_gpus)}, labels=labels, tracker=tracker,
+                                 log=log, timeout_s=schedule_timeout_s, max_retries=max_retries)
+    except RayScheduleError as exc:
+        raise CaptureError(f"{entry.key} (registry capture.num_gpus = {num_gpus:g}): {exc}") from None
     prefixes = {r["prefix"] for r in reports}
     if len(prefixes) != 1:
         raise CaptureError(f"{entry.key}: shards wrote to different captures {sorted(prefixes)}")

@@ -12,6 +12,10 @@
 | QK_RAY_ADDRESS      | an existing Ray cluster (Ray Client ``ray://host:10001``)    | unset (everything runs   |
 |                     | that captures are sharded onto (qk_core.capture.sharded)     | in the Dagster step)     |
 |                     | and analyses run on as CPU tasks (qk_core.runtime.cluster)   |                          |
+| QK_RAY_SCHEDULE_TIMEOUT_S | seconds Ray tasks wait while no live node can hold their  | 300                      |
+|                     | request (GPUs, CPUs) before the step fails naming both       |                          |
+| QK_DAGSTER_HOME_MIN_FREE_MB | free MiB the demo / backfill CLI require on DAGSTER_HOME's | 100                      |
+|                     | volume (qk_assets/cli/preflight.py)                          |                          |
 | QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
 """
@@ -34,6 +38,7 @@ class Settings:
     device: str
     benchmark_max_bytes: int = 512 * 2**20
     ray_address: str = ""
+    ray_schedule_timeout_s: int = 300
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -44,6 +49,7 @@ class Settings:
             device=os.environ.get("QK_DEVICE", "auto"),
             benchmark_max_bytes=int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
             ray_address=os.environ.get("QK_RAY_ADDRESS", ""),
+            ray_schedule_timeout_s=int_env("QK_RAY_SCHEDULE_TIMEOUT_S", 300),
         )
 
 

@@ -8,10 +8,17 @@ which is safe because analyses only read the capture and return values. Without 
 here and nothing else changes, so results are the same either way. Only what ``fn`` is given travels
 with the task: a :class:`qk_core.io.storage.Storage` pickles as its root and endpoint URL, never
 credentials; workers read ``AWS_*`` from their own environment.
+
+Waiting is bounded and visible (issue 25.7): :func:`wait_for_tasks` polls the cluster while tasks are
+pending. A request that no live node can hold (``num_gpus = 2`` on one-GPU nodes, a GPU on a cluster
+without GPU workers) fails after ``QK_RAY_SCHEDULE_TIMEOUT_S`` with :class:`RayScheduleError` naming the
+request and what every node offers (an autoscaler has that long to add a node); a node that dies and a
+task started again on another node (Ray's retry) are events in the caller's log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -19,7 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from qk_core.config.settings import Settings
+
 T = TypeVar("T")
+POLL_S = 1.0  # how often a waiting driver looks at the cluster's nodes and the tasks' start reports
+
+
+class RayScheduleError(RuntimeError):
+    """Ray tasks whose resource request no node of the cluster can satisfy; the message names both."""
 
 
 @dataclass(frozen=True)
@@ -62,15 +76,171 @@ def cluster_connected() -> bool:
 
 
 def on_cpu_worker(fn: Callable[..., T], *args: Any, cluster: bool, name: str, num_cpus: float = 1.0,
-                  max_retries: int = 3, **kwargs: Any) -> Placed[T]:
+                  max_retries: int = 3, ray_log: Any = None, schedule_timeout_s: float | None = None,
+                  **kwargs: Any) -> Placed[T]:
     """``fn(*args, **kwargs)`` as one Ray task of ``num_cpus`` CPUs and no GPU when ``cluster`` (the caller
-    holds the connection), else here."""
+    holds the connection), else here. Node deaths and retries go to ``ray_log`` (:func:`wait_for_tasks`)."""
     if not cluster:
         return _placed(fn, args, kwargs)
     if not cluster_connected():
         raise RuntimeError(f"{name}: no Ray connection; call ray.init(address=...) before submitting the task")
     import ray
 
-    task = ray.remote(_placed).options(name=name, num_cpus=num_cpus, num_gpus=0, max_retries=max_retries,
-                                       retry_exceptions=False)
-    return ray.get(task.remote(fn, args, kwargs))
+    tracker = start_tracker()
+    task = ray.remote(_tracked).options(name=name, num_cpus=num_cpus, num_gpus=0, max_retries=max_retries,
+                                        retry_exceptions=False)
+    ref = task.remote(tracker, name, _placed, fn, args, kwargs)
+    return wait_for_tasks([ref], {"CPU": float(num_cpus)}, labels=[name], tracker=tracker, log=ray_log,
+                          timeout_s=schedule_timeout_s, max_retries=max_retries)[0]
+
+
+# ---- bounded, visible waiting ---------------------------------------------------------------------
+class _Starts:
+    """A tiny Ray actor the tasks report their start to (label, node, pid), so the driver sees retries."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[str, str, int]] = []
+
+    def started(self, label: str, node_id: str, pid: int) -> None:
+        self.starts.append((label, node_id, pid))
+
+    def since(self, n: int) -> list[tuple[str, str, int]]:
+        return self.starts[n:]
+
+
+def start_tracker() -> Any:
+    """A :class:`_Starts` actor on the head node (no CPU held), or ``None`` where it cannot be created."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]),
+                None)
+    opts: dict[str, Any] = {"num_cpus": 0}
+    if head:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+    try:
+        return ray.remote(_Starts).options(**opts).remote()
+    except Exception:  # events are a help; the tasks run without them
+        return None
+
+
+def _tracked(tracker: Any, label: str, fn: Callable[..., T], *args: Any) -> T:
+    """Body of a tracked task: report the start (recorded before ``fn`` runs, so the driver sees it no later
+    than the result; a tracker that does not answer in 10 s is skipped), then ``fn(*args)``."""
+    if tracker is not None:
+        import ray
+
+        with contextlib.suppress(Exception):  # the events are a help; the work goes on without them
+            ray.get(tracker.started.remote(label, ray.get_runtime_context().get_node_id(), os.getpid()), timeout=10)
+    return fn(*args)
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    keys = [k for k in ("CPU", "GPU") if k in resources] + sorted(
+        k for k in resources if k not in ("CPU", "GPU") and not k.startswith(("node:", "object_store_memory",
+                                                                               "memory", "accelerator_type")))
+    return ", ".join(f"{k} {resources.get(k, 0.0):g}" for k in keys) or "nothing"
+
+
+def cluster_offer(nodes: list[dict[str, Any]]) -> str:
+    """What the live nodes offer, in words: the cluster's totals and each node's resources."""
+    alive = [n for n in nodes if n.get("Alive")]
+    if not alive:
+        return "no live node"
+    total: dict[str, float] = {}
+    for n in alive:
+        for k, v in n["Resources"].items():
+            total[k] = total.get(k, 0.0) + float(v)
+    total.setdefault("GPU", 0.0)
+    per = "; ".join(f"{n['NodeID'][:12]} ({n.get('NodeManagerAddress', '?')}): "
+                    f"{_fmt({'GPU': 0.0, **n['Resources']})}" for n in alive)
+    return f"{len(alive)} live node(s), in all {_fmt(total)}; per node: {per}"
+
+
+def satisfiable(request: dict[str, float], nodes: list[dict[str, Any]]) -> bool:
+    """Whether one live node has (in total, busy or not) every resource of ``request``."""
+    return any(all(float(n["Resources"].get(k, 0.0)) >= v for k, v in request.items() if v > 0)
+               for n in nodes if n.get("Alive"))
+
+
+def wait_for_tasks(refs: list[Any], request: dict[str, float], *, labels: list[str], tracker: Any = None,
+                   log: Any = None, timeout_s: float | None = None, max_retries: int = 3) -> list[Any]:
+    """``ray.get(refs)``, watching the cluster meanwhile.
+
+    Every ``POLL_S`` seconds: a node that was alive and is not any more is a warning in ``log`` (naming the
+    tasks that ran there); a task that starts again (Ray's retry after its worker or node died) is a
+    warning naming the attempt and node; while no live node can hold ``request`` (each task's resources)
+    for ``timeout_s`` seconds (``QK_RAY_SCHEDULE_TIMEOUT_S`` when None), the pending tasks are cancelled and
+    :class:`RayScheduleError` names the request and what the cluster offers. The tracker (the
+    :func:`start_tracker` actor the tasks report their starts to) is ended afterwards.
+    """
+    import ray
+
+    try:
+        return _wait(refs, request, labels, tracker, log, timeout_s, max_retries)
+    finally:
+        if tracker is not None:
+            ray.kill(tracker)
+
+
+def _wait(refs: list[Any], request: dict[str, float], labels: list[str], tracker: Any, log: Any,
+          timeout_s: float | None, max_retries: int) -> list[Any]:
+    import ray
+
+    timeout = Settings.from_env().ray_schedule_timeout_s if timeout_s is None else float(timeout_s)
+    want = ", ".join(f"{k} {v:g}" for k, v in request.items())
+    alive_before = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    where: dict[str, list[str]] = {}  # task label -> nodes it started on, in order
+    seen = 0
+    infeasible_since: float | None = None
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        starts: list[tuple[str, str, int]] = []
+        if tracker is not None:
+            try:
+                starts = ray.get(tracker.since.remote(seen), timeout=30)
+            except Exception:  # the tracker's node died: keep waiting without start reports
+                tracker = None
+            seen += len(starts)
+        nodes = ray.nodes()  # after the starts: a retry's node death is seen no later than its new start
+        alive = {n["NodeID"]: n for n in nodes if n["Alive"]}
+        for node_id, node in alive_before.items():  # deaths first: the tasks that ran there are known
+            if node_id not in alive:
+                ran = [lb for lb, at in where.items() if at and at[-1] == node_id]
+                _say(log, "warning", f"Ray node {node_id[:12]} ({node.get('NodeManagerAddress', '?')}) died"
+                                     + (f" while running {', '.join(ran)}; Ray retries them on another node "
+                                        f"(up to {max_retries} times)" if ran else ""))
+        for label, node_id, pid in starts:
+            where.setdefault(label, []).append(node_id)
+            attempt = len(where[label])
+            host = {**alive_before, **alive}.get(node_id, {}).get("NodeManagerAddress", "?")
+            if attempt == 1:
+                _say(log, "info", f"{label}: started on Ray node {node_id[:12]} ({host}, pid {pid})")
+            else:
+                _say(log, "warning", f"{label}: retried by Ray, attempt {attempt} of {max_retries + 1}, on "
+                                     f"node {node_id[:12]} ({host}, pid {pid}); the previous attempt ran on "
+                                     f"node {where[label][-2][:12]}")
+        alive_before = alive
+        if not pending or satisfiable(request, nodes):
+            infeasible_since = None
+            continue
+        now = time.monotonic()
+        if infeasible_since is None:
+            infeasible_since = now
+            _say(log, "warning", f"no Ray node can hold a task of {want} ({cluster_offer(nodes)}); waiting up "
+                                 f"to {timeout:g} s (QK_RAY_SCHEDULE_TIMEOUT_S) for one to join")
+        if now - infeasible_since >= timeout:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise RayScheduleError(
+                f"{len(pending)} of {len(refs)} Ray task(s) ({', '.join(labels[:4])}"
+                f"{', ...' if len(labels) > 4 else ''}) request {want} each, which no node of the cluster "
+                f"offers ({cluster_offer(nodes)}); gave up after {timeout:g} s (QK_RAY_SCHEDULE_TIMEOUT_S). "
+                f"Lower the request (registry capture.num_gpus) or add a node that has it")
+    return ray.get(refs)
+
+
+def _say(log: Any, level: str, message: str) -> None:
+    if log is not None:
+        getattr(log, level)(message)
