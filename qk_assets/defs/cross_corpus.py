@@ -77,7 +77,7 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     """One (model, corpus) pair's inputs, or None and why they are missing."""
     capture = _read(storage, CAPTURE, model, corpus)
     rotation = _read(storage, "rotation_heads", model, corpus, ["layer", "q_head", "status", "bias_strength"])
-    pairs = _read(storage, "plasticity_pairs", model, corpus, PAIR_COLUMNS)
+    pairs = _read(storage, "plasticity_pairs", model, corpus, [*PAIR_COLUMNS, "t_i", "t_j"])
     absent = [n for n, v in ((CAPTURE, capture), ("rotation_heads", rotation), ("plasticity_pairs", pairs))
               if v is None]
     if absent:
@@ -130,7 +130,11 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
         else:
             inputs.append(inp)
     popts = resolve_options("plasticity", entry.analysis)
-    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci)
+    # SPEC 4.6 / 10 (revised): the model's plasticity interval rule; its query model is refitted per left-out document
+    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci,
+                              interval="jackknife_t" if popts.interval == "jackknife_t" else "basic",
+                              inflation=popts.interval_inflation, covariance=popts.covariance,
+                              min_queries_per_bucket=popts.min_queries_per_bucket)
     res = compare_corpora(model, inputs, opts, missing)
     figures = _figures(res, model)
     folder = f"cross_corpus/{model}"
