@@ -8,13 +8,16 @@ query model fixed; basic interval of the between-corpus differences) fail it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
 from planted_ap import B, L, ap_truth, plant_heads
 
-from qk_core.config.options import PlasticityOptions
+from qk_core.config.options import INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, PlasticityOptions
 from qk_core.cross_corpus.compare import CorpusInputs, CrossCorpusOptions, ap_loo_refit, compare_corpora
 from qk_core.plasticity import analyse_model
 from qk_core.plasticity.analysis import analyse_head
@@ -100,3 +103,18 @@ def test_small_coverage_and_false_text_rate_on_planted_worlds() -> None:
         text.append(row["verdict"] == "text")
     assert np.mean(hits) >= 0.85, (np.mean(hits), hits)
     assert np.sum(text) <= 1, text
+
+
+def test_outputs_record_the_rule_and_the_calibration_they_rest_on() -> None:
+    """The default inflation is the one bench/results/bootstrap_coverage.json chose on its calibration seeds, and
+    every plasticity and cross-corpus options record names the rule and that calibration (SPEC 4.6, 10)."""
+    calib = json.loads((Path(__file__).resolve().parent.parent / "bench/results/bootstrap_coverage.json")
+                       .read_text())["calib"]
+    assert calib["inflation"] == JACKKNIFE_INFLATION == PlasticityOptions().interval_inflation
+    assert calib["seeds"]["calibration"] != calib["seeds"]["report"]
+    rec = PlasticityOptions().record(L, B)
+    assert rec["interval"] == "jackknife_t" and "jackknife" in rec["interval_rule"]
+    assert rec["interval_calibration"] == INTERVAL_CALIBRATION and "bootstrap_coverage" in INTERVAL_CALIBRATION
+    cross = CrossCorpusOptions().record()
+    assert cross["interval"] == "jackknife_t" and cross["inflation"] == JACKKNIFE_INFLATION
+    assert cross["calibration"] == INTERVAL_CALIBRATION
