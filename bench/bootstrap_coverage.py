@@ -211,7 +211,7 @@ def run_ap(reps: int, docs: int, seed: int, truth_docs: int) -> list[dict]:
 # qk_core. Per repetition two corpora of identical geometry (A, B): both give single-corpus intervals, B - A a
 # difference whose truth is 0 (its "text" verdicts are false positives).
 CAL_L, CAL_B, CAL_PB, CAL_D, CAL_HEADS, CAL_PAIRS, CAL_TAU = 2048, 128, 8, 16, 3, 128, 0.3
-CAL_DOCS = (8, 16, 32, 64)
+CAL_DOCS = ("8", "16", "32", "64", "16v8")  # documents per corpus; "16v8": the demo's two corpora (16 vs 8)
 CAL_SEEDS = {"calibration": 1_000_000, "report": 2_000_000}  # disjoint seed ranges (never tune and report on one)
 QUANTS = ("ap_overall", "ap_first20", "ap_last20", "ap_drop")
 ESTIMATORS = ("closed", "empirical")
@@ -293,12 +293,13 @@ def cal_corpus(n_docs: int, seed: int, stream: int, interval: str) -> dict[str, 
     return out
 
 
-def cal_rep(args: tuple[int, int, str]) -> dict[str, Any]:
-    """One repetition: corpora A and B of identical geometry, old and new rules' intervals and verdicts."""
-    n_docs, seed, _ = args
+def cal_rep(args: tuple[int, int, int]) -> dict[str, Any]:
+    """One repetition: corpora A and B (n_docs, n_docs_b documents) of identical geometry, old and new rules'
+    intervals and verdicts."""
+    n_docs, seed, n_docs_b = args
     t0 = time.monotonic()
     a = cal_corpus(n_docs, seed, 0, "jackknife_t")
-    b = cal_corpus(n_docs, seed + 500_000, 1, "jackknife_t")
+    b = cal_corpus(n_docs_b, seed + 500_000, 1, "jackknife_t")
     out: dict[str, Any] = {}
     for key in a:
         res = {}
@@ -317,14 +318,14 @@ def cal_rep(args: tuple[int, int, str]) -> dict[str, Any]:
     return out
 
 
-def cal_bias_rep(args: tuple[int, int]) -> dict[str, Any]:
+def cal_bias_rep(args: tuple[int, int, int]) -> dict[str, Any]:
     """bias_strength (SPEC 3, 10): planted_bias corpora (demo-like, d 64), two of identical geometry."""
-    n_docs, seed = args
-    r = Regime("calib", docs=n_docs)
+    n_a, seed, n_b = args
     rng = np.random.default_rng([seed, 24])
     res = {}
     ests = []
-    for name, stream in (("A", 0), ("B", 1)):
+    for name, stream, n_docs in (("A", 0, n_a), ("B", 1, n_b)):
+        r = Regime("calib", docs=n_docs)
         mom = plant(r, rng)
         point = float(model_values(mom, np.ones((1, n_docs)))[0])
         boot = model_values(mom, doc_weights(n_docs, 200, seed=0, stream=stream))
@@ -342,20 +343,29 @@ def cal_bias_rep(args: tuple[int, int]) -> dict[str, Any]:
     return {"bias_strength": res}
 
 
-def cal_run(docs: tuple[int, ...], reps: int, bias_reps: int, base: int, workers: int) -> dict[int, list[dict]]:
-    """Every repetition's numbers per document count (seeds base + 1000 D + rep)."""
+def cal_counts(label: str) -> tuple[int, int]:
+    """'16' -> (16, 16); '16v8' -> (16, 8): the document counts of corpora A and B."""
+    a, _, b = label.partition("v")
+    return int(a), int(b or a)
+
+
+def cal_run(docs: tuple[str, ...], reps: int, bias_reps: int, base: int, workers: int) -> dict[str, list[dict]]:
+    """Every repetition's numbers per cell (seeds base + 1000 D_A (+ 500 when D_B differs) + rep; half the
+    repetitions where a corpus has 64 documents)."""
     import multiprocessing
 
-    tasks = [(D, base + 1000 * D + rep, "") for D in docs for rep in range(reps if D < 64 else max(reps // 2, 1))]
-    btasks = [(D, base + 1000 * D + rep) for D in docs for rep in range(bias_reps)]
+    tasks, btasks = [], []
+    for label in docs:
+        a, b = cal_counts(label)
+        first = base + 1000 * a + (500 if b != a else 0)
+        tasks += [(label, (a, first + rep, b)) for rep in range(reps if max(a, b) < 64 else max(reps // 2, 1))]
+        btasks += [(label, (a, first + rep, b)) for rep in range(bias_reps)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        ap = pool.map(cal_rep, tasks, chunksize=1)
-        bs = pool.map(cal_bias_rep, btasks, chunksize=4)
-    out: dict[int, list[dict]] = {D: [] for D in docs}
-    for (D, _, _), r in zip(tasks, ap, strict=True):
-        out[D].append(r)
-    for (D, _), r in zip(btasks, bs, strict=True):
-        out[D].append(r)
+        ap = pool.map(cal_rep, [t for _, t in tasks], chunksize=1)
+        bs = pool.map(cal_bias_rep, [t for _, t in btasks], chunksize=4)
+    out: dict[str, list[dict]] = {label: [] for label in docs}
+    for (label, _), r in zip(tasks + btasks, ap + bs, strict=True):
+        out[label].append(r)
     return out
 
 
@@ -478,7 +488,8 @@ def calib_markdown(res: dict[str, Any]) -> str:
              f"(the demo's sampling), d {CAL_D}, {CAL_HEADS} heads (tests/test_cross_corpus.py's), "
              f"{CAL_PAIRS} pairs per bucket, query document offsets sd {CAL_TAU} along the drift axis; "
              "bias_strength: tests/planted_bias.py's demo-like regime (d 64). Per repetition two corpora of "
-             "identical geometry A and B: coverage counts both (truth = the planted value), the difference B - A has "
+             "identical geometry A and B (cell \"16v8\": A 16 documents, B 8, the demo's two corpora): coverage counts "
+             "both (truth = the planted value), the difference B - A has "
              "truth 0, so every \"text\" verdict is a false positive.", "",
              "Old rules: plasticity intervals = percentile of 200 document resamples with the query model fixed; "
              "cross-corpus (bias_strength, differences) = basic interval of the same, \"text\" when it excludes 0. "
@@ -598,7 +609,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--calib", action="store_true", help="issue 24: calibrate the jackknife-t rule on planted "
                     "worlds (--cal-reps per count) and report old / new coverage and false 'text' rates (--reps)")
-    ap.add_argument("--docs", type=int, nargs="*", default=list(CAL_DOCS))
+    ap.add_argument("--docs", nargs="*", default=list(CAL_DOCS), help="cells: D (both corpora) or DAvDB")
     ap.add_argument("--cal-reps", type=int, default=60)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--demo-storage", default="", help="instead: print z0, bootstrap bias, basic and percentile "

@@ -22,8 +22,20 @@ document multiplicities w_d:
   per-document sums (:func:`doc_moments`; with unit weights this is exactly SPEC 3's value), averaged over
   the ``ok`` heads.
 
-Reading the interval off the resamples (option ``interval``, recorded in the options and in every row's
-``interval`` column): ``basic`` (default), the basic or reverse-percentile interval [2 theta - q_97.5,
+Intervals and the "text" verdict as SPEC 4.6 and 10 were revised (option ``interval = "jackknife_t"``, the
+default): per corpus the delete-one-document jackknife (:mod:`qk_core.stats.jackknife`) of every model value,
+AP with the plasticity query model refitted without each document (:func:`ap_loo_refit`, from the capture's rows
+and the stored pairs; without a capture reader the pairs alone are left out and the rows say ``query_model`` =
+``fixed``), bias_strength refitted on the remaining documents' sums; interval = bias-corrected value -/+
+c t_(D-1) se_J; a difference gets se = sqrt(se_1^2 + se_2^2) with Welch's degrees of freedom, and "text" only
+when its interval excludes 0, i.e. when that test rejects equality. c (``inflation``) and the false-positive
+rate are calibrated on planted identical geometry at 8-64 documents on seeds apart from those reported
+(``bench/bootstrap_coverage.py --calib``; bench/results/bootstrap_coverage.md: coverage 97-100%, false "text"
+0-4% where the rule below gave 4-44%). Rows add ``corrected``, ``se``, ``df``, ``p_equal`` and ``query_model``.
+The bootstrap columns (``z0``, ``boot_bias``, ``pct_lo``, ``pct_hi``) are still reported beside them.
+
+Reading the interval off the resamples (the rule before the revision; option ``interval``, recorded in the
+options and in every row's ``interval`` column): ``basic``, the basic or reverse-percentile interval [2 theta - q_97.5,
 2 theta - q_2.5] (Davison & Hinkley 1997, eq. 5.6; :func:`qk_core.stats.bootstrap.basic_interval`), not
 the plain percentile interval [q_2.5, q_97.5] of SPEC 4.6's plasticity asset. Why: a resample refits the drift
 axis on duplicated documents, a noisier, more misaligned axis, and misalignment shrinks mu_Q^a · alpha_K, so the
