@@ -60,8 +60,9 @@ def test_leave_one_out_refits_the_query_model() -> None:
     pairs (4.3); the cross-corpus path (pairs table + capture rows) gives the analysis's own leave-one-out values."""
     doc_ids, heads = plant_heads(5, 3, heads=1)
     hd = heads[(0, 0)]
-    opts = PlasticityOptions(pairs_per_bucket=32, bootstrap=0, min_queries_per_bucket=8)
-    res = analyse_head(hd, opts, doc_ids, np.zeros((0, len(doc_ids))))
+    opts = PlasticityOptions(pairs_per_bucket=32, bootstrap=2, min_queries_per_bucket=8)
+    res = analyse_head(hd, opts, doc_ids)
+    assert analyse_head(hd, opts.with_(bootstrap=0), doc_ids).loo is None  # bootstrap 0: no intervals at all
     pr = res.pairs[res.pairs["valid"]]
     d = 2
     keep = hd.q_doc != d

@@ -67,7 +67,7 @@ class PlasticityOptions:
     pairs_per_bucket: key pairs drawn per query bucket without replacement (4.2).
     covariance: ``full`` (Ledoit-Wolf shrunk detrended d x d bucket covariance) or ``diagonal``
         (thesis eqs. 4.11-4.12) (4.1).
-    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals (4.6).
+    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals, the jackknife's too (4.6).
     seed: seeds pair sampling (with layer, head, bucket) and the bootstrap.
     ci: central interval mass of the bootstrap intervals.
     min_queries_per_bucket: a bucket with fewer queries gets status ``too_few_queries``.

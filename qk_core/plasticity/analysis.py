@@ -150,7 +150,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         else:
             ap[j] = float(cf.pp[cf.valid].mean())
             ap_emp[j] = float(pe[cf.valid].mean())
-            if opts.interval == "jackknife_t":
+            if opts.interval == "jackknife_t" and opts.bootstrap > 0:
                 jk_delta.append(delta[cf.valid])
         ti, tj = head.k_pos[bp.i].astype(np.int64), head.k_pos[bp.j].astype(np.int64)
         cols["example_id"].append(head.k_doc[bp.i])
@@ -179,7 +179,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     boot_emp = np.where(ok, resampled_profiles(W, S_e, N_e), np.nan) if W.shape[0] else np.zeros((0, J))
 
     loo = loo_emp = None
-    if opts.interval == "jackknife_t":  # 4.6 (revised): leave each document out, query model refitted
+    if opts.interval == "jackknife_t" and opts.bootstrap > 0:  # 4.6 revised: leave each document out, model refitted
         in_jk = valid & np.isin(pa_["bucket"], np.flatnonzero(ok)) if valid.size else valid
         qdoc = np.searchsorted(doc_ids, np.asarray(head.q_doc, dtype=np.int64)[q_order])
         qdoc = np.where((qdoc < len(doc_ids)) & (doc_ids[np.minimum(qdoc, len(doc_ids) - 1)]
@@ -404,7 +404,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
         boots.append(res.boot)
         boots_emp.append(res.boot_empirical if res.boot_empirical is not None else np.full_like(res.boot, np.nan))
         aps.append(res.ap)
-        if opts.interval == "jackknife_t":
+        if opts.interval == "jackknife_t" and opts.bootstrap > 0:
             loos.append(res.loo if res.loo is not None else jk_nan)
             loos_emp.append(res.loo_empirical if res.loo_empirical is not None else jk_nan)
         if progress:
