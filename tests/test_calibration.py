@@ -22,6 +22,7 @@ from qk_core.cross_corpus.compare import CorpusInputs, CrossCorpusOptions, ap_lo
 from qk_core.plasticity import analyse_model
 from qk_core.plasticity.analysis import analyse_head
 from qk_core.plasticity.estimators import closed_form
+from qk_core.plasticity.jackknife import loo_profiles
 from qk_core.plasticity.query_model import fit_query_model
 from qk_core.stats.jackknife import difference, jackknife, jackknife_interval
 
@@ -74,6 +75,19 @@ def test_leave_one_out_refits_the_query_model() -> None:
         kj = np.array([key[(e, t)] for e, t in zip(sel["example_id"], sel["t_j"], strict=True)])
         cf = closed_form(model, j, np.subtract(hd.k[ki], hd.k[kj], dtype=np.float64))
         assert res.loo[d, j] == pytest.approx(cf.pp[cf.valid].mean(), rel=1e-9)
+    # the default (per-document sums of q . delta) equals refitting the model document by document
+    sel = pr[pr["bucket"] > 0]
+    ki = np.array([key[(e, t)] for e, t in zip(sel["example_id"], sel["t_i"], strict=True)])
+    kj = np.array([key[(e, t)] for e, t in zip(sel["example_id"], sel["t_j"], strict=True)])
+    qb = np.clip(hd.q_pos // B, 0, L // B - 1)
+    o = np.argsort(qb, kind="stable")
+    args = (hd.q[o], hd.q_pos[o].astype(np.float64), hd.q_doc[o].astype(np.int64), np.bincount(qb, minlength=L // B),
+            L, B, "full", 8, sel["bucket"].to_numpy(np.int64), np.subtract(hd.k[ki], hd.k[kj], dtype=np.float64),
+            sel["example_id"].to_numpy(np.int64), len(doc_ids))
+    fast, loop = loo_profiles(*args), loo_profiles(*args, refit_loop=True)
+    np.testing.assert_allclose(fast.closed, loop.closed, rtol=1e-9)
+    np.testing.assert_array_equal(fast.empirical, loop.empirical)
+    np.testing.assert_allclose(fast.closed, res.loo, rtol=1e-9)
     inp = CorpusInputs("x", doc_ids, res.pairs.assign(layer=0, q_head=0), ROT, L, B, lambda la, h: hd)
     via_pairs = ap_loo_refit(inp, [(0, 0)], doc_ids, CrossCorpusOptions(min_queries_per_bucket=8))[0]
     np.testing.assert_allclose(via_pairs, res.loo, rtol=1e-6)
