@@ -26,7 +26,9 @@ from qk_core.stats.bootstrap import BOOTSTRAP_STREAM
 L, B, D, N_DOCS = 2048, 256, 12, 30  # J = 8 buckets; 2 keys per document and bucket
 J = L // B
 HEADS = [(0, 2), (1, 5)]
-OPTS = PlasticityOptions(pairs_per_bucket=40, bootstrap=25, seed=3)  # bucket 1: all 30 pairs; later: sampled
+# interval "percentile": these brute-force checks re-derive the document bootstrap (the jackknife-t default is
+# checked against formulas and planted truth in tests/test_calibration.py); bucket 1: all 30 pairs; later: sampled
+OPTS = PlasticityOptions(pairs_per_bucket=40, bootstrap=25, seed=3, interval="percentile")
 DOC_IDS = np.arange(500, 500 + N_DOCS, dtype=np.int64)
 RTOL = 1e-10
 

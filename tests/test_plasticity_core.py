@@ -514,7 +514,7 @@ def test_model_level_interval_equals_naive_resampling_of_every_head() -> None:
         x = _drift_head(1.0 + h, seed=20 + h)
         heads[(0, h)] = HeadData(0, h, 0, x.q, x.q_pos, x.q_doc, x.k, x.k_pos, x.k_doc, x.window, x.bucket)
     L, B = 4096, 256
-    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=40, seed=5)
+    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=40, seed=5, interval="percentile")  # the bootstrap rule
     docs = np.arange(80)
     res = analyse_model("m", list(heads), lambda layer, h: heads[(layer, h)], docs, L, B, opts)
     W = doc_weights(len(docs), 40, 5)
@@ -550,7 +550,7 @@ def test_empirical_estimator_intervals_equal_naive_resampling_with_the_same_weig
         x = _drift_head(1.5 + h, seed=40 + h)
         heads[(0, h)] = HeadData(0, h, 0, x.q, x.q_pos, x.q_doc, x.k, x.k_pos, x.k_doc, x.window, x.bucket)
     L, B = 4096, 256
-    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=30, seed=7)
+    opts = PlasticityOptions(pairs_per_bucket=64, bootstrap=30, seed=7, interval="percentile")  # the bootstrap rule
     docs = np.arange(80)
     res = analyse_model("m", list(heads), lambda layer, h: heads[(layer, h)], docs, L, B, opts)
     W = doc_weights(len(docs), 30, 7)

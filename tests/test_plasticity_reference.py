@@ -18,7 +18,7 @@ from qk_core.plasticity import analyse_model
 
 L, B, D, N_DOCS = 4096, 256, 32, 60
 HEADS = [(0, 1), (0, 3), (2, 0)]
-OPTS = PlasticityOptions(pairs_per_bucket=64, bootstrap=50)
+OPTS = PlasticityOptions(pairs_per_bucket=64, bootstrap=50, interval="percentile")  # the pinned bootstrap intervals
 PINNED = {'ap_overall': [0.9643246945698007, 0.9640761066683171, 0.8842171750938789],
           'ap_overall_lo': [0.9605279906394764, 0.9614184631131074, 0.8761002467208033],
           'ap_overall_hi': [0.9679667682040456, 0.9686032726964178, 0.8961537608176691],

@@ -5,11 +5,12 @@ reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_
 ``plasticity_pairs`` from the storage root and calls :func:`qk_core.cross_corpus.compare.compare_corpora`. Outputs:
 
 - ``cross_corpus_metrics``: AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the
-  difference of every corpus to the first one with a bootstrap interval (documents resampled within each
-  corpus), its verdict and a statement with the numbers; every interval is the basic (reverse percentile)
-  bootstrap interval (column ``interval``; SPEC 4.6, 10; why: :mod:`qk_core.cross_corpus.compare`), with the
-  bootstrap bias (``boot_bias`` = mean of the resamples - value), z0 and the plain percentile interval beside
-  it; figure: values and differences;
+  difference of every corpus to the first one with an interval (documents left out within each corpus), its
+  verdict and a statement with the numbers; every interval follows the model's plasticity ``interval`` option:
+  ``jackknife_t`` (default; SPEC 4.6, 10 revised: query model refitted, calibrated inflation, "text" from a test
+  with a calibrated false-positive rate) or, for ``percentile``, the basic bootstrap interval (column
+  ``interval``; why: :mod:`qk_core.cross_corpus.compare`), with the bootstrap bias (``boot_bias``), z0 and the
+  plain percentile interval beside it; figure: values and differences;
 - ``cross_corpus_correlations``: Spearman rho (exact / Monte Carlo p, n) over heads of per-head AP_overall and
   bias_strength between corpora, and the shares of their variance that are the head's (the model's), the
   corpus's (the text's) and the rest; figure: per-head scatter;
@@ -78,7 +79,7 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     """One (model, corpus) pair's inputs, or None and why they are missing."""
     capture = _read(storage, CAPTURE, model, corpus)
     rotation = _read(storage, "rotation_heads", model, corpus, ["layer", "q_head", "status", "bias_strength"])
-    pairs = _read(storage, "plasticity_pairs", model, corpus, PAIR_COLUMNS)
+    pairs = _read(storage, "plasticity_pairs", model, corpus, [*PAIR_COLUMNS, "t_i", "t_j"])
     absent = [n for n, v in ((CAPTURE, capture), ("rotation_heads", rotation), ("plasticity_pairs", pairs))
               if v is None]
     if absent:
@@ -113,8 +114,9 @@ def difference_values(metrics: pd.DataFrame) -> dict[str, float]:
     outs={
         "cross_corpus_metrics": AssetOut(**OUT, description=(
             "AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the between-corpus differences "
-            "with bootstrap intervals (documents resampled within each corpus; basic interval, with the "
-            "bootstrap bias beside each value), verdicts and statements (SPEC 4.6, 10).")),
+            "with intervals (delete-one-document jackknife-t within each corpus, query model refitted, inflation "
+            "calibrated on planted worlds; \"text\" only where that test rejects equality; the document bootstrap's "
+            "z0, bias and percentile interval beside each value), verdicts and statements (SPEC 4.6, 10).")),
         "cross_corpus_correlations": AssetOut(**OUT, description=(
             "Spearman rho over heads (exact / Monte Carlo p, n) of per-head AP_overall and bias_strength between "
             "corpora; shares of their variance that are the head's, the corpus's and the rest (SPEC 10).")),
@@ -146,7 +148,11 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
         else:
             inputs.append(inp)
     popts = resolve_options("plasticity", entry.analysis)
-    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci)
+    # SPEC 4.6 / 10 (revised): the model's plasticity interval rule; its query model is refitted per left-out document
+    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci,
+                              interval="jackknife_t" if popts.interval == "jackknife_t" else "basic",
+                              inflation=popts.interval_inflation, covariance=popts.covariance,
+                              min_queries_per_bucket=popts.min_queries_per_bucket)
     res = compare_corpora(model, inputs, opts, missing)
     figures = _figures(res, model)
     folder = f"cross_corpus/{model}"

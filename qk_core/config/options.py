@@ -39,6 +39,18 @@ from qk_core.config.schema import (
 )
 
 COVARIANCES = ("full", "diagonal")
+#: SPEC 4.6 (revised) interval rules of the plasticity and cross-corpus outputs, as the options record them.
+INTERVAL_RULES = {
+    "jackknife_t": "delete-one-document jackknife, query model refitted per document left out; centre "
+                   "bias-corrected (D theta - (D-1) mean theta_(d)); half-width inflation * t_(D-1) * se_J",
+    "percentile": "document bootstrap percentile interval, query model fixed (pre-revision SPEC 4.6)",
+}
+#: Where the interval rule's calibration comes from (SPEC 4.6: calibrated on planted worlds, reported on others).
+#: The calibrated jackknife-t inflation (SPEC 4.6, 10): the default of PlasticityOptions.interval_inflation and of
+#: the cross-corpus comparison (bench/results/bootstrap_coverage.md: chosen on the calibration seeds).
+JACKKNIFE_INFLATION = 1.37
+INTERVAL_CALIBRATION = ("bench/bootstrap_coverage.py --calib: planted worlds at 8/16/32/64 documents, "
+                        "calibration seeds apart from the reported seeds; bench/results/bootstrap_coverage.md")
 #: SPEC 4.5 length bins (query positions in raw tokens) and RULER lengths (X matches (X/2, X]).
 LENGTH_BIN_EDGES = (0, 8192, 16384, 32768, 65536, 131072)
 RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -55,7 +67,7 @@ class PlasticityOptions:
     pairs_per_bucket: key pairs drawn per query bucket without replacement (4.2).
     covariance: ``full`` (Ledoit-Wolf shrunk detrended d x d bucket covariance) or ``diagonal``
         (thesis eqs. 4.11-4.12) (4.1).
-    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals (4.6).
+    bootstrap: document-level cluster bootstrap resamples; 0 disables intervals, the jackknife's too (4.6).
     seed: seeds pair sampling (with layer, head, bucket) and the bootstrap.
     ci: central interval mass of the bootstrap intervals.
     min_queries_per_bucket: a bucket with fewer queries gets status ``too_few_queries``.
@@ -66,6 +78,12 @@ class PlasticityOptions:
     keep_pairs: keep the per-pair records (4.7).
     allow_partial: publish results when heads could not be read or analysed; otherwise the run fails
         and the previous outputs stay (the outputs record ``n_heads_missing`` and ``missing_reasons``).
+    interval: how the 95% intervals are made (4.6 as revised): ``jackknife_t`` (default; delete-one-document
+        jackknife with the query model refitted, bias-corrected centre, Student t with D - 1 degrees of
+        freedom; :mod:`qk_core.plasticity.jackknife`) or ``percentile`` (the plain document bootstrap with the
+        query model fixed: the rule before the revision, measured to undercover with few documents).
+    interval_inflation: factor on the jackknife standard error, calibrated on planted worlds
+        (:data:`INTERVAL_CALIBRATION`); 1 = none.
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -82,8 +100,12 @@ class PlasticityOptions:
     heatmap_bin: Tokens | None = None
     keep_pairs: Bool = True
     allow_partial: Bool = False
+    interval: Literal["jackknife_t", "percentile"] = "jackknife_t"
+    interval_inflation: FloatIn(1.0, 3.0) = JACKKNIFE_INFLATION
 
     def __post_init__(self) -> None:
+        if self.interval not in INTERVAL_RULES:
+            raise PlasticityOptionsError(f"interval must be one of {INTERVAL_RULES}, got {self.interval!r}")
         if self.covariance not in COVARIANCES:
             raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
         for name in ("pairs_per_bucket", "min_queries_per_bucket"):
@@ -135,6 +157,7 @@ class PlasticityOptions:
             "position_bin_edges": list(self.resolved_position_edges(L, B)),
             "heatmap_bin": self.resolved_heatmap_bin(B),
             "length_bin_edges": list(self.length_bin_edges), "ruler_lengths": list(self.ruler_lengths),
+            "interval_rule": INTERVAL_RULES[self.interval], "interval_calibration": INTERVAL_CALIBRATION,
         })
         return out
 

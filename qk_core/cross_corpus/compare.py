@@ -22,8 +22,20 @@ document multiplicities w_d:
   per-document sums (:func:`doc_moments`; with unit weights this is exactly SPEC 3's value), averaged over
   the ``ok`` heads.
 
-Reading the interval off the resamples (option ``interval``, recorded in the options and in every row's
-``interval`` column): ``basic`` (default), the basic or reverse-percentile interval [2 theta - q_97.5,
+Intervals and the "text" verdict as SPEC 4.6 and 10 were revised (option ``interval = "jackknife_t"``, the
+default): per corpus the delete-one-document jackknife (:mod:`qk_core.stats.jackknife`) of every model value,
+AP with the plasticity query model refitted without each document (:func:`ap_loo_refit`, from the capture's rows
+and the stored pairs; without a capture reader the pairs alone are left out and the rows say ``query_model`` =
+``fixed``), bias_strength refitted on the remaining documents' sums; interval = bias-corrected value -/+
+c t_(D-1) se_J; a difference gets se = sqrt(se_1^2 + se_2^2) with Welch's degrees of freedom, and "text" only
+when its interval excludes 0, i.e. when that test rejects equality. c (``inflation``) and the false-positive
+rate are calibrated on planted identical geometry at 8-64 documents on seeds apart from those reported
+(``bench/bootstrap_coverage.py --calib``; bench/results/bootstrap_coverage.md: coverage 97-100%, false "text"
+0-4% where the rule below gave 4-44%). Rows add ``corrected``, ``se``, ``df``, ``p_equal`` and ``query_model``.
+The bootstrap columns (``z0``, ``boot_bias``, ``pct_lo``, ``pct_hi``) are still reported beside them.
+
+Reading the interval off the resamples (the rule before the revision; option ``interval``, recorded in the
+options and in every row's ``interval`` column): ``basic``, the basic or reverse-percentile interval [2 theta - q_97.5,
 2 theta - q_2.5] (Davison & Hinkley 1997, eq. 5.6; :func:`qk_core.stats.bootstrap.basic_interval`), not
 the plain percentile interval [q_2.5, q_97.5] of SPEC 4.6's plasticity asset. Why: a resample refits the drift
 axis on duplicated documents, a noisier, more misaligned axis, and misalignment shrinks mu_Q^a · alpha_K, so the
@@ -77,11 +89,13 @@ import pandas as pd
 import scipy.sparse
 
 from qk_core.capture.store import HeadData
-from qk_core.config.options import n_buckets
+from qk_core.config.options import COVARIANCES, INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, n_buckets
 from qk_core.plasticity import aggregates as agg
+from qk_core.plasticity.jackknife import loo_profiles
 from qk_core.stats.bootstrap import doc_weights
 from qk_core.stats.correlation import correlations, p_clause
 from qk_core.stats.intervals import INTERVAL_METHODS, percentile_interval, read_interval
+from qk_core.stats.jackknife import JackknifeEstimate, difference, jackknife, jackknife_interval
 
 #: The model values compared between corpora (SPEC 10) and their units.
 METRICS = {"ap_overall": "AP", "ap_drop": "AP", "bias_strength": "per token"}
@@ -90,7 +104,8 @@ HEAD_METRICS = ("ap_overall", "bias_strength")
 PAIR_COLUMNS = ["layer", "q_head", "example_id", "bucket", "pp", "valid"]
 METRIC_COLUMNS = ["model", "kind", "corpus", "reference", "metric", "unit", "value", "lo", "hi", "width",
                   "interval", "z0", "boot_bias", "pct_lo", "pct_hi", "n_heads", "n_docs", "within_width_reference",
-                  "within_width_corpus", "relative", "verdict", "statement", "options"]
+                  "within_width_corpus", "relative", "verdict", "statement", "corrected", "se", "df", "p_equal",
+                  "query_model", "options"]
 CORR_COLUMNS = ["model", "metric", "corpus", "reference", "n_heads", "spearman_rho", "spearman_p",
                 "spearman_method", "spearman_permutations", "pearson_r", "pearson_p", "share_head",
                 "share_corpus", "share_rest", "verdict", "statement"]
@@ -114,15 +129,21 @@ class CrossCorpusOptions:
     ci: float = 0.95
     same_within: float = 0.10  # a difference interval inside +/- this fraction of the value: "the same"
     alpha: float = 0.05  # per-head correlations: significance level of the verdict
-    interval: str = "basic"  # how intervals are read off the resamples (INTERVAL_METHODS, module docstring)
+    interval: str = "jackknife_t"  # how intervals are made (INTERVAL_METHODS, module docstring)
+    inflation: float = JACKKNIFE_INFLATION  # jackknife-t: calibrated factor on the standard error (SPEC 4.6, 10)
+    covariance: str = "full"  # the model's plasticity query model (SPEC 4.1), refitted per left-out document
+    min_queries_per_bucket: int = 10
 
     def __post_init__(self) -> None:
         if self.interval not in INTERVAL_METHODS:
             raise CrossCorpusError(f"cross-corpus option interval = {self.interval!r}: expected one of "
                                    f"{sorted(INTERVAL_METHODS)}")
+        if self.covariance not in COVARIANCES:
+            raise CrossCorpusError(f"cross-corpus option covariance = {self.covariance!r}: expected {COVARIANCES}")
 
     def record(self) -> dict[str, Any]:
-        return {**asdict(self), "interval_method": INTERVAL_METHODS[self.interval]}
+        return {**asdict(self), "interval_method": INTERVAL_METHODS[self.interval],
+                "calibration": INTERVAL_CALIBRATION if self.interval == "jackknife_t" else None}
 
 
 @dataclass
@@ -258,6 +279,12 @@ class CorpusValues:
     boot: dict[str, np.ndarray]  # (R,) model value per resample and metric
     n_heads: dict[str, int]
     profile: pd.DataFrame  # mean AP_j over heads with its interval
+    loo: dict[str, np.ndarray] = field(default_factory=dict)  # (D,) leave-one-document-out model values
+    query_model: str = ""  # jackknife_t: "refitted" (SPEC 4.6 revised) or "fixed" (no capture reader / t_i, t_j)
+
+    def jack(self, metric: str) -> JackknifeEstimate:
+        """The jackknife summary of a model value (interval ``jackknife_t``)."""
+        return jackknife(self.point[metric], self.loo[metric])
 
 
 def _mean_over_heads(x: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -287,6 +314,19 @@ def corpus_values(inp: CorpusInputs, stream: int, opts: CrossCorpusOptions, mode
     else:
         bias_point = ok_rot["bias_strength"].to_numpy(np.float64)
         bias_boot = np.full((len(rot_heads), W.shape[0]), np.nan)
+    loo: dict[str, np.ndarray] = {}
+    how = ""
+    if opts.interval == "jackknife_t":
+        L1 = 1.0 - np.eye(len(doc_ids))  # weights of the D leave-one-document-out samples
+        if inp.read_head is not None and {"t_i", "t_j"} <= set(inp.pairs.columns) and aps.heads:
+            loo_ap, how = ap_loo_refit(inp, aps.heads, doc_ids, opts), "refitted"
+        else:  # SPEC 4.6 revised wants the model refitted; without the capture only the pairs can be left out
+            loo_ap, how = ap_resamples(inp.pairs, doc_ids, L1, L, B, where).boot, "fixed"
+        loo_h = agg.headline(loo_ap, L, B)
+        loo = {"ap_overall": _mean_over_heads(loo_h["ap_overall"]), "ap_drop": _mean_over_heads(loo_h["ap_drop"]),
+               "profile": _mean_over_heads(loo_ap) if len(aps.heads) else np.full((len(doc_ids), 0), np.nan)}
+        loo["bias_strength"] = (_mean_over_heads(bias_resamples(inp.read_head, rot_heads, doc_ids, L1)[1])
+                                if inp.read_head is not None and rot_heads else np.full(len(doc_ids), np.nan))
     bias = pd.DataFrame(rot_heads, columns=["layer", "q_head"]).assign(bias_strength=bias_point)
     heads = heads.merge(bias, on=["layer", "q_head"], how="outer").sort_values(["layer", "q_head"])
     point = {"ap_overall": float(_mean_over_heads(point_h["ap_overall"])),
@@ -299,12 +339,51 @@ def corpus_values(inp: CorpusInputs, stream: int, opts: CrossCorpusOptions, mode
                "bias_strength": int(np.isfinite(bias_point).sum())}
     tau = agg.bucket_tau(L, B)
     mean_prof = _mean_over_heads(aps.point) if len(aps.heads) else np.full(len(tau), np.nan)
-    lo, hi = (read_interval(_mean_over_heads(aps.boot), mean_prof, opts.ci, opts.interval)[:2]
-              if W.shape[0] and len(aps.heads) else (np.full(len(tau), np.nan), np.full(len(tau), np.nan)))
+    if loo and len(aps.heads):
+        lo, hi = jackknife_interval(jackknife(mean_prof, loo["profile"]), opts.ci, opts.inflation)
+    else:
+        lo, hi = (read_interval(_mean_over_heads(aps.boot), mean_prof, opts.ci, opts.interval)[:2]
+                  if W.shape[0] and len(aps.heads) else (np.full(len(tau), np.nan), np.full(len(tau), np.nan)))
     profile = pd.DataFrame({"corpus": inp.corpus, "bucket": np.arange(len(tau)), "tau_tokens": tau,
                             "tau_frac": tau / L, "ap": mean_prof, "lo": lo, "hi": hi, "interval": opts.interval,
                             "n_heads": np.isfinite(aps.point).sum(axis=0) if len(aps.heads) else 0, "L": L, "B": B})
-    return CorpusValues(inp.corpus, len(doc_ids), heads, point, boot, n_heads, profile)
+    return CorpusValues(inp.corpus, len(doc_ids), heads, point, boot, n_heads, profile, loo, how)
+
+
+def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.ndarray,
+                 opts: CrossCorpusOptions) -> np.ndarray:
+    """(H, D, J) leave-one-document-out AP_j with the query model refitted (SPEC 4.6 revised,
+    :func:`qk_core.plasticity.jackknife.loo_profiles`) from the capture's rows and the stored valid pairs."""
+    L, B = int(inp.L), int(inp.B)
+    J, D = n_buckets(L, B), len(doc_ids)
+    out = np.full((len(heads), D, J), np.nan)
+    pairs = inp.pairs
+    ok = pairs["valid"].to_numpy(bool) & np.isfinite(pairs["pp"].to_numpy(np.float64))
+    by_head = pairs[ok].groupby(["layer", "q_head"], sort=False)
+    for h, (layer, q_head) in enumerate(heads):
+        if (layer, q_head) not in by_head.groups:
+            continue
+        pr = by_head.get_group((layer, q_head))
+        hd = inp.read_head(layer, q_head)
+        # a key row is (document, position): the pair's k_i, k_j found by a search over the sorted keys
+        k_doc, k_pos = np.asarray(hd.k_doc, np.int64), np.asarray(hd.k_pos, np.int64)
+        order = np.lexsort((k_pos, k_doc))
+        mult = int(k_pos.max()) + 1 if len(k_pos) else 1
+        keyed = k_doc[order] * mult + k_pos[order]
+        doc = pr["example_id"].to_numpy(np.int64)
+        rows = [order[np.searchsorted(keyed, doc * mult + pr[c].to_numpy(np.int64))] for c in ("t_i", "t_j")]
+        k = np.asarray(hd.k)
+        delta = np.subtract(k[rows[0]], k[rows[1]], dtype=np.float64)
+        q_bucket = np.clip(np.asarray(hd.q_pos) // B, 0, J - 1)
+        q_order = np.argsort(q_bucket, kind="stable")
+        qd_raw = np.asarray(hd.q_doc, np.int64)[q_order]
+        qdoc = np.searchsorted(doc_ids, qd_raw)
+        qdoc = np.where((qdoc < D) & (doc_ids[np.minimum(qdoc, D - 1)] == qd_raw), qdoc, -1)
+        res = loo_profiles(np.asarray(hd.q)[q_order], np.asarray(hd.q_pos, np.float64)[q_order], qdoc,
+                           np.bincount(q_bucket, minlength=J), L, B, opts.covariance, opts.min_queries_per_bucket,
+                           pr["bucket"].to_numpy(np.int64), delta, np.searchsorted(doc_ids, doc), D)
+        out[h] = res.closed
+    return out
 
 
 # ---- comparisons ---------------------------------------------------------------------------------------------
@@ -412,6 +491,11 @@ def compare_corpora(model: str, inputs: list[CorpusInputs], opts: CrossCorpusOpt
     for cv in vals:
         for m, unit in METRICS.items():
             iv = _interval(cv.boot[m], cv.point[m], opts)
+            if opts.interval == "jackknife_t":
+                jk = cv.jack(m)
+                lo, hi = (float(x) for x in jackknife_interval(jk, opts.ci, opts.inflation))
+                iv.update(lo=lo, hi=hi, width=hi - lo, corrected=float(jk.corrected), se=float(jk.se),
+                          df=float(jk.df), query_model=cv.query_model if m != "bias_strength" else "refitted")
             widths[(cv.corpus, m)] = iv["width"]
             rows.append({"model": model, "kind": "corpus", "corpus": cv.corpus, "reference": ref.corpus, "metric": m,
                          "unit": unit, "value": cv.point[m], **iv, "interval": opts.interval,
@@ -421,9 +505,19 @@ def compare_corpora(model: str, inputs: list[CorpusInputs], opts: CrossCorpusOpt
         for m, unit in METRICS.items():
             diff = cv.point[m] - ref.point[m]
             iv = _interval(cv.boot[m] - ref.boot[m], diff, opts)
+            if opts.interval == "jackknife_t":  # the calibrated test of equality (SPEC 10 revised)
+                dj = difference(ref.jack(m), cv.jack(m), opts.ci, opts.inflation)
+                iv.update(lo=float(dj.lo), hi=float(dj.hi), width=float(dj.hi - dj.lo), corrected=float(dj.value),
+                          se=float(dj.se), df=float(dj.df), p_equal=float(dj.p),
+                          query_model=(f"{ref.query_model}/{cv.query_model}" if m != "bias_strength"
+                                       else "refitted"))
             w_ref, w_c = widths[(ref.corpus, m)], widths[(cv.corpus, m)]
             call, text, rel = verdict(m, ref.corpus, cv.corpus, ref.point[m], cv.point[m], diff, iv["lo"], iv["hi"],
                                       w_ref, w_c, opts.same_within)
+            if opts.interval == "jackknife_t":
+                text += (f" Test of equality: p = {_f(iv['p_equal'])} (delete-one-document jackknife-t, query model "
+                         f"{iv['query_model']}, Welch df {_f(iv['df'])}, standard error x {opts.inflation:g}; "
+                         "false-positive rate calibrated on planted identical geometry: " + INTERVAL_CALIBRATION + ").")
             rows.append({"model": model, "kind": "difference", "corpus": cv.corpus, "reference": ref.corpus,
                          "metric": m, "unit": unit, "value": diff, **iv, "interval": opts.interval,
                          "n_heads": min(cv.n_heads[m], ref.n_heads[m]), "n_docs": cv.n_docs + ref.n_docs,

@@ -32,11 +32,13 @@ from qk_core.io.storage import Storage, StorageError
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
 from qk_core.plasticity.heatmap import HeatmapAccumulator
+from qk_core.plasticity.jackknife import loo_profiles
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_sorted_queries
 from qk_core.runtime.blas import blas_threads as limit_blas
 from qk_core.stats.bootstrap import doc_bucket_sums, doc_weights, resampled_profiles
 from qk_core.stats.intervals import percentile_interval
+from qk_core.stats.jackknife import jackknife, jackknife_interval
 
 FIRST_BUCKET = "first_bucket"
 NO_ELIGIBLE_PAIRS = "no_eligible_pairs"
@@ -60,6 +62,8 @@ class HeadResult:
     boot: np.ndarray  # (R, J) resampled AP_j
     boot_empirical: np.ndarray | None = None  # (R, J) resampled empirical AP_j (same resamples, 4.6)
     pair_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # t_i, t_j, tau, pp, pp_empirical
+    loo: np.ndarray | None = None  # (D, J) leave-one-document-out AP_j, query model refitted (4.6, jackknife_t)
+    loo_empirical: np.ndarray | None = None  # (D, J) the same for the empirical estimator
 
 
 def _pairs_columns() -> dict[str, list[np.ndarray]]:
@@ -120,6 +124,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     n_sampled = np.zeros(J, dtype=np.int64)
     n_eligible = np.zeros(J, dtype=np.int64)
     cols = _pairs_columns()
+    jk_delta: list[np.ndarray] = []  # valid pairs' k_i - k_j for the jackknife (4.6, interval jackknife_t)
     for j in range(J):
         if j == 0:
             status[j] = FIRST_BUCKET
@@ -145,6 +150,8 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         else:
             ap[j] = float(cf.pp[cf.valid].mean())
             ap_emp[j] = float(pe[cf.valid].mean())
+            if opts.interval == "jackknife_t" and opts.bootstrap > 0:
+                jk_delta.append(delta[cf.valid])
         ti, tj = head.k_pos[bp.i].astype(np.int64), head.k_pos[bp.j].astype(np.int64)
         cols["example_id"].append(head.k_doc[bp.i])
         cols["t_i"].append(ti)
@@ -171,9 +178,23 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
                                len(doc_ids), J)
     boot_emp = np.where(ok, resampled_profiles(W, S_e, N_e), np.nan) if W.shape[0] else np.zeros((0, J))
 
+    loo = loo_emp = None
+    if opts.interval == "jackknife_t" and opts.bootstrap > 0:  # 4.6 revised: leave each document out, model refitted
+        in_jk = valid & np.isin(pa_["bucket"], np.flatnonzero(ok)) if valid.size else valid
+        qdoc = np.searchsorted(doc_ids, np.asarray(head.q_doc, dtype=np.int64)[q_order])
+        qdoc = np.where((qdoc < len(doc_ids)) & (doc_ids[np.minimum(qdoc, len(doc_ids) - 1)]
+                                                 == np.asarray(head.q_doc)[q_order]), qdoc, -1)
+        pdoc = np.searchsorted(doc_ids, pa_["example_id"][in_jk].astype(np.int64)) if in_jk.any() else np.zeros(0, int)
+        lo_out = loo_profiles(q_sorted, np.asarray(head.q_pos, dtype=np.float64)[q_order], qdoc, q_counts, L, B,
+                              opts.covariance, opts.min_queries_per_bucket, pa_["bucket"][in_jk].astype(np.int64),
+                              np.concatenate(jk_delta) if jk_delta else np.zeros((0, head.d)), pdoc, len(doc_ids))
+        loo, loo_emp = np.where(ok, lo_out.closed, np.nan), np.where(ok, lo_out.empirical, np.nan)
+
     head_vals = agg.headline(ap, L, B)
     emp_vals = agg.headline(ap_emp_ok, L, B)
     boot_vals = agg.headline(boot, L, B) if boot.shape[0] else {}
+    loo_vals = agg.headline(loo, L, B) if loo is not None else {}
+    loo_emp_vals = agg.headline(loo_emp, L, B) if loo_emp is not None else {}
     row = dict(base)
     row["status"] = "ok" if ok.any() else "no_usable_bucket"
     counts = {st: sum(x == st for x in status) for st in BUCKET_STATUSES}
@@ -181,13 +202,24 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         f"{k} {v}" for k, v in counts.items() if v) + ")"
     for name in agg.HEADLINE:
         row[name] = float(head_vals[name])
-        lo, hi = (percentile_interval(boot_vals[name], opts.ci) if boot_vals else (np.nan, np.nan))
+        if loo_vals:
+            jk = jackknife(head_vals[name], loo_vals[name])
+            lo, hi = jackknife_interval(jk, opts.ci, opts.interval_inflation)
+            row[f"{name}_corrected"], row[f"{name}_se"] = float(jk.corrected), float(jk.se)
+        else:
+            lo, hi = (percentile_interval(boot_vals[name], opts.ci) if boot_vals else (np.nan, np.nan))
         row[f"{name}_lo"], row[f"{name}_hi"] = float(lo), float(hi)
     boot_emp_vals = agg.headline(boot_emp, L, B) if boot_emp.shape[0] else {}
     for name in agg.HEADLINE:
         row[f"{name}_empirical"] = float(emp_vals[name])
-        lo, hi = (percentile_interval(boot_emp_vals[name], opts.ci) if boot_emp_vals else (np.nan, np.nan))
+        if loo_emp_vals:
+            jk = jackknife(emp_vals[name], loo_emp_vals[name])
+            lo, hi = jackknife_interval(jk, opts.ci, opts.interval_inflation)
+            row[f"{name}_empirical_corrected"] = float(jk.corrected)
+        else:
+            lo, hi = (percentile_interval(boot_emp_vals[name], opts.ci) if boot_emp_vals else (np.nan, np.nan))
         row[f"{name}_empirical_lo"], row[f"{name}_empirical_hi"] = float(lo), float(hi)
+    row["interval"] = opts.interval
     gap = (ap - ap_emp)[ok]
     row["gap_mean"] = float(gap.mean()) if gap.size else np.nan
     row["gap_max_abs"] = float(np.abs(gap).max()) if gap.size else np.nan
@@ -198,8 +230,11 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     for st, c in counts.items():
         row[f"n_buckets_{st}"] = int(c)
 
-    boot_ap_lo, boot_ap_hi = (percentile_interval(boot, opts.ci) if boot.shape[0]
-                              else (np.full(J, np.nan), np.full(J, np.nan)))
+    if loo is not None:
+        boot_ap_lo, boot_ap_hi = jackknife_interval(jackknife(ap, loo), opts.ci, opts.interval_inflation)
+    else:
+        boot_ap_lo, boot_ap_hi = (percentile_interval(boot, opts.ci) if boot.shape[0]
+                                  else (np.full(J, np.nan), np.full(J, np.nan)))
     profile = pd.DataFrame({
         "layer": base["layer"], "q_head": base["q_head"], "bucket": np.arange(J),
         "tau_tokens": tau, "tau_frac": tau / L, "ap": ap, "ap_lo": boot_ap_lo, "ap_hi": boot_ap_hi,
@@ -208,7 +243,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         "n_keys_below": np.concatenate([[0], np.cumsum(kidx.n_bucket)[:-1]]),
         "shrinkage": model.shrinkage, "status": status, "L": L, "B": B,
     })
-    bins = _head_bins(base, ap, ap_emp_ok, boot, ok, L, B, opts)
+    bins = _head_bins(base, ap, ap_emp_ok, boot, ok, L, B, opts, loo)
     components = pd.DataFrame({"layer": base["layer"], "q_head": base["q_head"], "coord": np.arange(model.d),
                                "r2": model.r2, "weight": model.component_weights(), "L": L, "B": B})
     pairs = None
@@ -226,7 +261,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     return HeadResult(row, profile, bins, components, pairs, ap, ap_emp_ok, boot, boot_emp,
                       {"t_i": pa_["t_i"], "t_j": pa_["t_j"], "tau": pa_["tau"],
                        "pp": np.where(valid, pa_["pp"], np.nan) if valid.size else pa_["pp"],
-                       "pp_empirical": pa_["pp_empirical"]})
+                       "pp_empirical": pa_["pp_empirical"]}, loo, loo_emp)
 
 
 def _diagnostics(model: QueryModel, L: int) -> dict[str, float]:
@@ -250,12 +285,14 @@ def _diagnostics(model: QueryModel, L: int) -> dict[str, float]:
 
 
 def _head_bins(base: dict[str, Any], ap: np.ndarray, ap_emp: np.ndarray, boot: np.ndarray, ok: np.ndarray,
-               L: int, B: int, opts: PlasticityOptions) -> pd.DataFrame:
+               L: int, B: int, opts: PlasticityOptions, loo: np.ndarray | None = None) -> pd.DataFrame:
     bins = agg.all_bins(L, B, opts)
     mem = agg.membership(bins, L, B)
     vals = agg.masked_mean(ap, mem)
     emp = agg.masked_mean(ap_emp, mem)
-    if boot.shape[0]:
+    if loo is not None:
+        lo, hi = jackknife_interval(jackknife(vals, agg.masked_mean(loo, mem)), opts.ci, opts.interval_inflation)
+    elif boot.shape[0]:
         lo, hi = percentile_interval(agg.masked_mean(boot, mem), opts.ci)
     else:
         lo = hi = np.full(len(bins), np.nan)
@@ -348,6 +385,9 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     hm = HeatmapAccumulator(L, opts.resolved_heatmap_bin(B))
     rows, profiles, bins, comps, boots, aps = [], [], [], [], [], []
     boots_emp: list[np.ndarray] = []
+    loos: list[np.ndarray] = []
+    loos_emp: list[np.ndarray] = []
+    jk_nan = np.full((len(doc_ids), n_buckets(L, B)), np.nan)
     heads = list(heads)
     pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
     for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers)):
@@ -364,6 +404,9 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
         boots.append(res.boot)
         boots_emp.append(res.boot_empirical if res.boot_empirical is not None else np.full_like(res.boot, np.nan))
         aps.append(res.ap)
+        if opts.interval == "jackknife_t" and opts.bootstrap > 0:
+            loos.append(res.loo if res.loo is not None else jk_nan)
+            loos_emp.append(res.loo_empirical if res.loo_empirical is not None else jk_nan)
         if progress:
             progress(n, res)
 
@@ -391,7 +434,8 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
         bins_df["options"] = opt_json
     aps = np.stack(aps) if aps else np.zeros((0, n_buckets(L, B)))
     metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
-                            opts, record, np.stack(boots_emp) if boots_emp else None)
+                            opts, record, np.stack(boots_emp) if boots_emp else None,
+                            (np.stack(loos), np.stack(loos_emp)) if loos else None)
     return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record, L, B)
 
 
@@ -441,7 +485,8 @@ METRIC_NAMES = {"gap_mean": "ap_gap_closed_minus_empirical", "beta_norm_window":
 
 def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarray, boots: np.ndarray, L: int,
                   B: int, opts: PlasticityOptions, record: dict[str, Any],
-                  boots_empirical: np.ndarray | None = None) -> pd.DataFrame:
+                  boots_empirical: np.ndarray | None = None,
+                  loos: tuple[np.ndarray, np.ndarray] | None = None) -> pd.DataFrame:
     """Long-format model metrics (qk_core.io.metrics, SPEC 4.5-4.6).
 
     value / median over heads; lo / hi from the model-level bootstrap: boots (H, R, J) are the heads'
@@ -450,27 +495,44 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
     every head (narrower than a bucket, no bucket, no usable bucket) get no row; their status is in
     the per-head bins table. boots_empirical (H, R, J), the empirical estimator's resampled profiles
     under the same weights, gives the ``*_empirical`` headline metrics their intervals.
+    loos: (H, D, J) leave-one-document-out profiles, closed form and empirical (interval ``jackknife_t``, 4.6 as
+    revised): a model value's interval is then the jackknife-t interval of the mean over heads, around its
+    bias-corrected value, which is reported as an extra row ``<metric>_corrected``.
     """
     rows: list[dict[str, Any]] = []
     if heads_df.empty or ap_profiles.size == 0:
         return metrics_frame(rows)
     R = boots.shape[1] if boots.ndim == 3 else 0
 
-    def interval(per_head_boot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _over_heads(x: np.ndarray) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            model_boot = np.nanmean(per_head_boot, axis=0)  # (R, ...): mean over heads per resample
-        return percentile_interval(model_boot, opts.ci)
+            return np.nanmean(x, axis=0)  # (R or D, ...): mean over heads per resample / left-out document
+
+    def interval(per_head_boot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return percentile_interval(_over_heads(per_head_boot), opts.ci)
+
+    def jk(point_heads: np.ndarray, per_head_loo: np.ndarray) -> Any:
+        return jackknife(_over_heads(point_heads), _over_heads(per_head_loo))
 
     point = agg.headline(ap_profiles, L, B)
     boot_head = agg.headline(boots, L, B) if R else {}
+    loo_head = agg.headline(loos[0], L, B) if loos is not None else {}
     for name in agg.HEADLINE:
-        lo, hi = interval(boot_head[name]) if R else (np.nan, np.nan)
+        if loos is not None:
+            est = jk(point[name], loo_head[name])
+            lo, hi = jackknife_interval(est, opts.ci, opts.interval_inflation)
+            rows.append(metric_row(model_key, f"{name}_corrected", [float(est.corrected)], unit="AP",
+                                   options=record, lo=lo, hi=hi) | {"n_heads": int(np.isfinite(point[name]).sum())})
+        else:
+            lo, hi = interval(boot_head[name]) if R else (np.nan, np.nan)
         rows.append(metric_row(model_key, name, point[name], unit="AP", options=record, lo=lo, hi=hi))
     bins = agg.all_bins(L, B, opts)
     mem = agg.membership(bins, L, B)
     vals = agg.masked_mean(ap_profiles, mem)  # (H, n_bins)
-    if R:
+    if loos is not None:
+        lo_b, hi_b = jackknife_interval(jk(vals, agg.masked_mean(loos[0], mem)), opts.ci, opts.interval_inflation)
+    elif R:
         lo_b, hi_b = interval(agg.masked_mean(boots, mem))
     else:
         lo_b = hi_b = np.full(len(bins), np.nan)
@@ -479,10 +541,15 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
             rows.append(metric_row(model_key, b.metric, vals[:, k], key=b.key, unit="AP", options=record,
                                    lo=lo_b[k], hi=hi_b[k]))
     boot_emp = agg.headline(boots_empirical, L, B) if R and boots_empirical is not None else {}
+    loo_emp = agg.headline(loos[1], L, B) if loos is not None else {}
     for col, unit in EXTRA_METRICS:
         if col in heads_df:
             name = col.removesuffix("_empirical")
-            lo, hi = interval(boot_emp[name]) if name in boot_emp and col != name else (np.nan, np.nan)
+            if name in loo_emp and col != name:
+                lo, hi = jackknife_interval(jk(heads_df[col].to_numpy(np.float64), loo_emp[name]), opts.ci,
+                                            opts.interval_inflation)
+            else:
+                lo, hi = interval(boot_emp[name]) if name in boot_emp and col != name else (np.nan, np.nan)
             rows.append(metric_row(model_key, METRIC_NAMES.get(col, col), heads_df[col], unit=unit,
                                    options=record, lo=lo, hi=hi))
     return metrics_frame(rows)

@@ -132,8 +132,11 @@ class SectionSpec:
 
 SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("summary", "Model summary", "SPEC 4.5, 5",
-                "Model values are means over heads, with 95% document-bootstrap intervals where the spec "
-                "defines one. Measured values sit beside the thesis's published reference values.",
+                "Model values are means over heads, with 95% intervals where the spec defines one: by default "
+                "delete-one-document jackknife-t intervals with the query model refitted, inflation calibrated "
+                "on planted worlds at 8-64 documents (SPEC 4.6; bench/results/bootstrap_coverage.md); the "
+                "options of each value name its rule. Measured values sit beside the thesis's published "
+                "reference values.",
                 (r"^model_report",), "summary.html.j2", "Summary"),
     SectionSpec("plasticity", "Attention plasticity", "SPEC 4",
                 "Attention plasticity AP in [0, 1]: how much the order of two earlier keys can still be "
@@ -149,10 +152,12 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "R^2(t ~ x.a) / R^2(t ~ x); their thresholds are in the options.", (r"^rotation",), nav="Rotation"),
     SectionSpec("corpora", "Model or text? One model on several corpora", "SPEC 10",
                 "Each model with two or more corpora is captured and analysed on each; its plasticity and "
-                "positional bias are compared between the corpora, documents resampled within each corpus "
-                "(95% basic, i.e. reverse-percentile, bootstrap intervals: each resample refits the drift axis, "
-                "which can bias the bias_strength resamples low; the rule was chosen by its coverage on planted "
-                "data). A "
+                "positional bias are compared between the corpora, documents left out within each corpus "
+                "(95% jackknife-t intervals, the query model and the drift axis refitted without each document, "
+                "inflation calibrated on planted worlds; the \"text\" verdict rests on a test whose "
+                "false-positive rate was at most 4% on planted identical geometry at 8-64 documents, SPEC 10, "
+                "bench/results/bootstrap_coverage.md; a model analysed with the percentile rule shows basic "
+                "bootstrap intervals instead, as its table's caption says). A "
                 "difference whose 95% interval excludes 0 is the text's; one that covers 0 within a small "
                 "fraction of the value is the model's; otherwise the data cannot tell. Per head: are the same "
                 "heads plastic (and biased) on every corpus?", (r"^cross_corpus",), "cross_corpus.html.j2",
@@ -222,9 +227,9 @@ CAPTIONS: tuple[tuple[str, str, str], ...] = (
      "have no linear position signal, neither pass nor fail); dashed: the pass thresholds (options "
      "stability_min, capture_min)."),
     (r"^cross_corpus", r"profiles", "Mean plasticity profile over heads on each corpus (AP against the query "
-     "position tau in tokens), bands: 95% document bootstrap within the corpus, basic interval (SPEC 10)."),
+     "position tau in tokens), bands: 95% intervals within the corpus by the comparison's rule (SPEC 10)."),
     (r"^cross_corpus", r"differences", "AP_overall, AP_drop (AP) and bias_strength (per token) per corpus and the "
-     "between-corpus differences (diamonds) with 95% basic bootstrap intervals; the verdict under each "
+     "between-corpus differences (diamonds) with 95% intervals (jackknife-t by default); the verdict under each "
      "difference (SPEC 10)."),
     (r"^cross_corpus", r"heads", "Per-head AP_overall and bias_strength on the first corpus (x) against each other "
      "corpus (y), with Spearman rho over heads, p and n; dashed: equal values (SPEC 10)."),

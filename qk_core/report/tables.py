@@ -317,7 +317,8 @@ def summary_tables(report: pd.DataFrame, joins: pd.DataFrame | None,
         if with_scores:
             columns += [f"{b} overall (0-100)" for b in benches]
         out.append((title, Table(columns, rows, caption=(
-            "model value = mean over heads [95% document-bootstrap interval where defined], n = heads; values: "
+            "model value = mean over heads [95% interval where defined, by the rule its options record], n = heads; "
+            "values: "
             "measured here, or the thesis's published reference values (measured take precedence)"))))
     return out
 
@@ -414,9 +415,9 @@ def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: 
         rule = interval_rule(metrics)
         out.append((f"{model}: model values per corpus and differences", Table(
             ["metric", "unit", *corpora, *(f"{c} - {ref}" for c, ref in pairs)], rows, caption=(
-                f"mean over heads [95% document-bootstrap {rule}]; differences: documents resampled within each "
-                "corpus, independently; boot bias = mean of the resamples - value (reported, not subtracted; "
-                "negative: the resamples sit below the value)"))))
+                f"mean over heads [95% {rule}]; differences: documents resampled or left out within each "
+                "corpus, independently; boot bias = mean of the document bootstrap's resamples - value (reported, "
+                "not subtracted; negative: the resamples sit below the value)"))))
     if correlations is not None and len(correlations) and "spearman_rho" in correlations:
         rows = []
         for r in correlations.to_dict("records"):

@@ -93,7 +93,9 @@ def basic_interval(samples: np.ndarray, point: np.ndarray | float, ci: float = 0
 
 
 #: How an interval is read off the resamples (module docstring): basic, bias-corrected (BC) or plain percentile.
-INTERVAL_METHODS = {"basic": "basic (reverse percentile) interval, Davison & Hinkley 1997 eq. 5.6",
+INTERVAL_METHODS = {"jackknife_t": "delete-one-document jackknife-t interval, query model refitted, bias-corrected "
+                                   "centre, calibrated inflation (SPEC 4.6, 10 revised; qk_core.stats.jackknife)",
+                    "basic": "basic (reverse percentile) interval, Davison & Hinkley 1997 eq. 5.6",
                     "bc": "bias-corrected (BC) percentile interval, Efron 1982",
                     "percentile": "percentile interval"}
 
