@@ -1,0 +1,253 @@
+"""Per-head moments of SPEC 12.1: what the capture sums for every eligible head and position, and their merge.
+
+One :class:`LayerMoments` holds, for one layer, every (query head, its KV head) the layer's heads list,
+float64 sums over the positions of one document (:func:`accumulate`) or of many (:func:`merge_documents`).
+``t`` is the raw 0-based token position; ``s = t - tau_b`` the position relative to its bucket's midpoint
+(tau_b = (b + 0.5) B, SPEC notation). Arrays carry a leading head axis (query heads: ``Hq``; KV heads:
+``Hk``); J = number of buckets, d = head dimension.
+
+Query head, per bucket b (SPEC 12.1: n_b and the sums of t, t^2, x, x t, x x^T), shape (Hq, J, ...):
+``q_n, q_t, q_tt, q_x, q_xt, q_xx``. The pooled query sums are their sum over b.
+What the exact Ledoit-Wolf intensity of a bucket needs (SPEC 4.1 / 12.1): the fourth moment sum |y|^4 of
+the bucket's detrended, centred queries y = q - beta t - a (beta and a known only after the merge) expands
+into sums of ``q_xxs = sum s x x^T``, ``q_xxs2 = sum s^2 x x^T``, ``q_xs2 = sum s^2 x``, ``q_xs3 = sum s^3 x``,
+``q_r2x = sum |x|^2 x``, ``q_r2xs = sum s |x|^2 x``, ``q_r4 = sum |x|^4``, ``q_r2 = sum |x|^2``,
+``q_r2s = sum s |x|^2``, ``q_r2s2 = sum s^2 |x|^2``, ``q_s = sum s``, ``q_ss = sum s^2``, ``q_s3``, ``q_s4``
+(:func:`qk_core.plasticity.query_model.fit_query_model_from_moments`); relative positions keep the
+expansion well conditioned.
+KV head, pooled over positions (SPEC 12.1), shape (Hk, ...): ``k_n, k_t, k_tt, k_x, k_xt, k_xx``.
+Same-position pairs delta = q - k of each query head with its KV head (SPEC 3, 12.1), shape (Hq, ...):
+``p_n, p_x = sum delta, p_xx = sum delta delta^T``.
+Split-half parity sums (SPEC 3 (i), 12.1), formed by the merge, shape (2, H, ...) with parity 0 = 1st, 3rd,
+... document in sorted id order: ``qh_n, qh_t, qh_tt, qh_x, qh_xt`` (query heads) and ``kh_*`` (KV heads).
+
+Accumulation dtype (SPEC 12.1, issue 22): position-only sums (n, t, t^2, s^k) are formed on the host in
+float64 (exact for integers below 2^53). Sums involving vectors are formed on the capture's device in
+``dtype`` over one bucket of one document at a time (at most B positions), then converted to float64;
+buckets, documents and shards are added in float64. float64 (the default, and the CPU capture's) is
+exact to rounding; float32 (for a GPU capture) has a relative error of order sqrt(B) 2^-24 per bucket sum.
+Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: sums over query positions, per bucket (SPEC 12.1; the Ledoit-Wolf terms after ``q_xx``)
+Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_xxs", "q_xxs2", "q_xs2", "q_xs3", "q_r2x", "q_r2xs",
+          "q_r4", "q_r2", "q_r2s", "q_r2s2", "q_s", "q_ss", "q_s3", "q_s4")
+#: sums over key positions, pooled (SPEC 12.1)
+K_KEYS = ("k_n", "k_t", "k_tt", "k_x", "k_xt", "k_xx")
+#: sums over same-position pairs delta = q - k (SPEC 3 separation, 12.1)
+P_KEYS = ("p_n", "p_x", "p_xx")
+#: the per-document keys; the merge adds the parity sums below
+DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
+HALF_KEYS = ("n", "t", "tt", "x", "xt")
+
+
+@dataclass
+class LayerMoments:
+    """Float64 moment sums of one layer's heads over one or more documents (SPEC 12.1; keys: module doc).
+
+    ``q_heads`` (Hq,) query heads, ``kv_heads`` (Hk,) KV heads, ``kv_index`` (Hq,) the position in
+    ``kv_heads`` of each query head's KV head (SPEC 1.1), ``bucket`` B, ``n_buckets`` J.
+    ``docs`` the example ids summed, in merge order.
+    """
+
+    layer: int
+    q_heads: np.ndarray
+    kv_heads: np.ndarray
+    kv_index: np.ndarray
+    bucket: int
+    n_buckets: int
+    sums: dict[str, np.ndarray]
+    docs: list[int] = field(default_factory=list)
+
+    @property
+    def d(self) -> int:
+        return int(self.sums["k_x"].shape[-1])
+
+    def head_index(self, q_head: int) -> int:
+        """Row of ``q_head`` in the query-head arrays."""
+        hit = np.flatnonzero(self.q_heads == int(q_head))
+        if not len(hit):
+            raise KeyError(f"layer {self.layer}: query head {q_head} has no moments")
+        return int(hit[0])
+
+    def q_pooled(self) -> dict[str, np.ndarray]:
+        """The query sums pooled over buckets: n, t, tt, x, xt, xx with a leading (Hq,) axis."""
+        return {k: self.sums[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xt", "xx")}
+
+    def k_pooled(self) -> dict[str, np.ndarray]:
+        """The key sums of each query head's KV head: n, t, tt, x, xt, xx with a leading (Hq,) axis."""
+        return {k: self.sums[f"k_{k}"][self.kv_index] for k in ("n", "t", "tt", "x", "xt", "xx")}
+
+
+# ---- one document ----------------------------------------------------------------------------------
+
+
+def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
+    """Position-only float64 sums per bucket (exact for integer positions): n, t, tt, s, ss, s3, s4."""
+    t = np.asarray(pos, dtype=np.float64)
+    b = np.clip(np.floor_divide(t, B).astype(np.int64), 0, J - 1)
+    s = t - (b + 0.5) * B
+    return {name: np.bincount(b, weights=w, minlength=J) for name, w in
+            (("n", np.ones_like(t)), ("t", t), ("tt", t * t), ("s", s), ("ss", s * s), ("s3", s**3), ("s4", s**4))}
+
+
+def _segments(pos: np.ndarray, B: int, J: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """(row order sorting positions by bucket, [(bucket, start, end)] of the sorted rows)."""
+    b = np.clip(np.floor_divide(np.asarray(pos, dtype=np.int64), B), 0, J - 1)
+    order = np.argsort(b, kind="stable")
+    counts = np.bincount(b, minlength=J)
+    ends = np.cumsum(counts)
+    return order, [(j, int(ends[j] - counts[j]), int(ends[j])) for j in range(J) if counts[j]]
+
+
+def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: np.ndarray, bucket: int,
+               n_buckets: int, dtype: Any = None) -> dict[str, Any]:
+    """SPEC 12.1 sums of one document: float64 torch tensors on the device of ``q`` (keys: module doc).
+
+    ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
+    ``k_pos`` (n_k,), torch tensors (a numpy array is taken as a CPU tensor); positions are distinct within
+    a document. ``kv_index`` (Hq,): the row of ``k`` of each query head's KV head. Vector sums are formed
+    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32) one bucket at a time, then
+    converted to float64; the head axis is batched, buckets are the only loop.
+    """
+    import torch
+
+    q, k = torch.as_tensor(q), torch.as_tensor(k)
+    dev = q.device
+    acc = dtype or torch.promote_types(q.dtype, torch.float32)
+    f64 = torch.float64
+    B, J = int(bucket), int(n_buckets)
+    Hq, _, d = q.shape
+    Hk = k.shape[0]
+    kv = torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev)
+    q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
+    out: dict[str, Any] = {}
+
+    # position-only sums, host float64 (broadcast over heads)
+    ps = _pos_sums(q_pos, B, J)
+    for name, key in (("n", "q_n"), ("t", "q_t"), ("tt", "q_tt"), ("s", "q_s"), ("ss", "q_ss"), ("s3", "q_s3"),
+                      ("s4", "q_s4")):
+        out[key] = torch.as_tensor(ps[name], device=dev).expand(Hq, J).clone()
+    kp = _pos_sums(k_pos, B, 1)
+    for name in ("n", "t", "tt"):
+        out[f"k_{name}"] = torch.full((Hk,), float(kp[name][0]), dtype=f64, device=dev)
+
+    # query sums per bucket
+    zeros = {"q_x": (d,), "q_xt": (d,), "q_xx": (d, d), "q_xxs": (d, d), "q_xxs2": (d, d), "q_xs2": (d,),
+             "q_xs3": (d,), "q_r2x": (d,), "q_r2xs": (d,), "q_r4": (), "q_r2": (), "q_r2s": (), "q_r2s2": ()}
+    for key, shape in zeros.items():
+        out[key] = torch.zeros((Hq, J, *shape), dtype=f64, device=dev)
+    order, segs = _segments(q_pos, B, J)
+    order_t = torch.as_tensor(order, device=dev)
+    tq = torch.as_tensor(q_pos[order].astype(np.float64), device=dev)
+    for j, a, e in segs:
+        X = q.index_select(1, order_t[a:e]).to(acc)  # (Hq, m, d)
+        t = tq[a:e].to(acc)
+        s = (tq[a:e] - (j + 0.5) * B).to(acc)
+        r2 = (X * X).sum(-1)  # (Hq, m)
+        Xt = X.transpose(1, 2)
+        vals = {
+            "q_x": X.sum(1), "q_xt": torch.einsum("hmd,m->hd", X, t), "q_xx": Xt @ X,
+            "q_xxs": Xt @ (X * s[:, None]), "q_xxs2": Xt @ (X * (s * s)[:, None]),
+            "q_xs2": torch.einsum("hmd,m->hd", X, s * s), "q_xs3": torch.einsum("hmd,m->hd", X, s * s * s),
+            "q_r2x": torch.einsum("hm,hmd->hd", r2, X), "q_r2xs": torch.einsum("hm,hmd->hd", r2 * s, X),
+            "q_r4": (r2 * r2).sum(1), "q_r2": r2.sum(1), "q_r2s": (r2 * s).sum(1), "q_r2s2": (r2 * s * s).sum(1),
+        }
+        for key, v in vals.items():
+            out[key][:, j] = v.to(f64)
+
+    # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
+    for key, shape in (("k_x", (d,)), ("k_xt", (d,)), ("k_xx", (d, d))):
+        out[key] = torch.zeros((Hk, *shape), dtype=f64, device=dev)
+    order, segs = _segments(k_pos, B, J)
+    order_t = torch.as_tensor(order, device=dev)
+    tk = torch.as_tensor(k_pos[order].astype(np.float64), device=dev)
+    for _, a, e in segs:
+        X = k.index_select(1, order_t[a:e]).to(acc)
+        out["k_x"] += X.sum(1).to(f64)
+        out["k_xt"] += torch.einsum("hmd,m->hd", X, tk[a:e].to(acc)).to(f64)
+        out["k_xx"] += (X.transpose(1, 2) @ X).to(f64)
+
+    # same-position pairs delta = q - k(kv head), per bucket
+    common, iq, ik = np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True)
+    out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
+    out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
+    out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)
+    order, segs = _segments(common, B, J)
+    iq_t, ik_t = torch.as_tensor(iq[order], device=dev), torch.as_tensor(ik[order], device=dev)
+    for _, a, e in segs:
+        D = q.index_select(1, iq_t[a:e]).to(acc) - k.index_select(0, kv).index_select(1, ik_t[a:e]).to(acc)
+        out["p_x"] += D.sum(1).to(f64)
+        out["p_xx"] += (D.transpose(1, 2) @ D).to(f64)
+    return out
+
+
+def to_host(per_layer: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
+    """Every layer's float64 device sums to host numpy in one transfer (SPEC 1.3, 12.1)."""
+    import torch
+
+    items = [(layer, key, t) for layer, sums in sorted(per_layer.items()) for key, t in sums.items()]
+    if not items:
+        return {}
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in items]).cpu().numpy()
+    out: dict[int, dict[str, np.ndarray]] = {}
+    offset = 0
+    for layer, key, t in items:
+        size = t.numel()
+        out.setdefault(layer, {})[key] = flat[offset: offset + size].reshape(tuple(t.shape))
+        offset += size
+    return out
+
+
+def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int], kv_index: Sequence[int],
+                     q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, bucket: int, n_buckets: int,
+                     example_id: int, dtype: Any = None) -> LayerMoments:
+    """:func:`accumulate` of one document and layer as a host :class:`LayerMoments` (rows from numpy or torch)."""
+    host = to_host({layer: accumulate(q, q_pos, k, k_pos, np.asarray(kv_index), bucket, n_buckets, dtype)})
+    return LayerMoments(int(layer), np.asarray(q_heads, np.int64), np.asarray(kv_heads, np.int64),
+                        np.asarray(kv_index, np.int64), int(bucket), int(n_buckets), host[layer], [int(example_id)])
+
+
+# ---- merge -----------------------------------------------------------------------------------------
+
+
+def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
+    """Exact float64 merge of one layer's per-document moments (SPEC 12.1), with the parity sums.
+
+    Documents are added in sorted example-id order whatever order they come in (so shards merge to the
+    same bits as one worker); parity 0 holds the 1st, 3rd, ... documents of that order (SPEC 3 (i)).
+    """
+    if not docs:
+        raise ValueError("no documents to merge")
+    ordered = sorted(docs, key=lambda m: m.docs[0] if len(m.docs) == 1 else min(m.docs))
+    if any(len(m.docs) != 1 for m in ordered):
+        raise ValueError("merge_documents takes per-document moments (one example id each)")
+    ids = [m.docs[0] for m in ordered]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a document is given twice: {sorted(ids)}")
+    first = ordered[0]
+    for m in ordered[1:]:
+        if (m.layer != first.layer or not np.array_equal(m.q_heads, first.q_heads)
+                or not np.array_equal(m.kv_heads, first.kv_heads) or m.bucket != first.bucket
+                or m.n_buckets != first.n_buckets):
+            raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
+    sums = {key: np.zeros_like(first.sums[key]) for key in DOC_KEYS}
+    half_q = {f"qh_{k}": np.zeros((2, *first.sums[f"q_{k}"].shape[:1], *first.sums[f"q_{k}"].shape[2:]))
+              for k in HALF_KEYS}
+    half_k = {f"kh_{k}": np.zeros((2, *first.sums[f"k_{k}"].shape)) for k in HALF_KEYS}
+    for rank, m in enumerate(ordered):
+        for key in DOC_KEYS:
+            sums[key] += m.sums[key]
+        for k in HALF_KEYS:
+            half_q[f"qh_{k}"][rank % 2] += m.sums[f"q_{k}"].sum(axis=1)
+            half_k[f"kh_{k}"][rank % 2] += m.sums[f"k_{k}"]
+    return LayerMoments(first.layer, first.q_heads, first.kv_heads, first.kv_index, first.bucket, first.n_buckets,
+                        {**sums, **half_q, **half_k}, ids)
