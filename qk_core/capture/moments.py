@@ -219,6 +219,41 @@ def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int]
 # ---- merge -----------------------------------------------------------------------------------------
 
 
+class MomentMerger:
+    """Adds one layer's per-document moments in the order given (the caller's fixed order: sorted example
+    ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer."""
+
+    def __init__(self) -> None:
+        self.merged: LayerMoments | None = None
+        self._rank = 0
+
+    def add(self, m: LayerMoments) -> None:
+        """Add one document's moments (its rank in the order of the calls decides its parity)."""
+        if len(m.docs) != 1:
+            raise ValueError("MomentMerger takes per-document moments (one example id each)")
+        if self.merged is None:
+            s = m.sums
+            sums = {key: np.zeros_like(s[key]) for key in DOC_KEYS}
+            sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
+            sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
+            self.merged = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
+        out = self.merged
+        if (m.layer != out.layer or not np.array_equal(m.q_heads, out.q_heads)
+                or not np.array_equal(m.kv_heads, out.kv_heads) or m.bucket != out.bucket
+                or m.n_buckets != out.n_buckets):
+            raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
+        if m.docs[0] in out.docs:
+            raise ValueError(f"document {m.docs[0]} is given twice")
+        for key in DOC_KEYS:
+            out.sums[key] += m.sums[key]
+        parity = self._rank % 2
+        for k in HALF_KEYS:
+            out.sums[f"qh_{k}"][parity] += m.sums[f"q_{k}"].sum(axis=1)
+            out.sums[f"kh_{k}"][parity] += m.sums[f"k_{k}"]
+        out.docs.append(int(m.docs[0]))
+        self._rank += 1
+
+
 def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
     """Exact float64 merge of one layer's per-document moments (SPEC 12.1), with the parity sums.
 
@@ -227,27 +262,44 @@ def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
     """
     if not docs:
         raise ValueError("no documents to merge")
-    ordered = sorted(docs, key=lambda m: m.docs[0] if len(m.docs) == 1 else min(m.docs))
-    if any(len(m.docs) != 1 for m in ordered):
-        raise ValueError("merge_documents takes per-document moments (one example id each)")
-    ids = [m.docs[0] for m in ordered]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"a document is given twice: {sorted(ids)}")
-    first = ordered[0]
-    for m in ordered[1:]:
-        if (m.layer != first.layer or not np.array_equal(m.q_heads, first.q_heads)
-                or not np.array_equal(m.kv_heads, first.kv_heads) or m.bucket != first.bucket
-                or m.n_buckets != first.n_buckets):
-            raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
-    sums = {key: np.zeros_like(first.sums[key]) for key in DOC_KEYS}
-    half_q = {f"qh_{k}": np.zeros((2, *first.sums[f"q_{k}"].shape[:1], *first.sums[f"q_{k}"].shape[2:]))
-              for k in HALF_KEYS}
-    half_k = {f"kh_{k}": np.zeros((2, *first.sums[f"k_{k}"].shape)) for k in HALF_KEYS}
-    for rank, m in enumerate(ordered):
-        for key in DOC_KEYS:
-            sums[key] += m.sums[key]
-        for k in HALF_KEYS:
-            half_q[f"qh_{k}"][rank % 2] += m.sums[f"q_{k}"].sum(axis=1)
-            half_k[f"kh_{k}"][rank % 2] += m.sums[f"k_{k}"]
-    return LayerMoments(first.layer, first.q_heads, first.kv_heads, first.kv_index, first.bucket, first.n_buckets,
-                        {**sums, **half_q, **half_k}, ids)
+    merger = MomentMerger()
+    for m in sorted(docs, key=lambda m: m.docs[0]):
+        merger.add(m)
+    assert merger.merged is not None
+    return merger.merged
+
+
+# ---- bytes on storage --------------------------------------------------------------------------------
+
+
+def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
+    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout."""
+    import io
+
+    arrays: dict[str, np.ndarray] = {}
+    for m in layers:
+        p = f"L{m.layer}"
+        arrays.update({f"{p}.q_heads": m.q_heads, f"{p}.kv_heads": m.kv_heads, f"{p}.kv_index": m.kv_index,
+                       f"{p}.layout": np.array([m.bucket, m.n_buckets], np.int64),
+                       f"{p}.docs": np.asarray(m.docs, np.int64)})
+        arrays.update({f"{p}.{k}": np.asarray(v, np.float64) for k, v in m.sums.items()})
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
+    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`."""
+    import io
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    layers = sorted({int(name.split(".", 1)[0][1:]) for name in arrays})
+    out = {}
+    for layer in layers:
+        p = f"L{layer}."
+        own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
+        bucket, n_buckets = (int(v) for v in own.pop("layout"))
+        out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
+                                  n_buckets, own, [int(e) for e in own.pop("docs")])
+    return out
