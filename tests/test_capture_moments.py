@@ -144,3 +144,33 @@ def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, 
             CaptureReader(setup["storage"], setup["sampled"].prefix).read_moments(reader.moment_layers()[0])
     finally:
         path.write_bytes(original)
+
+
+def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(setup: dict[str, Any]) -> None:
+    """SPEC 12.1/12.3 through the geometry driver: ``coverage = "all"`` gives every eligible head (the capture
+    sampled 5 of 16) with its coverage, positions and documents; ``"sampled"`` is today's row path exactly."""
+    import pandas.testing as pd_testing
+
+    from qk_core.geometry.driver import geometry_of_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    n_tokens = int(res.doc_tokens["n_tokens"].sum())
+    every = geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"),
+                                RotationOptions(coverage="all", capture_floor="beta"))
+    for table in (every["pca"][0], every["rotation"][0]):
+        assert len(table) == 16 and set(table["coverage"]) == {"all"} and set(table["status"]) == {"ok"}
+        assert set(table["n_q"]) == set(table["n_k"]) == {n_tokens} and set(table["n_docs"]) == {N_DOCS}
+    assert '"coverage": "all"' in every["pca"][0]["options"].iloc[0]
+    full = CaptureReader(setup["full_storage"], setup["full"].prefix)
+    want = {(layer, r["q_head"]): r for layer in full.moment_layers()
+            for r in layer_geometry(full.read_moments(layer), full.window, PCAOptions(),
+                                    RotationOptions(capture_floor="beta"))}
+    for row in every["rotation"][0].itertuples():
+        assert row.bias_strength == want[(row.layer, row.q_head)]["rotation"]["bias_strength"]
+    sampled = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions())
+    rows = run_geometry("m", iter_capture_heads(storage, res.heads), PCAOptions(), RotationOptions())
+    for a, b in ((sampled["pca"], rows["pca"]), (sampled["rotation"][:3], rows["rotation"][:3])):
+        for x, y in zip(a, b, strict=True):
+            pd_testing.assert_frame_equal(x, y)
+    assert set(sampled["pca"][0]["coverage"]) == {"sampled"} and len(sampled["pca"][0]) == 5
+    assert set(sampled["pca"][0]["n_docs"]) == {N_DOCS}

@@ -230,6 +230,9 @@ class InterventionOptions:
         return json.dumps(self.record(window), sort_keys=True)
 
 
+COVERAGES = ("sampled", "all")  # SPEC 12.1 option coverage of the per-head analyses
+
+
 @dataclass(frozen=True)
 class PCAOptions:
     """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
@@ -242,8 +245,13 @@ class PCAOptions:
     taxonomy_high: UnitFloat = 0.7
     min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+    # SPEC 12.1: "sampled" = the sampled heads' rows (the thesis's protocol), "all" = every eligible head from the
+    # capture's moments over every position
+    coverage: Literal["sampled", "all"] = "sampled"
 
     def __post_init__(self) -> None:
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {COVERAGES}, got {self.coverage!r}")
         if self.n_components < 1:
             raise ValueError(f"n_components must be >= 1, got {self.n_components}")
         if not 0 <= self.taxonomy_low <= self.taxonomy_high <= 1:
@@ -281,8 +289,11 @@ class RotationOptions:
     capture_permutations: IntIn(100, MAX_COUNT) = 199  # permutations of the floor (>= 100 for a 99th percentile)
     capture_seed: NonNegInt = 0  # seed of those permutations
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+    coverage: Literal["sampled", "all"] = "sampled"  # SPEC 12.1, as for PCAOptions
 
     def __post_init__(self) -> None:
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {COVERAGES}, got {self.coverage!r}")
         if self.separation not in SEPARATION_AXES:
             raise ValueError(f"separation must be one of {SEPARATION_AXES}, got {self.separation!r}")
         if self.complement_pairs < 1:
