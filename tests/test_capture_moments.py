@@ -4,6 +4,7 @@ force over every row, the same for any sampler, and a sharded capture gives the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,22 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
             pd_testing.assert_frame_equal(x, y)
     assert set(sampled["pca"][0]["coverage"]) == {"sampled"} and len(sampled["pca"][0]) == 5
     assert set(sampled["pca"][0]["n_docs"]) == {N_DOCS}
+
+
+def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: dict[str, Any]) -> None:
+    """SPEC 4.6 / 12.2: with coverage 'all' the query model rests on every position of every document, while
+    key pairs stay the sampled ones; a capture without moments is refused with a message."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5)
+    every = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="all"))
+    sampled = analyse_capture("m", storage, res.prefix, heads, opts)
+    n_tokens = int(res.doc_tokens["n_tokens"].sum())
+    assert set(every.heads["coverage"]) == {"all"} and set(every.heads["n_queries_model"]) == {n_tokens}
+    assert set(sampled.heads["coverage"]) == {"sampled"}
+    assert (sampled.heads["n_queries_model"] < n_tokens).all()
+    assert np.isfinite(every.heads["ap_overall"]).all()
+    assert len(every.pairs) == len(sampled.pairs)  # the same sampled key pairs

@@ -221,3 +221,29 @@ def test_accumulate_matches_a_float64_brute_force_and_bounds_float32() -> None:
     for key, w in want.items():
         bound = 32 * np.sqrt(B) * 2.0**-24 * np.abs(w).max()  # float32 inputs (to the 4th power) and sums
         assert np.abs(got32[key] - w).max() <= bound, key
+
+
+@pytest.mark.slow
+def test_plasticity_with_the_query_model_from_moments_equals_the_row_path(capture: Any) -> None:
+    """SPEC 12.2 through the plasticity analysis: the query model from the moments of the same rows gives the
+    same per-pair closed form, AP profile, bootstrap and diagnostics as the row path."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_head
+
+    _, _, by_layer = capture
+    opts = PlasticityOptions(bootstrap=20, pairs_per_bucket=64)
+    heads = next(iter(by_layer.values()))
+    lm = merge_documents(per_document_moments(heads))
+    for i, h in enumerate(heads):
+        rows = analyse_head(h, opts)
+        mom = analyse_head(h, opts, query_sums={k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")})
+        assert mom.row["coverage"] == "all" and rows.row["coverage"] == "sampled"
+        assert mom.row["n_queries_model"] == rows.row["n_queries_model"] == len(h.q)
+        assert np.isfinite(rows.ap[1:]).sum() >= 4
+        for name in ("ap", "ap_empirical", "boot"):
+            assert_rel(getattr(mom, name), getattr(rows, name), f"L{h.layer}H{h.q_head} {name}")
+        for key, value in rows.row.items():
+            if isinstance(value, (float, np.floating)):
+                assert_rel(mom.row[key], value, f"L{h.layer}H{h.q_head} row {key}")
+        for col in ("z", "pp", "delta_1"):
+            assert_rel(mom.pairs[col].to_numpy(), rows.pairs[col].to_numpy(), f"pairs {col}")

@@ -66,6 +66,9 @@ class PlasticityOptions:
     keep_pairs: keep the per-pair records (4.7).
     allow_partial: publish results when heads could not be read or analysed; otherwise the run fails
         and the previous outputs stay (the outputs record ``n_heads_missing`` and ``missing_reasons``).
+    coverage: the query model's (4.1) rows: ``sampled`` (the head's sampled queries, the thesis) or ``all``
+        (the capture's moments over every position, SPEC 12.2; key pairs, the empirical estimator and the
+        residual diagnostics stay on the sampled rows, SPEC 12).
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -82,8 +85,11 @@ class PlasticityOptions:
     heatmap_bin: Tokens | None = None
     keep_pairs: Bool = True
     allow_partial: Bool = False
+    coverage: Literal["sampled", "all"] = "sampled"
 
     def __post_init__(self) -> None:
+        if self.coverage not in ("sampled", "all"):
+            raise PlasticityOptionsError(f"coverage must be 'sampled' or 'all', got {self.coverage!r}")
         if self.covariance not in COVARIANCES:
             raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
         for name in ("pairs_per_bucket", "min_queries_per_bucket"):
