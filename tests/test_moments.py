@@ -247,3 +247,16 @@ def test_plasticity_with_the_query_model_from_moments_equals_the_row_path(captur
                 assert_rel(mom.row[key], value, f"L{h.layer}H{h.q_head} row {key}")
         for col in ("z", "pp", "delta_1"):
             assert_rel(mom.pairs[col].to_numpy(), rows.pairs[col].to_numpy(), f"pairs {col}")
+
+
+def test_moments_round_trip_through_bytes() -> None:
+    """The stored form (SPEC 12.1): every key back, symmetric sums from their upper triangle, no pickle."""
+    from qk_core.capture.moments import moments_from_bytes, moments_to_bytes
+
+    merged = merge_documents(random_documents(3))
+    back = moments_from_bytes(moments_to_bytes([merged]))[merged.layer]
+    assert back.docs == merged.docs and np.array_equal(back.kv_index, merged.kv_index)
+    assert (back.bucket, back.n_buckets) == (merged.bucket, merged.n_buckets)
+    assert set(back.sums) == set(merged.sums)
+    for key, arr in merged.sums.items():
+        np.testing.assert_allclose(back.sums[key], arr, rtol=1e-15, atol=1e-13 * np.abs(arr).max(), err_msg=key)

@@ -272,8 +272,27 @@ def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
 # ---- bytes on storage --------------------------------------------------------------------------------
 
 
+#: symmetric d x d sums, stored as their upper triangle (row-major, diagonal included)
+SYMMETRIC = ("q_xx", "q_xxs", "q_xxs2", "k_xx", "p_xx")
+
+
+def _pack(a: np.ndarray) -> np.ndarray:
+    d = a.shape[-1]
+    iu = np.triu_indices(d)
+    return a[..., iu[0], iu[1]]
+
+
+def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
+    iu = np.triu_indices(d)
+    out = np.zeros((*packed.shape[:-1], d, d))
+    out[..., iu[0], iu[1]] = packed
+    out[..., iu[1], iu[0]] = packed
+    return out
+
+
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
-    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout."""
+    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout; the
+    symmetric d x d sums as upper triangles (half the bytes; the lower triangle is its mirror)."""
     import io
 
     arrays: dict[str, np.ndarray] = {}
@@ -282,7 +301,8 @@ def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
         arrays.update({f"{p}.q_heads": m.q_heads, f"{p}.kv_heads": m.kv_heads, f"{p}.kv_index": m.kv_index,
                        f"{p}.layout": np.array([m.bucket, m.n_buckets], np.int64),
                        f"{p}.docs": np.asarray(m.docs, np.int64)})
-        arrays.update({f"{p}.{k}": np.asarray(v, np.float64) for k, v in m.sums.items()})
+        arrays.update({f"{p}.{k}": _pack(np.asarray(v, np.float64)) if k in SYMMETRIC else np.asarray(v, np.float64)
+                       for k, v in m.sums.items()})
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -300,6 +320,8 @@ def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
         p = f"L{layer}."
         own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
         bucket, n_buckets = (int(v) for v in own.pop("layout"))
+        d = int(own["k_x"].shape[-1])
+        own.update({k: _unpack(own[k], d) for k in SYMMETRIC if k in own})
         out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
                                   n_buckets, own, [int(e) for e in own.pop("docs")])
     return out
