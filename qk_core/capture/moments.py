@@ -108,6 +108,31 @@ def _segments(pos: np.ndarray, B: int, J: int) -> tuple[np.ndarray, list[tuple[i
     return order, [(j, int(ends[j] - counts[j]), int(ends[j])) for j in range(J) if counts[j]]
 
 
+def _padded(x: Any, pos: np.ndarray, B: int, J: int, dtype: Any) -> tuple[Any, Any, Any]:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, J, M, d) in ``dtype``, zero rows as padding (M = the
+    largest bucket count), with their positions t and s = t - tau_b as (J, M) (0 at the padding)."""
+    import torch
+
+    order, segs = _segments(pos, B, J)
+    counts = np.zeros(J, dtype=np.int64)
+    for j, a, e in segs:
+        counts[j] = e - a
+    M = max(int(counts.max()) if J else 0, 1)
+    b_sorted = np.repeat(np.arange(J), counts)
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    flat = b_sorted * M + slot
+    dev = x.device
+    H, _, d = x.shape
+    t = np.zeros(J * M)
+    t[flat] = np.asarray(pos, dtype=np.float64)[order]
+    s = np.where(np.isin(np.arange(J * M), flat), t - (np.repeat(np.arange(J), M) + 0.5) * B, 0.0)
+    out = torch.zeros((H, J * M, d), dtype=dtype, device=dev)
+    out[:, torch.as_tensor(flat, device=dev)] = x.index_select(1, torch.as_tensor(order, device=dev)).to(dtype)
+    to = torch.as_tensor(t.reshape(J, M), device=dev).to(dtype)
+    so = torch.as_tensor(s.reshape(J, M), device=dev).to(dtype)
+    return out.reshape(H, J, M, d), to, so
+
+
 def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: np.ndarray, bucket: int,
                n_buckets: int, dtype: Any = None) -> dict[str, Any]:
     """SPEC 12.1 sums of one document: float64 torch tensors on the device of ``q`` (keys: module doc).
@@ -125,7 +150,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
     acc = dtype or torch.promote_types(q.dtype, torch.float32)
     f64 = torch.float64
     B, J = int(bucket), int(n_buckets)
-    Hq, _, d = q.shape
+    Hq = q.shape[0]
     Hk = k.shape[0]
     kv = torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev)
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
@@ -140,53 +165,36 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
     for name in ("n", "t", "tt"):
         out[f"k_{name}"] = torch.full((Hk,), float(kp[name][0]), dtype=f64, device=dev)
 
-    # query sums per bucket
-    zeros = {"q_x": (d,), "q_xt": (d,), "q_xx": (d, d), "q_xxs": (d, d), "q_xxs2": (d, d), "q_xs2": (d,),
-             "q_xs3": (d,), "q_r2x": (d,), "q_r2xs": (d,), "q_r4": (), "q_r2": (), "q_r2s": (), "q_r2s2": ()}
-    for key, shape in zeros.items():
-        out[key] = torch.zeros((Hq, J, *shape), dtype=f64, device=dev)
-    order, segs = _segments(q_pos, B, J)
-    order_t = torch.as_tensor(order, device=dev)
-    tq = torch.as_tensor(q_pos[order].astype(np.float64), device=dev)
-    for j, a, e in segs:
-        X = q.index_select(1, order_t[a:e]).to(acc)  # (Hq, m, d)
-        t = tq[a:e].to(acc)
-        s = (tq[a:e] - (j + 0.5) * B).to(acc)
-        r2 = (X * X).sum(-1)  # (Hq, m)
-        Xt = X.transpose(1, 2)
-        vals = {
-            "q_x": X.sum(1), "q_xt": torch.einsum("hmd,m->hd", X, t), "q_xx": Xt @ X,
-            "q_xxs": Xt @ (X * s[:, None]), "q_xxs2": Xt @ (X * (s * s)[:, None]),
-            "q_xs2": torch.einsum("hmd,m->hd", X, s * s), "q_xs3": torch.einsum("hmd,m->hd", X, s * s * s),
-            "q_r2x": torch.einsum("hm,hmd->hd", r2, X), "q_r2xs": torch.einsum("hm,hmd->hd", r2 * s, X),
-            "q_r4": (r2 * r2).sum(1), "q_r2": r2.sum(1), "q_r2s": (r2 * s).sum(1), "q_r2s2": (r2 * s * s).sum(1),
-        }
-        for key, v in vals.items():
-            out[key][:, j] = v.to(f64)
+    # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, J, M, d), M = the largest
+    # bucket count, so every bucket's sums come from one batched product per quantity
+    X, tp, sp = _padded(q, q_pos, B, J, acc)
+    r2 = (X * X).sum(-1)  # (Hq, J, M)
+    Xt = X.transpose(-1, -2)
+    vals = {
+        "q_x": X.sum(2), "q_xt": torch.einsum("hjmd,jm->hjd", X, tp), "q_xx": Xt @ X,
+        "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
+        "q_xs2": torch.einsum("hjmd,jm->hjd", X, sp * sp), "q_xs3": torch.einsum("hjmd,jm->hjd", X, sp * sp * sp),
+        "q_r2x": torch.einsum("hjm,hjmd->hjd", r2, X), "q_r2xs": torch.einsum("hjm,hjmd->hjd", r2 * sp, X),
+        "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2),
+    }
+    out.update({key: v.to(f64) for key, v in vals.items()})
+    del X, Xt, r2, vals
 
     # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
-    for key, shape in (("k_x", (d,)), ("k_xt", (d,)), ("k_xx", (d, d))):
-        out[key] = torch.zeros((Hk, *shape), dtype=f64, device=dev)
-    order, segs = _segments(k_pos, B, J)
-    order_t = torch.as_tensor(order, device=dev)
-    tk = torch.as_tensor(k_pos[order].astype(np.float64), device=dev)
-    for _, a, e in segs:
-        X = k.index_select(1, order_t[a:e]).to(acc)
-        out["k_x"] += X.sum(1).to(f64)
-        out["k_xt"] += torch.einsum("hmd,m->hd", X, tk[a:e].to(acc)).to(f64)
-        out["k_xx"] += (X.transpose(1, 2) @ X).to(f64)
+    X, tp, _ = _padded(k, k_pos, B, J, acc)
+    out["k_x"] = X.sum(2).to(f64).sum(1)
+    out["k_xt"] = torch.einsum("hjmd,jm->hjd", X, tp).to(f64).sum(1)
+    out["k_xx"] = (X.transpose(-1, -2) @ X).to(f64).sum(1)
+    del X
 
     # same-position pairs delta = q - k(kv head), per bucket
     common, iq, ik = np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True)
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
-    out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
-    out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)
-    order, segs = _segments(common, B, J)
-    iq_t, ik_t = torch.as_tensor(iq[order], device=dev), torch.as_tensor(ik[order], device=dev)
-    for _, a, e in segs:
-        D = q.index_select(1, iq_t[a:e]).to(acc) - k.index_select(0, kv).index_select(1, ik_t[a:e]).to(acc)
-        out["p_x"] += D.sum(1).to(f64)
-        out["p_xx"] += (D.transpose(1, 2) @ D).to(f64)
+    D = q.index_select(1, torch.as_tensor(iq, device=dev)).to(acc) \
+        - k.index_select(0, kv).index_select(1, torch.as_tensor(ik, device=dev)).to(acc)
+    D, _, _ = _padded(D, common, B, J, acc)
+    out["p_x"] = D.sum(2).to(f64).sum(1)
+    out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
     return out
 
 
