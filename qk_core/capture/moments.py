@@ -140,8 +140,8 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
     ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
     ``k_pos`` (n_k,), torch tensors (a numpy array is taken as a CPU tensor); positions are distinct within
     a document. ``kv_index`` (Hq,): the row of ``k`` of each query head's KV head. Vector sums are formed
-    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32) one bucket at a time, then
-    converted to float64; the head axis is batched, buckets are the only loop.
+    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows of one bucket,
+    then converted to float64; heads and buckets are batched (no Python loop over either, nor over positions).
     """
     import torch
 
