@@ -260,3 +260,38 @@ def test_moments_round_trip_through_bytes() -> None:
     assert set(back.sums) == set(merged.sums)
     for key, arr in merged.sums.items():
         np.testing.assert_allclose(back.sums[key], arr, rtol=1e-15, atol=1e-13 * np.abs(arr).max(), err_msg=key)
+
+
+def test_permutation_floor_from_moments_matches_the_row_permutation() -> None:
+    """SPEC 3 (ii) with every position (SPEC 12.2): the within-document permutation floor from the merged
+    moments (exact permutation mean and covariance, Gaussian draws) agrees with permuting the rows themselves,
+    where rows of a document are dependent (shared content, a smooth walk along positions) and the analytic
+    floor of independent rows is far too low."""
+    from qk_core.config.options import RotationOptions
+    from qk_core.geometry.from_moments import layer_pooled
+    from qk_core.geometry.moments import pooled_moments
+    from qk_core.geometry.rotation import analytic_noise_floor, moment_permutation_floor, position_noise_floor
+
+    rng = np.random.default_rng(0)
+    d, docs, rows = 8, [], []
+    for i in range(8):
+        n = 60 + 10 * i
+        content = rng.normal(size=(1, 1, d)) * 2
+        walk = np.cumsum(rng.normal(size=(1, n, d)) * 0.3, axis=1)
+        q = content + walk + rng.normal(size=(2, n, d))
+        k = content + walk[:, :, ::-1] + rng.normal(size=(1, n, d))
+        docs.append(document_moments(0, range(2), range(1), [0, 0], q, np.arange(n), k, np.arange(n), 16, 8, i,
+                                     dtype=torch.float64))
+        rows.append((q, k, np.arange(n), np.full(n, i)))
+    lm = merge_documents(docs)
+    assert not lm.sums["pm_unpaired"].any()
+    opts = RotationOptions(capture_permutations=999)
+    t, doc = np.concatenate([r[2] for r in rows]), np.concatenate([r[3] for r in rows])
+    K = np.concatenate([r[1][0] for r in rows])
+    for h in range(2):
+        Q = np.concatenate([r[0][h] for r in rows])
+        m = pooled_moments(Q, t, K, t)
+        by_rows = position_noise_floor(Q, t, doc, K, t, doc, m, opts)
+        by_moments = moment_permutation_floor(layer_pooled(lm)[h], lm.sums["pm_mean"][h], lm.sums["pm_cov"][h], opts)
+        assert abs(by_moments - by_rows) < 0.1 * by_rows, (by_moments, by_rows)
+        assert analytic_noise_floor(m) < 0.5 * by_rows

@@ -244,6 +244,8 @@ class MomentMerger:
             sums = {key: np.zeros_like(s[key]) for key in DOC_KEYS}
             sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
             sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
+            Hq, d = s["q_x"].shape[0], s["q_x"].shape[-1]
+            sums.update(pm_cov=np.zeros((Hq, d, d)), pm_mean=np.zeros((Hq, d)), pm_unpaired=np.zeros(Hq))
             self.merged = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
         out = self.merged
         if (m.layer != out.layer or not np.array_equal(m.q_heads, out.q_heads)
@@ -258,8 +260,39 @@ class MomentMerger:
         for k in HALF_KEYS:
             out.sums[f"qh_{k}"][parity] += m.sums[f"q_{k}"].sum(axis=1)
             out.sums[f"kh_{k}"][parity] += m.sums[f"k_{k}"]
+        self._permutation_terms(m, out.sums)
         out.docs.append(int(m.docs[0]))
         self._rank += 1
+
+
+    @staticmethod
+    def _permutation_terms(m: LayerMoments, out: dict[str, np.ndarray]) -> None:
+        """Per-document terms of the within-document permutation null of SPEC 3 (ii)'s R^2(t ~ x + 1_Q).
+
+        When a document's queries and keys sit at the same positions (every position, or a shared sample),
+        permuting t within it moves each position's g = q + k (within-kind centred) as one unit, and
+        c = sum g t_perm has mean sum_d tbar_d sum_d g and covariance sum_d s_tt,d / (n_d - 1) S_d(g), S_d the
+        document's centred scatter of q + k = 2 q q^T + 2 k k^T - delta delta^T summed (the permutation
+        moments of a linear statistic). ``pm_mean`` holds sum_d tbar_d sum_d (q + k) (the kind means are
+        removed after the merge), ``pm_cov`` the covariance, ``pm_unpaired`` the documents where this does
+        not hold (their Q and K positions differ).
+        """
+        s = m.sums
+        q = {k: s[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xx")}
+        kv = m.kv_index
+        n = q["n"]
+        paired = (s["p_n"] == n) & (s["k_n"][kv] == n) & (np.abs(s["k_t"][kv] - q["t"]) == 0)
+        out["pm_unpaired"] += ~paired
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tbar = np.where(n > 0, q["t"] / n, 0.0)
+            w = np.where(n > 1, (q["tt"] - q["t"] * tbar) / (n - 1), 0.0)
+        g = q["x"] + s["k_x"][kv]
+        gg = 2 * q["xx"] + 2 * s["k_xx"][kv] - s["p_xx"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            Sg = gg - np.where(n > 0, 1.0 / n, 0.0)[:, None, None] * g[:, :, None] * g[:, None, :]
+        ok = paired[:, None]
+        out["pm_mean"] += np.where(ok, tbar[:, None] * g, 0.0)
+        out["pm_cov"] += np.where(ok[:, :, None], w[:, None, None] * Sg, 0.0)
 
 
 def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:

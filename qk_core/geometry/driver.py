@@ -64,8 +64,8 @@ def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], 
                         rotation_options: RotationOptions | None) -> dict[str, tuple]:
     """SPEC 2 and/or 3 of every head of every layer from merged moments (SPEC 12.2): tables as
     :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs. The rotation's
-    plane points are empty (they need rows) and its noise floor is the analytic one of the moments
-    (:func:`qk_core.geometry.rotation.rotation_from_moments`)."""
+    plane points are empty (they need rows); its noise floor is the within-document permutation floor from the
+    moments (:func:`qk_core.geometry.rotation.moment_permutation_floor`), or the analytic one by option."""
     pca_rows: list[dict[str, Any]] = []
     rot_rows: list[dict[str, Any]] = []
     for window, lm in layers:

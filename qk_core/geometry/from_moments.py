@@ -51,7 +51,7 @@ def layer_geometry(lm: LayerMoments, window: int, pca_options: PCAOptions | None
     Returns one dict per query head: ``q_head``, ``kv_head``, ``n_q``, ``n_k``, ``n_docs`` and the ``pca`` /
     ``rotation`` records (None for an analysis not asked for). ``r2_floors`` maps a query head to the noise
     floor of its position capture measured on rows (SPEC 3 (ii) permutation); other heads use the
-    analytic floor of their moments.
+    permutation floor of the merge's moments (Q and K at the same positions) or the analytic one.
     """
     pooled, pairs, halves = layer_pooled(lm), layer_pairs(lm), layer_split_halves(lm)
     out = []
@@ -67,9 +67,11 @@ def layer_geometry(lm: LayerMoments, window: int, pca_options: PCAOptions | None
                 rec["pca"] = pca_record(None, error=err)
         if rotation_options is not None:
             floor = None if r2_floors is None else r2_floors.get(q_head)
+            s = lm.sums
+            perm = (s["pm_mean"][i], s["pm_cov"][i]) if "pm_cov" in s and s["pm_unpaired"][i] == 0 else None
             try:
                 rec["rotation"] = rotation_record(rotation_from_moments(
-                    m, p, half, window=window, options=rotation_options, r2_floor=floor))
+                    m, p, half, window=window, options=rotation_options, r2_floor=floor, permutation=perm))
             except HeadInputError as err:
                 rec["rotation"] = rotation_record(None, error=err)
         out.append(rec)

@@ -270,6 +270,28 @@ def analytic_noise_floor(m: PooledMoments, quantile: float = 0.99) -> float:
     return (between + partial * m.stt_within) / m.stt
 
 
+def moment_permutation_floor(m: PooledMoments, pm_mean: np.ndarray, pm_cov: np.ndarray, options: RotationOptions,
+                             quantile: float = 0.99) -> float:
+    """SPEC 3 (ii) ``permutation`` noise floor from moments alone (SPEC 12.2), for Q and K at the same positions.
+
+    Permuting t within documents leaves s_tt,w and what 1_Q explains unchanged and moves c_w = sum x_w t; its
+    permutation mean and covariance are exact (:meth:`qk_core.capture.moments.MomentMerger._permutation_terms`:
+    mean ``pm_mean`` - (mu_Q + mu_K) sum t_Q, covariance ``pm_cov``). c_w is a sum over every position, so it
+    is taken as Gaussian: ``capture_permutations`` draws (seed ``capture_seed``) of c_w^T S_w^-1 c_w / s_tt,w,
+    whose 99th percentile is mapped to R^2(t ~ x + 1_Q) as in :func:`position_noise_floor`.
+    """
+    if not m.stt > 0 or not m.stt_within > 0:
+        return float("nan")
+    mean = pm_mean - (m.mu_q + m.mu_k) * (m.n_q * m.tq_mean)
+    w, V = np.linalg.eigh(0.5 * (pm_cov + pm_cov.T))
+    root = V * np.sqrt(np.clip(w, 0.0, None))
+    z = np.random.default_rng(options.capture_seed).standard_normal((m.d, options.capture_permutations))
+    C = mean[:, None] + root @ z
+    share = _explained(m.S_within, C) / m.stt_within
+    between = max(m.stt - m.stt_within, 0.0)
+    return (between + float(np.quantile(share, quantile)) * m.stt_within) / m.stt
+
+
 def capture_status(r2_full: float, r2_floor: float, ratio: float, capture_min: float) -> str:
     """SPEC 3 (ii): NO_POSITION_SIGNAL unless R^2(t ~ x + 1_Q) is above its noise floor; else pass or fail
     at ``capture_min``."""
@@ -456,15 +478,16 @@ def split_half_from_sums(half: dict[str, np.ndarray]) -> tuple[float, int, int]:
 
 
 def rotation_from_moments(m: PooledMoments, pairs: PairSums, split: tuple[float, int, int], *, window: int,
-                          options: RotationOptions | None = None, r2_floor: float | None = None) -> RotationResult:
+                          options: RotationOptions | None = None, r2_floor: float | None = None,
+                          permutation: tuple[np.ndarray, np.ndarray] | None = None) -> RotationResult:
     """Planar rotation of one head from its moments alone (SPEC 12.2): every per-head value of
     :func:`analyse_rotation` and both diagnostics.
 
     ``pairs``: the same-position pair sums (separation_strength = b^T (sum delta delta^T) b / tr(sum delta
     delta^T); the eigen axis from (sum delta delta^T) / n); ``split``: :func:`split_half_from_sums`.
-    Diagnostic (ii)'s noise floor (SPEC 3) is ``r2_floor`` when given (the permutation floor needs rows: the
-    sampled rows of the head, :func:`position_noise_floor`), else the analytic floor of the moments
-    (:func:`analytic_noise_floor`, recorded in the notes when the options ask for ``permutation``). The
+    Diagnostic (ii)'s noise floor (SPEC 3) is ``r2_floor`` when given (e.g. :func:`position_noise_floor` of the
+    same rows); else, for ``permutation``, :func:`moment_permutation_floor` from ``permutation`` = (pm_mean,
+    pm_cov) of the merge; else the analytic floor of the moments (:func:`analytic_noise_floor`, noted). The
     complement analysis and the plane points need rows and are left out. Raises :class:`HeadInputError`.
     """
     options = options or RotationOptions()
@@ -508,6 +531,9 @@ def rotation_from_moments(m: PooledMoments, pairs: PairSums, split: tuple[float,
                      "2nd, 4th, ...)")
     r2_axis, r2_full, capture = position_capture(m, a)
     floor_kind = options.capture_floor
+    if r2_floor is None and floor_kind == "permutation" and permutation is not None:
+        r2_floor = moment_permutation_floor(m, *permutation, options)
+        floor_kind = "permutation, Gaussian from moments"
     if r2_floor is None:
         r2_floor = analytic_noise_floor(m)
         if floor_kind != "beta":
