@@ -194,3 +194,22 @@ def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: d
     assert (sampled.heads["n_queries_model"] < n_tokens).all()
     assert np.isfinite(every.heads["ap_overall"]).all()
     assert len(every.pairs) == len(sampled.pairs)  # the same sampled key pairs
+
+
+def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:
+    """``capture.moments = false`` (not in the fingerprint: it adds files, not rows) stores no moments, and
+    coverage 'all' then fails naming the capture instead of silently falling back."""
+    from qk_core.geometry.driver import geometry_of_capture
+
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-nomoments.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moments": False}}}, tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "nomoments")
+    res = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    assert res.prefix == setup["sampled"].prefix  # the same fingerprint as the capture with moments
+    reader = CaptureReader(storage, res.prefix)
+    assert reader.moment_layers() == [] and not storage.ls(f"{res.prefix}/moments")
+    assert "none merged" in reader.complete["moments"]["note"]
+    with pytest.raises(CaptureError, match="no moments"):
+        geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"), None)

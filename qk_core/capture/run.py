@@ -91,10 +91,10 @@ def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str,
 
 
 def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
-    """The capture options that determine captured values (``keep_doc_files``, ``shards`` and ``num_gpus``
-    only decide what is kept and where it runs)."""
+    """The capture options that determine captured values (``keep_doc_files``, ``moments``, ``shards`` and
+    ``num_gpus`` only decide what is kept and where it runs)."""
     opts = asdict(entry.capture)
-    for key in ("keep_doc_files", "shards", "num_gpus"):
+    for key in ("keep_doc_files", "moments", "shards", "num_gpus"):
         opts.pop(key, None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
@@ -334,7 +334,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     sampled = {h["layer"] for h in heads}
     # SPEC 12.1: every eligible head and position (not for a recapture of chosen heads under a write hook,
     # whose kernel may get one key head per query head)
-    moment_plan = plan_moments(entry, infos) if explicit is None else {}
+    moment_plan = plan_moments(entry, infos) if explicit is None and entry.capture.moments else {}
     n_buckets = -(-int(entry.window) // int(entry.bucket))
     moment_dtype = "float64" if str(loaded.device).startswith("cpu") else "float32"
     manifest = {

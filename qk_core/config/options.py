@@ -335,6 +335,9 @@ class CaptureOptions:
     # capture only these layers (each must be eligible); None = all
     layers: tuple[IntIn(0, MAX_HEADS), ...] | None = None
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
+    # SPEC 12.1: accumulate the moments of every eligible head over every position (coverage "all" of the analyses);
+    # adds files, not captured rows, so it is not in the fingerprint
+    moments: Bool = True
     # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
     # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
     shards: IntIn(1, MAX_COUNT) = 1
