@@ -147,9 +147,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "moments_accuracy")
     a = ap.parse_args()
-    runs = [measure(t, a.threads) for t in a.tokens]
+    runs = []
+    for tokens in a.tokens:  # the results are written after each window, so a long run leaves the shorter ones
+        runs.append(measure(tokens, a.threads))
+        write(a.out, runs)
+
+
+def write(out: Path, runs: list[dict]) -> None:
+    """bench/results/moments_accuracy.{json,md} of the windows measured so far."""
     result = {"model": MODEL, "machine": platform.platform(), "runs": runs}
-    a.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Moments in float32 vs a float64 brute force ({MODEL}, every head and position of one document)", "",
              "Per key: the largest error relative to the largest element of the same head's sum. float64 is the "
              "CPU capture's accumulation, float32 a GPU capture's (each sum over at most one bucket in float32, "
@@ -165,7 +172,7 @@ def main() -> None:
     for r in runs:
         for col, (va, vr) in r["max_rel_error_of_values_float32"].items():
             lines.append(f"| {r['tokens']} | {col} | {va:.2e} | {vr:.2e} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
