@@ -4,7 +4,9 @@ A :class:`CaptureSession` rides on :mod:`qk_core.capture.attention`: it records 
 query/key tensors each attention call hands the kernel - after projections, q/k norm, RoPE, any
 pre-attention query scaling and any write hook (``debias``) - exactly what the kernel sees. Rows are
 gathered on the model's device with ``index_select`` and moved to host once per document by
-:meth:`CaptureSession.collect` (SPEC 1.3).
+:meth:`CaptureSession.collect` (SPEC 1.3). In the same read, for every head of the layers in ``moments``
+and every position, the SPEC 12.1 sums are formed on the device (:func:`qk_core.capture.moments.accumulate`)
+and moved to host once per document by :meth:`CaptureSession.collect_moments`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 from qk_core.capture.layers import CallInfo
+from qk_core.capture.moments import accumulate, to_host
 from qk_core.capture.store import HeadRows
 
 
@@ -30,9 +33,15 @@ class CaptureSession(AttentionHook):
     ``heads`` maps layer -> (sampled query heads, their KV heads, deduplicated, sorted). Before each
     forward call :meth:`set_positions`; after it, :meth:`collect`. With ``heads=None`` the session only
     probes: it records what every attention module was handed (:attr:`calls`) and gathers nothing.
+
+    ``moments`` maps layer -> (query heads, KV heads, row of each query head's KV head): the layers whose
+    SPEC 12.1 moments are accumulated over every position, with bucket width ``bucket``, ``n_buckets``
+    buckets and accumulation dtype ``moment_dtype`` (None: float64 on CPU, float32 elsewhere).
     """
 
-    def __init__(self, backbone: torch.nn.Module, heads: dict[int, tuple[list[int], list[int]]] | None = None):
+    def __init__(self, backbone: torch.nn.Module, heads: dict[int, tuple[list[int], list[int]]] | None = None,
+                 moments: dict[int, tuple[list[int], list[int], list[int]]] | None = None, bucket: int = 0,
+                 n_buckets: int = 0, moment_dtype: torch.dtype | None = None):
         self.backbone = backbone
         self.device = next(backbone.parameters()).device
         self.heads = heads
@@ -42,6 +51,14 @@ class CaptureSession(AttentionHook):
         self._pos_np: dict[tuple[int, str], np.ndarray] = {}
         self._pos_t: dict[tuple[int, str], torch.Tensor] = {}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.moments = moments or {}
+        self.bucket, self.n_buckets = int(bucket), int(n_buckets)
+        if self.moments and not (self.bucket > 0 and self.n_buckets > 0):
+            raise ValueError("moments need the bucket width and the number of buckets")
+        self.moment_dtype = moment_dtype or (torch.float64 if self.device.type == "cpu" else torch.float32)
+        self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device),
+                                 np.asarray(ki, dtype=np.int64)) for layer, (q, kv, ki) in self.moments.items()}
+        self._moments: dict[int, dict[str, torch.Tensor]] = {}
         self._stack = contextlib.ExitStack()
         self.backend: str | None = None
 
@@ -62,6 +79,7 @@ class CaptureSession(AttentionHook):
     def set_positions(self, positions: dict[tuple[int, str], np.ndarray] | np.ndarray) -> None:
         """Positions to gather in the next forward: one array for every layer and kind, or per (layer, kind)."""
         self._buffers.clear()
+        self._moments.clear()
         self.calls.clear()
         self._pos_np.clear()
         self._pos_t.clear()
@@ -93,6 +111,8 @@ class CaptureSession(AttentionHook):
             k_norm=isinstance(getattr(module, "k_norm", None), torch.nn.Module),
             use_rope=None if use_rope is None else bool(use_rope),
         )
+        if layer in self._m_index:
+            self._accumulate(layer, query, key)
         idx = self._index.get(layer)
         if idx is None:
             return
@@ -104,10 +124,34 @@ class CaptureSession(AttentionHook):
         k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")].to(dev))
         self._buffers[layer] = (q.to(self.device, torch.float32), k.to(self.device, torch.float32))
 
+    def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """SPEC 12.1 sums of every listed head of ``layer`` over every position, on the layer's device."""
+        if query.shape[0] != 1:
+            raise CaptureHookError(f"layer {layer}: capture runs with batch size 1, got {query.shape[0]}")
+        if query.shape[-2] != key.shape[-2]:
+            raise CaptureHookError(f"layer {layer}: {query.shape[-2]} query and {key.shape[-2]} key positions; "
+                                   "moments need a plain causal forward without cache")
+        dev = query.device
+        q_idx, kv_idx, kv_index = self._m_index[layer]
+        pos = np.arange(int(query.shape[-2]))
+        sums = accumulate(query[0].index_select(0, q_idx.to(dev)), pos, key[0].index_select(0, kv_idx.to(dev)), pos,
+                          kv_index, self.bucket, self.n_buckets, self.moment_dtype)
+        self._moments[layer] = {k: v.to(self.device) for k, v in sums.items()}
+
     # ---- after the forward -------------------------------------------------------------------
     def missing_layers(self) -> list[int]:
         """Planned layers whose attention never reached the capture function in the last forward."""
-        return sorted(set(self._index) - set(self._buffers))
+        return sorted((set(self._index) - set(self._buffers)) | (set(self._m_index) - set(self._moments)))
+
+    def collect_moments(self) -> dict[int, dict[str, np.ndarray]]:
+        """Every moment layer's float64 sums of the last forward, moved to host in one transfer (SPEC 12.1)."""
+        missing = sorted(set(self._m_index) - set(self._moments))
+        if missing:
+            raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "
+                                   "capture function")
+        out = to_host(self._moments)
+        self._moments.clear()
+        return out
 
     def collect(self) -> list[HeadRows]:
         """All rows of the last forward, moved to host in one transfer (SPEC 1.3)."""

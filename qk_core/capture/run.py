@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers
+from qk_core.capture.moments import LayerMoments
 from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_heads, stratified_positions
 from qk_core.capture.store import (
     SCHEMA_VERSION,
@@ -90,10 +91,10 @@ def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str,
 
 
 def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
-    """The capture options that determine captured values (``keep_doc_files``, ``shards`` and ``num_gpus``
-    only decide what is kept and where it runs)."""
+    """The capture options that determine captured values (``keep_doc_files``, ``moments``, ``shards`` and
+    ``num_gpus`` only decide what is kept and where it runs)."""
     opts = asdict(entry.capture)
-    for key in ("keep_doc_files", "shards", "num_gpus"):
+    for key in ("keep_doc_files", "moments", "shards", "num_gpus"):
         opts.pop(key, None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
@@ -187,6 +188,23 @@ def plan_heads(entry: ModelEntry, infos: list[LayerInfo],
     return [{"layer": layer, "q_head": h,
              "kv_head": kv_head_of(h, int(by_layer[layer].n_q), int(by_layer[layer].n_kv)),
              "d": int(by_layer[layer].head_dim)} for layer, h in heads]
+
+
+def plan_moments(entry: ModelEntry, infos: list[LayerInfo]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Layer -> (every query head, every KV head, each query head's KV head row): the heads whose SPEC 12.1
+    moments the capture accumulates over every position, in the layers the head sampler draws from (1.4)."""
+    requested = list(getattr(entry.capture, "layers", None) or []) or None
+    try:
+        chosen = select_layers(infos, requested, entry.capture.include_sliding)
+    except LayerSelectionError as exc:
+        raise CaptureError(f"{entry.key}: {exc}") from exc
+    by_layer = {i.layer: i for i in infos}
+    out = {}
+    for layer in sorted(chosen):
+        n_q, n_kv = int(by_layer[layer].n_q or 0), int(by_layer[layer].n_kv or 0)
+        if n_q and n_kv:
+            out[layer] = (list(range(n_q)), list(range(n_kv)), [kv_head_of(h, n_q, n_kv) for h in range(n_q)])
+    return out
 
 
 def _layer_plan(heads: list[dict[str, int]]) -> dict[int, tuple[list[int], list[int]]]:
@@ -314,6 +332,11 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     explicit = heads
     heads = plan_heads(entry, infos, explicit)
     sampled = {h["layer"] for h in heads}
+    # SPEC 12.1: every eligible head and position (not for a recapture of chosen heads under a write hook,
+    # whose kernel may get one key head per query head)
+    moment_plan = plan_moments(entry, infos) if explicit is None and entry.capture.moments else {}
+    n_buckets = -(-int(entry.window) // int(entry.bucket))
+    moment_dtype = "float64" if str(loaded.device).startswith("cpu") else "float32"
     manifest = {
         "schema_version": SCHEMA_VERSION, "fingerprint": fp, "model_key": entry.key,
         "window": entry.window, "bucket": entry.bucket, "heads": heads,
@@ -322,6 +345,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                                         ("model_class", "backbone_class", "attn_implementation")}},
         "dtype": dtype, "device": dev, "sampler": ident["sampler"], "dataset": ident["dataset"],
         "tokenization": ident["tokenization"], "software": _software(),
+        "moments": {"layers": {str(layer): [q, kv, ki] for layer, (q, kv, ki) in moment_plan.items()},
+                    "bucket": int(entry.bucket), "n_buckets": n_buckets, "dtype": moment_dtype,
+                    "positions": "every token position of every document"},
     }
     log.info(f"{entry.key}: {len(heads)} heads in {len(sampled)} of {len(infos)} layers "
              f"(eligible: {[i.layer for i in infos if i.eligible]}); window {entry.window}, bucket {entry.bucket}, "
@@ -345,7 +371,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     tokens = 0
     seconds = 0.0
     total = len(mine)
-    with hook.CaptureSession(loaded.backbone, plan) as session, _under(loaded, intervention):
+    with hook.CaptureSession(loaded.backbone, plan, moment_plan, int(entry.bucket), n_buckets,
+                             getattr(torch, moment_dtype)) as session, _under(loaded, intervention):
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])
@@ -358,12 +385,15 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
             try:
                 rows = session.collect()
+                sums = session.collect_moments()
             except hook.CaptureHookError as exc:
                 raise CaptureError(f"{entry.key}: {exc}") from exc
+            moments = [LayerMoments(layer, np.asarray(q), np.asarray(kv), np.asarray(ki), int(entry.bucket), n_buckets,
+                                    sums[layer], [eid]) for layer, (q, kv, ki) in moment_plan.items()]
             dt = time.perf_counter() - t0
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
-            writer.write_document(eid, n, rows)
+            writer.write_document(eid, n, rows, moments)
             captured.append(eid)
             tokens += n
             seconds += dt

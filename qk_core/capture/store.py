@@ -9,6 +9,11 @@ determines the captured values, so a changed option never mixes with an older ca
     heads/q/L<layer>_H<q_head>.parquet    per-head query rows  } written by finalize() from the
     heads/k/L<layer>_K<kv_head>.parquet   per-KV-head key rows } doc files; read one head at a time
     doc_tokens.parquet                token count of every document
+    moments/docs/doc-<example_id>.npz SPEC 12.1 moments of every eligible head over every position of one
+                                      document, written before (and checksummed in the footer of) its
+                                      document file, so a committed document always has its moments
+    moments/L<layer>.npz              the moments of a layer merged over all documents by finalize() in
+                                      sorted example-id order (:func:`qk_core.capture.moments.merge_documents`)
     complete.json                     written last by finalize(): the commit record (below)
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
@@ -50,6 +55,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from qk_core.capture.moments import LayerMoments, MomentMerger, moments_from_bytes, moments_to_bytes
 from qk_core.io.storage import Storage, StorageError
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
@@ -203,8 +209,12 @@ class CaptureWriter:
         names = self.storage.ls(f"{self.prefix}/docs")
         return {int(n.rsplit("doc-", 1)[1].split(".")[0]) for n in names if n.endswith(".parquet")}
 
-    def write_document(self, example_id: int, n_tokens: int, rows: Iterable[HeadRows]) -> None:
-        """Commit one document's rows atomically (all heads, Q and K).
+    def write_document(self, example_id: int, n_tokens: int, rows: Iterable[HeadRows],
+                       moments: Iterable[LayerMoments] | None = None) -> None:
+        """Commit one document's rows atomically (all heads, Q and K), and its SPEC 12.1 ``moments``.
+
+        The moments file is written first and its SHA-256 recorded in the document file, which is the commit:
+        a document counts as committed (and is skipped on resume) only once both are there.
 
         Rows are stored sorted by (kind, layer, head), one Parquet row group per head, with an index of
         the groups and the capture fingerprint in the file's key-value metadata, so :meth:`finalize`
@@ -233,6 +243,13 @@ class CaptureWriter:
             rg += 1 if n else 0
         meta = {"n_tokens": str(int(n_tokens)), "example_id": str(int(example_id)), "groups": json.dumps(groups),
                 "fingerprint": str(self.fp)}
+        layers = list(moments or [])
+        if layers:
+            if any(m.docs != [int(example_id)] for m in layers):
+                raise CaptureError(f"document {example_id}: moments of another document")
+            data = moments_to_bytes(layers)
+            self.storage.write_bytes(self._moments_doc(example_id), data)
+            meta["moments_sha256"] = hashlib.sha256(data).hexdigest()
         schema = row_schema(d).with_metadata(meta)
         rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
         with self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
@@ -350,6 +367,7 @@ class CaptureWriter:
         self.storage.write_bytes(f"{self.prefix}/doc_tokens.parquet", data)
         files[f"{self.prefix}/doc_tokens.parquet"] = file_record(data)
         files[f"{self.prefix}/manifest.json"] = file_record(self.storage.read_bytes(f"{self.prefix}/manifest.json"))
+        moment_layers, moment_note = self._merge_moments(index, files, keep_doc_files)
         if keep_doc_files:
             for rel in docs:
                 files[rel] = file_record(self.storage.read_bytes(rel))
@@ -357,6 +375,7 @@ class CaptureWriter:
         cut = len(self.prefix) + 1
         summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
                    "rows": counts, "doc_files": "kept" if keep_doc_files else "removed",
+                   "moments": {"layers": moment_layers, "note": moment_note},
                    "files": {rel[cut:]: rec for rel, rec in sorted(files.items())}}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
         try:
@@ -366,6 +385,8 @@ class CaptureWriter:
             raise
         if not keep_doc_files:
             self.storage.delete(f"{self.prefix}/docs", recursive=True)
+            if self.storage.ls(f"{self.prefix}/moments/docs"):
+                self.storage.delete(f"{self.prefix}/moments/docs", recursive=True)
         summary["timing"] = {"fan_out_s": round(fanout_s, 3), "verify_s": check["seconds"]}
         summary["verification"] = {"passed": True, "error": None, **check}
         return summary
@@ -439,6 +460,40 @@ class CaptureWriter:
     def _head_file(self, kind: str, layer: int, head: int) -> str:
         return head_file(self.prefix, kind, layer, head)
 
+    def _moments_doc(self, example_id: int) -> str:
+        return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
+
+    def _merge_moments(self, index: list[tuple[str, int, int, int, Any]], files: dict[str, dict[str, Any]],
+                       keep_doc_files: bool) -> tuple[list[int], str]:
+        """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
+        ``moments/L<layer>.npz``, each file recorded in ``files``. Returns (layers, note); no layers when a
+        document has no moments (a capture from before them, or resumed across that change)."""
+        shas = {eid: self.storage.with_parquet_file(
+            rel, lambda pf: (pf.schema_arrow.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
+        if not shas or any(v is None for v in shas.values()):
+            missing = sum(v is None for v in shas.values())
+            return [], f"{missing} of {len(shas)} documents have no moments: none merged"
+        mergers: dict[int, MomentMerger] = {}
+        for eid in sorted(shas):
+            rel = self._moments_doc(eid)
+            try:
+                data = self.storage.read_bytes(rel)
+            except StorageError as exc:
+                raise CaptureError(f"{self.storage.uri(rel)}: moments of a committed document unreadable ({exc})") \
+                    from exc
+            _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
+            if keep_doc_files:
+                files[rel] = file_record(data)
+            for layer, m in moments_from_bytes(data).items():
+                mergers.setdefault(layer, MomentMerger()).add(m)
+        for layer, merger in sorted(mergers.items()):
+            assert merger.merged is not None
+            data = moments_to_bytes([merger.merged])
+            rel = moments_file(self.prefix, layer)
+            self.storage.write_bytes(rel, data)
+            files[rel] = file_record(data)
+        return sorted(mergers), f"{len(shas)} documents merged in sorted example-id order"
+
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
     """Verify every committed file of a capture; ``{"passed", "error", "files", "bytes", "seconds"}``.
@@ -451,6 +506,11 @@ def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
     except CaptureError as exc:
         return {"passed": False, "error": str(exc), "files": 0, "bytes": 0,
                 "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def moments_file(prefix: str, layer: int) -> str:
+    """The merged SPEC 12.1 moments of one layer."""
+    return f"{prefix}/moments/L{layer:03d}.npz"
 
 
 def head_file(prefix: str, kind: str, layer: int, head: int) -> str:
@@ -547,6 +607,17 @@ class CaptureReader:
 
     def doc_tokens(self) -> pd.DataFrame:
         return self._verified_parquet("doc_tokens.parquet").to_pandas()
+
+    def moment_layers(self) -> list[int]:
+        """Layers with merged SPEC 12.1 moments (every eligible layer; none for a capture without them)."""
+        return [int(x) for x in (self.complete.get("moments") or {}).get("layers", [])]
+
+    def read_moments(self, layer: int) -> LayerMoments:
+        """The merged moments of one layer (SPEC 12.1), verified against their committed checksum."""
+        if int(layer) not in self.moment_layers():
+            raise CaptureError(f"{self.storage.uri(self.prefix)}: no moments of layer {layer}")
+        rel = moments_file(self.prefix, int(layer))
+        return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]))[int(layer)]
 
     def _read(self, kind: str, layer: int, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rel = head_file(self.prefix, kind, layer, head)

@@ -84,6 +84,9 @@ class PlasticityOptions:
         query model fixed: the rule before the revision, measured to undercover with few documents).
     interval_inflation: factor on the jackknife standard error, calibrated on planted worlds
         (:data:`INTERVAL_CALIBRATION`); 1 = none.
+    coverage: the query model's (4.1) rows: ``sampled`` (the head's sampled queries, the thesis) or ``all``
+        (the capture's moments over every position, SPEC 12.2; key pairs, the empirical estimator and the
+        residual diagnostics stay on the sampled rows, SPEC 12).
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -102,10 +105,18 @@ class PlasticityOptions:
     allow_partial: Bool = False
     interval: Literal["jackknife_t", "percentile"] = "jackknife_t"
     interval_inflation: FloatIn(1.0, 3.0) = JACKKNIFE_INFLATION
+    coverage: Literal["sampled", "all"] = "sampled"
 
     def __post_init__(self) -> None:
         if self.interval not in INTERVAL_RULES:
             raise PlasticityOptionsError(f"interval must be one of {INTERVAL_RULES}, got {self.interval!r}")
+        if self.coverage not in ("sampled", "all"):
+            raise PlasticityOptionsError(f"coverage must be 'sampled' or 'all', got {self.coverage!r}")
+        if self.coverage == "all" and self.interval == "jackknife_t" and self.bootstrap > 0:
+            # the jackknife refits the query model without each document from the sampled rows; from moments
+            # it would need each document's sums, which the capture does not keep after its finalize
+            raise PlasticityOptionsError("coverage 'all' needs interval 'percentile' (or bootstrap = 0): the "
+                                         "jackknife_t rule refits the query model per document from sampled rows")
         if self.covariance not in COVARIANCES:
             raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
         for name in ("pairs_per_bucket", "min_queries_per_bucket"):
@@ -253,6 +264,9 @@ class InterventionOptions:
         return json.dumps(self.record(window), sort_keys=True)
 
 
+COVERAGES = ("sampled", "all")  # SPEC 12.1 option coverage of the per-head analyses
+
+
 @dataclass(frozen=True)
 class PCAOptions:
     """Options of the combined Q+K PCA (SPEC 2); recorded with every output."""
@@ -265,8 +279,13 @@ class PCAOptions:
     taxonomy_high: UnitFloat = 0.7
     min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+    # SPEC 12.1: "sampled" = the sampled heads' rows (the thesis's protocol), "all" = every eligible head from the
+    # capture's moments over every position
+    coverage: Literal["sampled", "all"] = "sampled"
 
     def __post_init__(self) -> None:
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {COVERAGES}, got {self.coverage!r}")
         if self.n_components < 1:
             raise ValueError(f"n_components must be >= 1, got {self.n_components}")
         if not 0 <= self.taxonomy_low <= self.taxonomy_high <= 1:
@@ -304,8 +323,11 @@ class RotationOptions:
     capture_permutations: IntIn(100, MAX_COUNT) = 199  # permutations of the floor (>= 100 for a 99th percentile)
     capture_seed: NonNegInt = 0  # seed of those permutations
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
+    coverage: Literal["sampled", "all"] = "sampled"  # SPEC 12.1, as for PCAOptions
 
     def __post_init__(self) -> None:
+        if self.coverage not in COVERAGES:
+            raise ValueError(f"coverage must be one of {COVERAGES}, got {self.coverage!r}")
         if self.separation not in SEPARATION_AXES:
             raise ValueError(f"separation must be one of {SEPARATION_AXES}, got {self.separation!r}")
         if self.complement_pairs < 1:
@@ -341,6 +363,10 @@ class CaptureOptions:
     # capture only these layers (each must be eligible); None = all
     layers: tuple[IntIn(0, MAX_HEADS), ...] | None = None
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
+    # SPEC 12.1: accumulate the moments of every eligible head over every position (coverage "all" of the analyses);
+    # adds files, not captured rows, so it is not in the fingerprint. Opt-in until its cost is measured within
+    # target and its per-document files shrink (issue 22; bench/results/moments_accuracy.md)
+    moments: Bool = False
     # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
     # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
     shards: IntIn(1, MAX_COUNT) = 1

@@ -10,8 +10,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.store import HeadData
+from qk_core.capture.moments import LayerMoments
+from qk_core.capture.store import CaptureError, CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.geometry.from_moments import layer_geometry
 from qk_core.geometry.heads import HeadInputError, HeadItem, head_columns, iter_capture_heads, validate_head
 from qk_core.geometry.moments import KindMoments, kind_moments, pooled_moments
 from qk_core.geometry.pca import pca_head, pca_tables
@@ -25,12 +27,62 @@ def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca
                         progress: Callable[[int, int], None] | None = None) -> dict[str, tuple]:
     """:func:`run_geometry` over the heads a ``qk_capture`` table lists, read from ``storage`` one at a time:
     self-contained, so it can run as one task on any worker that reaches the storage root
-    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read."""
-    items = iter_capture_heads(storage, capture)
-    if progress is not None:
-        items = _counted(items, len(capture), progress)
+    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``progress(i, total)`` is called after each head is read.
+
+    An analysis whose options ask for ``coverage = "all"`` (SPEC 12.1) runs on every eligible head from the
+    capture's merged moments instead (:func:`geometry_of_moments`)."""
+    sampled = [o if o is not None and o.coverage == "sampled" else None for o in (pca_options, rotation_options)]
+    every = [o if o is not None and o.coverage == "all" else None for o in (pca_options, rotation_options)]
+    out: dict[str, tuple] = {}
     with blas_threads(blas):
-        return run_geometry(model, items, pca_options, rotation_options, keep_points=keep_points)
+        if any(o is not None for o in sampled):
+            items = iter_capture_heads(storage, capture)
+            if progress is not None:
+                items = _counted(items, len(capture), progress)
+            out.update(run_geometry(model, items, *sampled, keep_points=keep_points))
+        if any(o is not None for o in every):
+            out.update(geometry_of_moments(model, capture_moments(storage, capture), *every))
+    return out
+
+
+def capture_moments(storage: Storage, capture: pd.DataFrame) -> Iterator[tuple[int, LayerMoments]]:
+    """(window L, merged moments) of every layer of the captures a ``qk_capture`` table lists (SPEC 12.1), one
+    layer at a time.
+
+    A capture without moments (finalized before they were accumulated) is a :class:`CaptureError`."""
+    for prefix in sorted(set(capture["capture_prefix"])) if len(capture) else []:
+        reader = CaptureReader(storage, str(prefix))
+        layers = reader.moment_layers()
+        if not layers:
+            raise CaptureError(f"{storage.uri(str(prefix))}: the capture holds no moments (SPEC 12.1), so coverage "
+                               "'all' cannot be computed; capture it again, or use coverage 'sampled'")
+        for layer in layers:
+            yield reader.window, reader.read_moments(layer)
+
+
+def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], pca_options: PCAOptions | None,
+                        rotation_options: RotationOptions | None) -> dict[str, tuple]:
+    """SPEC 2 and/or 3 of every head of every layer from merged moments (SPEC 12.2): tables as
+    :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs. The rotation's
+    plane points are empty (they need rows); its noise floor is the within-document permutation floor from the
+    moments (:func:`qk_core.geometry.rotation.moment_permutation_floor`), or the analytic one by option."""
+    pca_rows: list[dict[str, Any]] = []
+    rot_rows: list[dict[str, Any]] = []
+    for window, lm in layers:
+        for rec in layer_geometry(lm, window, pca_options, rotation_options):
+            base = {"model": model, "layer": lm.layer, "q_head": rec["q_head"], "kv_head": rec["kv_head"],
+                    "coverage": "all", "d": lm.d, "window": window, "bucket": lm.bucket, "n_q": rec["n_q"],
+                    "n_k": rec["n_k"], "n_docs": rec["n_docs"]}
+            if rec["pca"] is not None:
+                pca_rows.append({**base, **rec["pca"]})
+            if rec["rotation"] is not None:
+                rot_rows.append({**base, **rec["rotation"]})
+    out: dict[str, tuple] = {}
+    if pca_options is not None:
+        out["pca"] = pca_tables(model, pca_rows, pca_options)
+    if rotation_options is not None:
+        out["rotation"] = (*rotation_tables(model, rot_rows, rotation_options), {})
+    return out
 
 
 def _counted(items: Iterable[HeadItem], total: int, progress: Callable[[int, int], None]) -> Iterator[HeadItem]:

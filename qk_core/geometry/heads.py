@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.capture.store import CaptureError, CaptureReader, HeadData
+from qk_core.geometry.moments import PooledMoments
 from qk_core.geometry.summaries import ok_mask, require_complete, skipped_summary
 from qk_core.io.storage import Storage, StorageError
 
@@ -40,6 +41,18 @@ def validate_head(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: np.nda
     for name, pos in (("Q", q_pos), ("K", k_pos)):
         if np.ptp(np.asarray(pos)) == 0:
             raise HeadInputError("constant_positions", f"all {name} rows sit at position {int(pos[0])}")
+
+
+def validate_moments(m: PooledMoments, min_rows: int) -> None:
+    """:func:`validate_head` for a head known by its moments (SPEC 12.2): too few rows, non-finite sums,
+    every row of a kind at one position."""
+    if m.n_q < min_rows or m.n_k < min_rows:
+        raise HeadInputError("too_few_rows", f"{m.n_q} Q rows and {m.n_k} K rows; need >= {min_rows} each")
+    if not (np.all(np.isfinite(m.S)) and np.all(np.isfinite(m.s_xt)) and np.all(np.isfinite(m.mu))):
+        raise HeadInputError("non_finite", "the head's moments hold NaN or inf")
+    for name, stt in (("Q", m.stt_q), ("K", m.stt_k)):
+        if not stt > 0:
+            raise HeadInputError("constant_positions", f"all {name} rows sit at one position")
 
 
 HeadItem = tuple[dict[str, Any], "HeadData | HeadInputError"]
@@ -79,12 +92,13 @@ def _int_or(value: Any, default: int) -> int:
 
 def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputError) -> dict[str, Any]:
     """The identity columns of one per-head row (counts, d, L, B come from the rows actually read)."""
-    out = {"model": model, **meta}
+    out = {"model": model, **meta, "coverage": "sampled"}  # SPEC 12.3: coverage, positions and documents
     if isinstance(head, HeadData):
         out.update(d=head.d, kv_head=head.kv_head, window=head.window, bucket=head.bucket,
-                   n_q=len(head.q), n_k=len(head.k))
+                   n_q=len(head.q), n_k=len(head.k),
+                   n_docs=len(np.unique(np.concatenate([np.asarray(head.q_doc), np.asarray(head.k_doc)]))))
     else:
-        out.update(n_q=0, n_k=0)
+        out.update(n_q=0, n_k=0, n_docs=0)
     return out
 
 

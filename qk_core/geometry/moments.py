@@ -122,3 +122,27 @@ def projection_pearson(V: np.ndarray, S: np.ndarray, s_t: np.ndarray, stt: float
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.where(den > 0, num / den, np.nan)
     return np.clip(r, -1.0, 1.0)
+
+
+def pooled_from_sums(q: dict[str, np.ndarray], k: dict[str, np.ndarray]) -> list[PooledMoments]:
+    """:class:`PooledMoments` of every head from raw float64 sums (SPEC 12.2), vectorised over heads.
+
+    ``q`` and ``k`` map n, t, tt (H,), x, xt (H, d), xx (H, d, d) to the sums over a head's query rows
+    and its KV head's key rows (:meth:`qk_core.capture.moments.LayerMoments.q_pooled` / ``k_pooled``).
+    Centred sums follow from raw ones: S = sum x x^T - n mu mu^T, s_xt = sum x t - mu sum t,
+    s_tt = sum t^2 - (sum t)^2 / n.
+    """
+
+    def centred(s: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+        n = np.asarray(s["n"], dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mu = s["x"] / n[:, None]
+            tm = s["t"] / n
+        S = s["xx"] - n[:, None, None] * mu[:, :, None] * mu[:, None, :]
+        S = 0.5 * (S + np.swapaxes(S, 1, 2))
+        return n, mu, tm, S, s["xt"] - mu * s["t"][:, None], s["tt"] - s["t"] * tm
+
+    nq, mq, tq, Sq, sq, tqq = centred(q)
+    nk, mk, tk, Sk, sk, tkk = centred(k)
+    return [PooledMoments(int(nq[i]), int(nk[i]), mq[i], mk[i], float(tq[i]), float(tk[i]), Sq[i], Sk[i], sq[i],
+                          sk[i], float(tqq[i]), float(tkk[i])) for i in range(len(nq))]

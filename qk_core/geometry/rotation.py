@@ -26,6 +26,7 @@ from qk_core.geometry.heads import (
     first_int,
     run_options,
     validate_head,
+    validate_moments,
 )
 from qk_core.geometry.moments import PooledMoments, pooled_moments, projection_pearson
 from qk_core.geometry.summaries import layer_and_model_summary, ok_mask
@@ -224,16 +225,12 @@ def position_noise_floor(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
     the observed share of 1_Q: a permutation that moves positions between Q and K rows of a document
     (when their positions differ) changes what 1_Q explains, which is not position signal in x.
     """
-    d, n = m.d, m.n
     between = max(m.stt - m.stt_within, 0.0)
     if not m.stt > 0:
         return float("nan")
     if options.capture_floor == "beta":
-        if n - d - 2 <= 0:
-            return 1.0  # as many regressors as rows: any t is fitted exactly
-        partial = float(scipy.stats.beta.ppf(quantile, d / 2, (n - d - 2) / 2))
-        return (between + partial * m.stt_within) / m.stt
-    n_q = m.n_q
+        return analytic_noise_floor(m, quantile)
+    n, n_q = m.n, m.n_q
     doc = np.concatenate([np.asarray(q_doc), np.asarray(k_doc)])
     pos = np.concatenate([np.asarray(q_pos), np.asarray(k_pos)])
     key_doc, key_pos, row_key = _permuted_positions(doc, pos)
@@ -259,6 +256,42 @@ def position_noise_floor(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
     return (between + float(np.quantile(np.concatenate(out), quantile)) * m.stt_within) / m.stt
 
 
+def analytic_noise_floor(m: PooledMoments, quantile: float = 0.99) -> float:
+    """SPEC 3 (ii) ``beta`` noise floor from the moments alone: partial R^2 of the d coordinates given
+    {1, 1_Q} ~ Beta(d/2, (n - d - 2)/2) for independent rows, mapped to R^2(t ~ x + 1_Q) (see
+    :func:`position_noise_floor`)."""
+    d, n = m.d, m.n
+    if not m.stt > 0:
+        return float("nan")
+    if n - d - 2 <= 0:
+        return 1.0  # as many regressors as rows: any t is fitted exactly
+    between = max(m.stt - m.stt_within, 0.0)
+    partial = float(scipy.stats.beta.ppf(quantile, d / 2, (n - d - 2) / 2))
+    return (between + partial * m.stt_within) / m.stt
+
+
+def moment_permutation_floor(m: PooledMoments, pm_mean: np.ndarray, pm_cov: np.ndarray, options: RotationOptions,
+                             quantile: float = 0.99) -> float:
+    """SPEC 3 (ii) ``permutation`` noise floor from moments alone (SPEC 12.2), for Q and K at the same positions.
+
+    Permuting t within documents leaves s_tt,w and what 1_Q explains unchanged and moves c_w = sum x_w t; its
+    permutation mean and covariance are exact (:meth:`qk_core.capture.moments.MomentMerger._permutation_terms`:
+    mean ``pm_mean`` - (mu_Q + mu_K) sum t_Q, covariance ``pm_cov``). c_w is a sum over every position, so it
+    is taken as Gaussian: ``capture_permutations`` draws (seed ``capture_seed``) of c_w^T S_w^-1 c_w / s_tt,w,
+    whose 99th percentile is mapped to R^2(t ~ x + 1_Q) as in :func:`position_noise_floor`.
+    """
+    if not m.stt > 0 or not m.stt_within > 0:
+        return float("nan")
+    mean = pm_mean - (m.mu_q + m.mu_k) * (m.n_q * m.tq_mean)
+    w, V = np.linalg.eigh(0.5 * (pm_cov + pm_cov.T))
+    root = V * np.sqrt(np.clip(w, 0.0, None))
+    z = np.random.default_rng(options.capture_seed).standard_normal((m.d, options.capture_permutations))
+    C = mean[:, None] + root @ z
+    share = _explained(m.S_within, C) / m.stt_within
+    between = max(m.stt - m.stt_within, 0.0)
+    return (between + float(np.quantile(share, quantile)) * m.stt_within) / m.stt
+
+
 def capture_status(r2_full: float, r2_floor: float, ratio: float, capture_min: float) -> str:
     """SPEC 3 (ii): NO_POSITION_SIGNAL unless R^2(t ~ x + 1_Q) is above its noise floor; else pass or fail
     at ``capture_min``."""
@@ -269,6 +302,19 @@ def capture_status(r2_full: float, r2_floor: float, ratio: float, capture_min: f
 
 def _even_indices(n: int, m: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, min(n, m)).astype(np.int64)) if n else np.zeros(0, np.int64)
+
+
+def centroid_axis(m: PooledMoments, a: np.ndarray, notes: list[str]) -> np.ndarray:
+    """SPEC 3 centroid separation axis b = P(mu_Q - mu_K) / |P(mu_Q - mu_K)|, P = I - a a^T; NaN-filled
+    (and a note) when the centroids differ only along a."""
+    dmu = m.mu_q - m.mu_k
+    v = dmu - a * (a @ dmu)
+    scale = np.linalg.norm(m.mu_q) + np.linalg.norm(m.mu_k) + np.sqrt(m.total_scatter / m.n)
+    # below float32 resolution of the centroid difference (or of the cloud): nothing left off a
+    if np.linalg.norm(v) > max(1e-6 * np.linalg.norm(dmu), 1e-12 * scale):
+        return v / np.linalg.norm(v)
+    notes.append("centroid separation axis undefined: Q and K centroids differ only along a")
+    return np.full(m.d, np.nan)
 
 
 def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
@@ -307,13 +353,7 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
     dmu = m.mu_q - m.mu_k
     b = np.full(m.d, np.nan)
     if options.separation == "centroid":
-        v = dmu - a * (a @ dmu)
-        scale = np.linalg.norm(m.mu_q) + np.linalg.norm(m.mu_k) + np.sqrt(total / m.n)
-        # below float32 resolution of the centroid difference (or of the cloud): nothing left off a
-        if np.linalg.norm(v) > max(1e-6 * np.linalg.norm(dmu), 1e-12 * scale):
-            b = v / np.linalg.norm(v)
-        else:
-            notes.append("centroid separation axis undefined: Q and K centroids differ only along a")
+        b = centroid_axis(m, a, notes)
     elif delta is not None:
         M = delta.T @ delta / n_pairs
         P = np.eye(m.d) - np.outer(a, a)
@@ -401,6 +441,119 @@ def complement_analysis(q: np.ndarray, q_pos: np.ndarray, k: np.ndarray, k_pos: 
         shares[i] = (w[2 * i] + w[2 * i + 1]) / total
         circ[i] = circular_linear_r(np.arctan2(Y[:, 2 * i + 1], Y[:, 2 * i]), t)
     return shares, circ
+
+
+# ---- from moments alone (SPEC 12.2) -----------------------------------------------------------------
+
+
+@dataclass
+class PairSums:
+    """Sums over one head's same-position pairs delta = q - k (SPEC 3, 12.1): count, sum delta, sum delta delta^T."""
+
+    n: int
+    x: np.ndarray
+    xx: np.ndarray
+
+
+def split_half_from_sums(half: dict[str, np.ndarray]) -> tuple[float, int, int]:
+    """SPEC 3 diagnostic (i) from the parity sums (SPEC 12.2): as :func:`split_half_stability`.
+
+    ``half`` maps n, t, tt (2,) and x, xt (2, d) to the pooled Q+K sums of the 1st, 3rd, ... (index 0) and
+    2nd, 4th, ... (index 1) documents; each half's axis is its centred Cov(x, t) = sum x t - sum x sum t / n.
+    """
+    axes, counts = [], []
+    for p in (0, 1):
+        n, t, tt = float(half["n"][p]), float(half["t"][p]), float(half["tt"][p])
+        counts.append(round(n))
+        stt = tt - t * t / n if n > 0 else 0.0
+        if n < 3 or not stt > 1e-12 * tt:  # fewer than 3 rows, or no position spread
+            axes.append(None)
+            continue
+        c = half["xt"][p] - half["x"][p] * (t / n)
+        norm = float(np.linalg.norm(c))
+        axes.append(c / norm if norm > 0 and np.isfinite(norm) else None)
+    if axes[0] is None or axes[1] is None:
+        return float("nan"), counts[0], counts[1]
+    return float(min(abs(axes[0] @ axes[1]), 1.0)), counts[0], counts[1]
+
+
+def rotation_from_moments(m: PooledMoments, pairs: PairSums, split: tuple[float, int, int], *, window: int,
+                          options: RotationOptions | None = None, r2_floor: float | None = None,
+                          permutation: tuple[np.ndarray, np.ndarray] | None = None) -> RotationResult:
+    """Planar rotation of one head from its moments alone (SPEC 12.2): every per-head value of
+    :func:`analyse_rotation` and both diagnostics.
+
+    ``pairs``: the same-position pair sums (separation_strength = b^T (sum delta delta^T) b / tr(sum delta
+    delta^T); the eigen axis from (sum delta delta^T) / n); ``split``: :func:`split_half_from_sums`.
+    Diagnostic (ii)'s noise floor (SPEC 3) is ``r2_floor`` when given (e.g. :func:`position_noise_floor` of the
+    same rows); else, for ``permutation``, :func:`moment_permutation_floor` from ``permutation`` = (pm_mean,
+    pm_cov) of the merge; else the analytic floor of the moments (:func:`analytic_noise_floor`, noted). The
+    complement analysis and the plane points need rows and are left out. Raises :class:`HeadInputError`.
+    """
+    options = options or RotationOptions()
+    validate_moments(m, options.min_rows)
+    total = m.total_scatter
+    if not total > 0:
+        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    notes: list[str] = []
+    c_norm = float(np.linalg.norm(m.s_xt))
+    if not np.isfinite(c_norm) or c_norm <= 1e-12 * np.sqrt(total * m.stt):
+        raise HeadInputError("no_position_covariance", "Cov(x, t) of the pooled cloud is zero: no drift axis")
+    a = m.s_xt / c_norm
+    n_pairs = int(pairs.n)
+    have_pairs = n_pairs >= options.min_pairs
+    if not have_pairs:
+        notes.append(f"{n_pairs} same-position Q/K pairs (< {options.min_pairs}): separation_strength undefined")
+    dmu = m.mu_q - m.mu_k
+    b = np.full(m.d, np.nan)
+    if options.separation == "centroid":
+        b = centroid_axis(m, a, notes)
+    elif have_pairs:
+        P = np.eye(m.d) - np.outer(a, a)
+        _, V = np.linalg.eigh(P @ (pairs.xx / n_pairs) @ P)
+        b = V[:, -1]
+        ref = b @ dmu
+        if ref == 0:
+            ref = b @ (pairs.x / n_pairs)
+        b = -b if ref < 0 else b
+    else:
+        notes.append("eigen separation axis undefined: too few same-position pairs")
+    b_ok = bool(np.all(np.isfinite(b)))
+    sep = float("nan")
+    if have_pairs and b_ok:
+        energy = float(np.trace(pairs.xx))
+        sep = float(b @ pairs.xx @ b / energy) if energy > 0 else float("nan")
+        if not energy > 0:
+            notes.append("same-position pairs have q = k exactly: separation_strength undefined")
+    stability, n_even, n_odd = split
+    if not np.isfinite(stability):
+        notes.append(f"split-half stability undefined ({n_even} rows on the 1st, 3rd, ... documents, {n_odd} on the "
+                     "2nd, 4th, ...)")
+    r2_axis, r2_full, capture = position_capture(m, a)
+    floor_kind = options.capture_floor
+    if r2_floor is None and floor_kind == "permutation" and permutation is not None:
+        r2_floor = moment_permutation_floor(m, *permutation, options)
+        floor_kind = "permutation, Gaussian from moments"
+    if r2_floor is None:
+        r2_floor = analytic_noise_floor(m)
+        if floor_kind != "beta":
+            notes.append("noise floor of R^2(t ~ x + 1_Q): analytic (beta) from the moments, no rows for a permutation")
+            floor_kind = "beta"
+    status = capture_status(r2_full, r2_floor, capture, options.capture_min)
+    if status == NO_POSITION_SIGNAL:
+        notes.append(f"no linear position signal: R^2(t ~ x + 1_Q) = {r2_full:.3g} is not above its noise floor "
+                     f"{r2_floor:.3g} ({floor_kind})")
+        capture = float("nan")
+    return RotationResult(
+        a=a, b=b, alpha_q=float(a @ m.s_qt / m.stt_q), alpha_k=float(a @ m.s_kt / m.stt_k),
+        mu_q_a=float(a @ m.mu_q), mu_k_a=float(a @ m.mu_k),
+        mu_q_b=float(b @ m.mu_q) if b_ok else float("nan"), mu_k_b=float(b @ m.mu_k) if b_ok else float("nan"),
+        r_q_a=float(projection_pearson(a[:, None], m.S_q, m.s_qt, m.stt_q)[0]),
+        r_k_a=float(projection_pearson(a[:, None], m.S_k, m.s_kt, m.stt_k)[0]),
+        var_frac_a=float(a @ m.S @ a) / total, var_frac_b=float(b @ m.S @ b) / total if b_ok else float("nan"),
+        separation_strength=sep, n_pairs=n_pairs, split_half_cos=stability, r2_axis=r2_axis, r2_full=r2_full,
+        r2_floor=r2_floor, position_capture=capture, capture_status=status,
+        stable_axis=bool(stability >= options.stability_min), window=int(window), n_q=m.n_q, n_k=m.n_k, notes=notes)
 
 
 # ---- per-head table rows ---------------------------------------------------------------------------

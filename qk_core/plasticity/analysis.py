@@ -14,6 +14,7 @@ token times L. PP and AP are probabilities-derived numbers in [0, 1].
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from qk_core.capture.moments import LayerMoments
 from qk_core.capture.store import CaptureError, CaptureReader, HeadData
 from qk_core.config.options import PlasticityOptions, n_buckets
 from qk_core.geometry.summaries import require_complete
@@ -34,7 +36,13 @@ from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
 from qk_core.plasticity.heatmap import HeatmapAccumulator
 from qk_core.plasticity.jackknife import loo_profiles
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
-from qk_core.plasticity.query_model import OK, QueryModel, QueryModelError, fit_sorted_queries
+from qk_core.plasticity.query_model import (
+    OK,
+    QueryModel,
+    QueryModelError,
+    fit_query_model_from_moments,
+    fit_sorted_queries,
+)
 from qk_core.runtime.blas import blas_threads as limit_blas
 from qk_core.stats.bootstrap import doc_bucket_sums, doc_weights, resampled_profiles
 from qk_core.stats.intervals import percentile_interval
@@ -72,20 +80,23 @@ def _pairs_columns() -> dict[str, list[np.ndarray]]:
 
 
 def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None = None,
-                 W: np.ndarray | None = None, blas_threads: int | None = 1) -> HeadResult:
+                 W: np.ndarray | None = None, blas_threads: int | None = 1,
+                 query_sums: dict[str, np.ndarray] | None = None) -> HeadResult:
     """SPEC 4.1-4.9 for one head.
 
     doc_ids: the capture's document ids (sorted), the clusters of the bootstrap; default: documents
     holding this head's keys. W: (R, D) bootstrap multiplicities over doc_ids; default drawn from
     (opts.seed, D) with opts.bootstrap resamples. blas_threads: OpenBLAS threads while it runs
     (1 is fastest for these small products; None leaves the setting alone); values do not depend on it.
+    query_sums: the head's per-bucket query moments (SPEC 12.1, keys without ``q_``): the query model (4.1)
+    is fitted from them (SPEC 12.2) instead of from the sampled queries.
     """
     with limit_blas(blas_threads):
-        return _analyse_head(head, opts, doc_ids, W)
+        return _analyse_head(head, opts, doc_ids, W, query_sums)
 
 
 def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None,
-                  W: np.ndarray | None) -> HeadResult:
+                  W: np.ndarray | None, query_sums: dict[str, np.ndarray] | None = None) -> HeadResult:
     L, B = int(head.window), int(head.bucket)
     J = n_buckets(L, B)
     tau = agg.bucket_tau(L, B)
@@ -108,9 +119,18 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     q_starts = np.concatenate([[0], np.cumsum(q_counts)])
     q_sorted = np.asarray(head.q)[q_order]
     q32 = np.asarray(q_sorted, dtype=np.float32)  # the empirical estimator's products are float32 (4.3)
+    base["coverage"] = "sampled" if query_sums is None else "all"
     try:
-        model = fit_sorted_queries(q_sorted, np.asarray(head.q_pos, dtype=np.float64)[q_order], q_counts, L, B,
-                                   opts.covariance, opts.min_queries_per_bucket)
+        t_sorted = np.asarray(head.q_pos, dtype=np.float64)[q_order]
+        if query_sums is None:
+            model = fit_sorted_queries(q_sorted, t_sorted, q_counts, L, B, opts.covariance,
+                                       opts.min_queries_per_bucket)
+            base["n_queries_model"] = len(head.q_pos)
+        else:  # SPEC 12.2: the query model of every position; 4.9's residual shape from the sampled queries
+            model = fit_query_model_from_moments(query_sums, L, B, opts.covariance, opts.min_queries_per_bucket)
+            model.resid1 = (np.asarray(q_sorted, np.float64) - model.alpha - np.multiply.outer(t_sorted, model.beta)) \
+                @ model.H[0]
+            base["n_queries_model"] = int(model.n_queries.sum())
     except QueryModelError as exc:
         return failed_head(base, "query_model_failed", str(exc), J, W.shape[0])
 
@@ -331,7 +351,7 @@ class ModelResult:
 
 def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   opts: PlasticityOptions, doc_ids: np.ndarray, W: np.ndarray, L: int, B: int,
-                  workers: int) -> Iterator[HeadResult]:
+                  workers: int, sums_of: QuerySums | None = None) -> Iterator[HeadResult]:
     """Each head read and analysed, in the order of ``heads``; ``workers`` > 1 runs that many heads at once.
 
     Threads suffice: the heavy steps (Parquet decoding, BLAS products, NumPy reductions) release the GIL.
@@ -345,7 +365,12 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
         except (CaptureError, StorageError) as exc:
             return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
                                 "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
-        return _analyse_head(head, opts, doc_ids, W)
+        try:
+            sums = None if sums_of is None else sums_of(int(layer), int(q_head))
+        except (CaptureError, StorageError, KeyError) as exc:
+            return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
+                                "covariance": opts.covariance}, "read_error", f"moments: {exc}", J, W.shape[0])
+        return _analyse_head(head, opts, doc_ids, W, sums)
 
     if workers <= 1:
         for layer, q_head in heads:
@@ -364,20 +389,23 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
 def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
                   progress: Callable[[int, HeadResult], None] | None = None,
-                  blas_threads: int | None = 1, workers: int = 2) -> ModelResult:
+                  blas_threads: int | None = 1, workers: int = 2, sums_of: QuerySums | None = None) -> ModelResult:
     """SPEC 4 over every (layer, q_head), ``workers`` heads analysed at once (identical results for any count).
 
     The bootstrap resamples the capture's documents (doc_ids) with one weight matrix shared by all
     heads, so the model-level interval of a metric is the percentile interval of the mean over heads.
-    ``read_head`` must be safe to call from several threads (:class:`CaptureReader` is).
+    ``read_head`` must be safe to call from several threads (:class:`CaptureReader` is). ``sums_of(layer,
+    q_head)``: the head's query moments (SPEC 12.1) for a query model of every position (SPEC 12.2).
     """
     with limit_blas(blas_threads):
-        return _analyse_model(model_key, heads, read_head, doc_ids, L, B, opts, progress, max(1, int(workers)))
+        return _analyse_model(model_key, heads, read_head, doc_ids, L, B, opts, progress, max(1, int(workers)),
+                              sums_of)
 
 
 def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                    doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
-                   progress: Callable[[int, HeadResult], None] | None, workers: int) -> ModelResult:
+                   progress: Callable[[int, HeadResult], None] | None, workers: int,
+                   sums_of: QuerySums | None = None) -> ModelResult:
     doc_ids = np.unique(np.asarray(doc_ids, dtype=np.int64))
     W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
     record = opts.record(L, B)
@@ -390,7 +418,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     jk_nan = np.full((len(doc_ids), n_buckets(L, B)), np.nan)
     heads = list(heads)
     pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
-    for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers)):
+    for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers, sums_of)):
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)
@@ -562,4 +590,32 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
     (:func:`qk_core.runtime.cluster.on_cpu_worker`)."""
     reader = CaptureReader(storage, prefix)
     doc_ids = reader.doc_tokens()["example_id"].to_numpy()
-    return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress)
+    sums_of = None
+    if opts.coverage == "all":
+        if not reader.moment_layers():
+            raise CaptureError(f"{storage.uri(prefix)}: the capture holds no moments (SPEC 12.1): coverage 'all' "
+                               "needs a capture taken with them; capture it again, or use coverage 'sampled'")
+        sums_of = CaptureQuerySums(reader)
+    return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress,
+                         sums_of=sums_of)
+
+
+QuerySums = Callable[[int, int], dict[str, np.ndarray]]
+
+
+class CaptureQuerySums:
+    """``(layer, q_head) -> that head's per-bucket query moments`` of a capture (SPEC 12.1), the last layer
+    read kept (heads come in layer order); safe from several threads."""
+
+    def __init__(self, reader: CaptureReader) -> None:
+        self.reader = reader
+        self._lock = threading.Lock()
+        self._layer: LayerMoments | None = None
+
+    def __call__(self, layer: int, q_head: int) -> dict[str, np.ndarray]:
+        with self._lock:
+            if self._layer is None or self._layer.layer != int(layer):
+                self._layer = self.reader.read_moments(int(layer))
+            lm = self._layer
+        i = lm.head_index(q_head)
+        return {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")}

@@ -251,3 +251,114 @@ def fit_sorted_queries(q: np.ndarray, t: np.ndarray, counts: np.ndarray, L: int,
             status[b] = DEGENERATE_COVARIANCE
     return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2, resid1,
                       r2, counts, status, mean, cov, shrink, orig)
+
+
+def _bucket_fourth_moment(s: dict[str, np.ndarray], b: int, a: np.ndarray, beta: np.ndarray, tau: float) -> float:
+    """sum |q - a - beta s|^4 over bucket b's queries (s = t - tau_b), from the SPEC 12.1 sums of that bucket.
+
+    With v = a + beta s: |y|^2 = |q|^2 - 2 q.v + |v|^2 =: A - 2 B + C, so sum |y|^4 = sum A^2 + 4 B^2 + C^2
+    - 4 A B + 2 A C - 4 B C, each a contraction of a, beta with sums of q, q q^T, |q|^2 times powers of s.
+    """
+    xs = s["xt"][b] - tau * s["x"][b]  # sum s x
+    c0, c1, c2 = float(a @ a), 2.0 * float(a @ beta), float(beta @ beta)
+    S0, S1, S2, S3, S4 = (float(s[k][b]) for k in ("n", "s", "ss", "s3", "s4"))
+    A2 = float(s["r4"][b])
+    B2 = float(a @ s["xx"][b] @ a + 2.0 * a @ s["xxs"][b] @ beta + beta @ s["xxs2"][b] @ beta)
+    C2 = c0 * c0 * S0 + 2 * c0 * c1 * S1 + (c1 * c1 + 2 * c0 * c2) * S2 + 2 * c1 * c2 * S3 + c2 * c2 * S4
+    AB = float(a @ s["r2x"][b] + beta @ s["r2xs"][b])
+    AC = c0 * float(s["r2"][b]) + c1 * float(s["r2s"][b]) + c2 * float(s["r2s2"][b])
+    BC = float(a @ (c0 * s["x"][b] + c1 * xs + c2 * s["xs2"][b]) + beta @ (c0 * xs + c1 * s["xs2"][b]
+                                                                             + c2 * s["xs3"][b]))
+    return A2 + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
+
+
+def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, covariance: str = "full",
+                                 min_queries: int = 10) -> QueryModel:
+    """The SPEC 4.1 query model of one head from its per-bucket query sums alone (SPEC 12.2).
+
+    ``sums`` maps the query keys of :mod:`qk_core.capture.moments` without their ``q_`` prefix (n, t, tt, x,
+    xt, xx and the Ledoit-Wolf terms) to that head's (J, ...) arrays. Equals :func:`fit_query_model` of the
+    same rows (``resid1`` is empty: the coordinate-1 residuals are rows, SPEC 4.9 diagnostics read the
+    sampled ones). The Ledoit-Wolf intensity is exact, from the bucket's fourth moment
+    (:func:`_bucket_fourth_moment`); its expansion loses about 4 log10(|mean| / spread) digits.
+    """
+    if covariance not in COVARIANCES:
+        raise ValueError(f"covariance must be one of {COVARIANCES}")
+    nb = np.asarray(sums["n"], dtype=np.float64)
+    J = len(nb)
+    counts = np.rint(nb).astype(np.int64)
+    n = float(nb.sum())
+    d = int(sums["x"].shape[-1])
+    if n < 3:
+        raise QueryModelError(f"{int(n)} queries: a per-coordinate regression on position needs at least 3")
+    st, stt_raw = float(sums["t"].sum()), float(sums["tt"].sum())
+    tm = st / n
+    stt = stt_raw - st * tm
+    if not stt > 1e-12 * stt_raw:
+        raise QueryModelError("every query sits at one position: the slope on position is undefined")
+    sx, sxt, sxx = sums["x"].sum(axis=0), sums["xt"].sum(axis=0), sums["xx"].sum(axis=0)
+    qbar = sx / n
+    S = sxx - n * np.outer(qbar, qbar)
+    xty = sxt - sx * tm  # centred cross products with t
+    beta = xty / stt
+    alpha = qbar - beta * tm
+    sst = np.diag(S).copy()
+    ssr = beta * beta * stt
+    scale = max(float(sst.max()), 1e-300)
+    r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+    beta_norm = float(np.linalg.norm(beta))
+    negligible = beta_norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(float(sst.sum()) / n + 1e-300)
+    u, h = (np.zeros(d), 0.0) if negligible else householder_vector(beta)
+    H = np.eye(d) - h * np.outer(u, u)
+    bhat = H[0]
+    alpha_pos = float(bhat @ alpha)
+    beta_pos = float(bhat @ beta)
+    # residual scatter of the detrended queries q - alpha - beta t over all queries
+    S_res = S - np.outer(beta, xty) - np.outer(xty, beta) + stt * np.outer(beta, beta)
+    sigma_pos2 = float(bhat @ S_res @ bhat) / max(n - 2, 1)
+    rss = float(np.trace(S_res))
+
+    tau = (np.arange(J) + 0.5) * B
+    mean = np.full((J, d), np.nan)
+    cov = np.full((J, d, d), np.nan) if covariance == "full" else np.full((J, d), np.nan)
+    shrink = np.full(J, np.nan)
+    level = np.full(J, np.nan)
+    orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for b in range(J):
+        m_b = nb[b]
+        if counts[b] < min_queries:
+            continue
+        xb = sums["x"][b] / m_b
+        mu = reflect_rows(xb, u, h)
+        mu[0] = alpha_pos + beta_pos * tau[b]
+        mean[b] = mu
+        Sb = sums["xx"][b] - np.outer(sums["x"][b], xb)  # the bucket's centred scatter
+        if covariance == "full":
+            sxt_b = sums["xt"][b] - sums["x"][b] * (sums["t"][b] / m_b)
+            stt_b = float(sums["ss"][b] - sums["s"][b] ** 2 / m_b)
+            Syy = Sb - np.outer(beta, sxt_b) - np.outer(sxt_b, beta) + stt_b * np.outer(beta, beta)
+            S_o = 0.5 * (Syy + Syy.T) / m_b
+            a = xb - beta * (sums["s"][b] / m_b)  # bucket mean of q - beta s
+            fourth = _bucket_fourth_moment(sums, b, a, beta, float(tau[b]))
+            mu_lw = float(np.trace(S_o)) / d
+            delta = float(((S_o - mu_lw * np.eye(d)) ** 2).sum()) / d
+            beta_bar = float((fourth / m_b - (S_o * S_o).sum()) / (d * m_b))
+            shrink[b] = 0.0 if delta <= 0.0 else min(max(beta_bar, 0.0), delta) / delta
+            S_o = (1.0 - shrink[b]) * S_o
+            S_o[np.diag_indices(d)] += shrink[b] * mu_lw
+            level[b] = float(np.trace(S_o)) / d if np.all(np.isfinite(S_o)) else np.nan
+            cov[b] = reflect_both(S_o, u, h)
+            orig[b] = (reflect_rows(mu, u, h), S_o)
+        else:
+            cov[b] = np.diag(reflect_both(Sb, u, h)) / (m_b - 1)
+            cov[b, 0] = sigma_pos2
+            level[b] = float(cov[b].sum()) / d if np.all(np.isfinite(cov[b])) else np.nan
+    floor = 1e-10 * max(rss / (n * d), 1e-300)
+    status = [OK] * J
+    for b in range(J):
+        if counts[b] < min_queries:
+            status[b] = TOO_FEW_QUERIES
+        elif not level[b] > floor:
+            status[b] = DEGENERATE_COVARIANCE
+    return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2,
+                      np.zeros(0), r2, counts, status, mean, cov, shrink, orig)

@@ -1,0 +1,368 @@
+"""Per-head moments of SPEC 12.1: what the capture sums for every eligible head and position, and their merge.
+
+One :class:`LayerMoments` holds, for one layer, every (query head, its KV head) the layer's heads list,
+float64 sums over the positions of one document (:func:`accumulate`) or of many (:func:`merge_documents`).
+``t`` is the raw 0-based token position; ``s = t - tau_b`` the position relative to its bucket's midpoint
+(tau_b = (b + 0.5) B, SPEC notation). Arrays carry a leading head axis (query heads: ``Hq``; KV heads:
+``Hk``); J = number of buckets, d = head dimension.
+
+Query head, per bucket b (SPEC 12.1: n_b and the sums of t, t^2, x, x t, x x^T), shape (Hq, J, ...):
+``q_n, q_t, q_tt, q_x, q_xt, q_xx``. The pooled query sums are their sum over b.
+What the exact Ledoit-Wolf intensity of a bucket needs (SPEC 4.1 / 12.1): the fourth moment sum |y|^4 of
+the bucket's detrended, centred queries y = q - beta t - a (beta and a known only after the merge) expands
+into sums of ``q_xxs = sum s x x^T``, ``q_xxs2 = sum s^2 x x^T``, ``q_xs2 = sum s^2 x``, ``q_xs3 = sum s^3 x``,
+``q_r2x = sum |x|^2 x``, ``q_r2xs = sum s |x|^2 x``, ``q_r4 = sum |x|^4``, ``q_r2 = sum |x|^2``,
+``q_r2s = sum s |x|^2``, ``q_r2s2 = sum s^2 |x|^2``, ``q_s = sum s``, ``q_ss = sum s^2``, ``q_s3``, ``q_s4``
+(:func:`qk_core.plasticity.query_model.fit_query_model_from_moments`); relative positions keep the
+expansion well conditioned.
+KV head, pooled over positions (SPEC 12.1), shape (Hk, ...): ``k_n, k_t, k_tt, k_x, k_xt, k_xx``.
+Same-position pairs delta = q - k of each query head with its KV head (SPEC 3, 12.1), shape (Hq, ...):
+``p_n, p_x = sum delta, p_xx = sum delta delta^T``.
+Split-half parity sums (SPEC 3 (i), 12.1), formed by the merge, shape (2, H, ...) with parity 0 = 1st, 3rd,
+... document in sorted id order: ``qh_n, qh_t, qh_tt, qh_x, qh_xt`` (query heads) and ``kh_*`` (KV heads).
+
+Accumulation dtype (SPEC 12.1, issue 22): position-only sums (n, t, t^2, s^k) are formed on the host in
+float64 (exact for integers below 2^53). Sums involving vectors are formed on the capture's device in
+``dtype`` over one bucket of one document at a time (at most B positions), then converted to float64;
+buckets, documents and shards are added in float64. float64 (the default, and the CPU capture's) is
+exact to rounding; float32 (for a GPU capture) has a relative error of order sqrt(B) 2^-24 per bucket sum.
+Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: sums over query positions, per bucket (SPEC 12.1; the Ledoit-Wolf terms after ``q_xx``)
+Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_xxs", "q_xxs2", "q_xs2", "q_xs3", "q_r2x", "q_r2xs",
+          "q_r4", "q_r2", "q_r2s", "q_r2s2", "q_s", "q_ss", "q_s3", "q_s4")
+#: sums over key positions, pooled (SPEC 12.1)
+K_KEYS = ("k_n", "k_t", "k_tt", "k_x", "k_xt", "k_xx")
+#: sums over same-position pairs delta = q - k (SPEC 3 separation, 12.1)
+P_KEYS = ("p_n", "p_x", "p_xx")
+#: the per-document keys; the merge adds the parity sums below
+DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
+HALF_KEYS = ("n", "t", "tt", "x", "xt")
+
+
+@dataclass
+class LayerMoments:
+    """Float64 moment sums of one layer's heads over one or more documents (SPEC 12.1; keys: module doc).
+
+    ``q_heads`` (Hq,) query heads, ``kv_heads`` (Hk,) KV heads, ``kv_index`` (Hq,) the position in
+    ``kv_heads`` of each query head's KV head (SPEC 1.1), ``bucket`` B, ``n_buckets`` J.
+    ``docs`` the example ids summed, in merge order.
+    """
+
+    layer: int
+    q_heads: np.ndarray
+    kv_heads: np.ndarray
+    kv_index: np.ndarray
+    bucket: int
+    n_buckets: int
+    sums: dict[str, np.ndarray]
+    docs: list[int] = field(default_factory=list)
+
+    @property
+    def d(self) -> int:
+        return int(self.sums["k_x"].shape[-1])
+
+    def head_index(self, q_head: int) -> int:
+        """Row of ``q_head`` in the query-head arrays."""
+        hit = np.flatnonzero(self.q_heads == int(q_head))
+        if not len(hit):
+            raise KeyError(f"layer {self.layer}: query head {q_head} has no moments")
+        return int(hit[0])
+
+    def q_pooled(self) -> dict[str, np.ndarray]:
+        """The query sums pooled over buckets: n, t, tt, x, xt, xx with a leading (Hq,) axis."""
+        return {k: self.sums[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xt", "xx")}
+
+    def k_pooled(self) -> dict[str, np.ndarray]:
+        """The key sums of each query head's KV head: n, t, tt, x, xt, xx with a leading (Hq,) axis."""
+        return {k: self.sums[f"k_{k}"][self.kv_index] for k in ("n", "t", "tt", "x", "xt", "xx")}
+
+
+# ---- one document ----------------------------------------------------------------------------------
+
+
+def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
+    """Position-only float64 sums per bucket (exact for integer positions): n, t, tt, s, ss, s3, s4."""
+    t = np.asarray(pos, dtype=np.float64)
+    b = np.clip(np.floor_divide(t, B).astype(np.int64), 0, J - 1)
+    s = t - (b + 0.5) * B
+    return {name: np.bincount(b, weights=w, minlength=J) for name, w in
+            (("n", np.ones_like(t)), ("t", t), ("tt", t * t), ("s", s), ("ss", s * s), ("s3", s**3), ("s4", s**4))}
+
+
+def _segments(pos: np.ndarray, B: int, J: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """(row order sorting positions by bucket, [(bucket, start, end)] of the sorted rows)."""
+    b = np.clip(np.floor_divide(np.asarray(pos, dtype=np.int64), B), 0, J - 1)
+    order = np.argsort(b, kind="stable")
+    counts = np.bincount(b, minlength=J)
+    ends = np.cumsum(counts)
+    return order, [(j, int(ends[j] - counts[j]), int(ends[j])) for j in range(J) if counts[j]]
+
+
+def _padded(x: Any, pos: np.ndarray, B: int, J: int, dtype: Any) -> tuple[Any, Any, Any]:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, J, M, d) in ``dtype``, zero rows as padding (M = the
+    largest bucket count), with their positions t and s = t - tau_b as (J, M) (0 at the padding)."""
+    import torch
+
+    order, segs = _segments(pos, B, J)
+    counts = np.zeros(J, dtype=np.int64)
+    for j, a, e in segs:
+        counts[j] = e - a
+    M = max(int(counts.max()) if J else 0, 1)
+    b_sorted = np.repeat(np.arange(J), counts)
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    flat = b_sorted * M + slot
+    dev = x.device
+    H, _, d = x.shape
+    t = np.zeros(J * M)
+    t[flat] = np.asarray(pos, dtype=np.float64)[order]
+    s = np.where(np.isin(np.arange(J * M), flat), t - (np.repeat(np.arange(J), M) + 0.5) * B, 0.0)
+    out = torch.zeros((H, J * M, d), dtype=dtype, device=dev)
+    out[:, torch.as_tensor(flat, device=dev)] = x.index_select(1, torch.as_tensor(order, device=dev)).to(dtype)
+    to = torch.as_tensor(t.reshape(J, M), device=dev).to(dtype)
+    so = torch.as_tensor(s.reshape(J, M), device=dev).to(dtype)
+    return out.reshape(H, J, M, d), to, so
+
+
+def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: np.ndarray, bucket: int,
+               n_buckets: int, dtype: Any = None) -> dict[str, Any]:
+    """SPEC 12.1 sums of one document: float64 torch tensors on the device of ``q`` (keys: module doc).
+
+    ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
+    ``k_pos`` (n_k,), torch tensors (a numpy array is taken as a CPU tensor); positions are distinct within
+    a document. ``kv_index`` (Hq,): the row of ``k`` of each query head's KV head. Vector sums are formed
+    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows of one bucket,
+    then converted to float64; heads and buckets are batched (no Python loop over either, nor over positions).
+    """
+    import torch
+
+    q, k = torch.as_tensor(q), torch.as_tensor(k)
+    dev = q.device
+    acc = dtype or torch.promote_types(q.dtype, torch.float32)
+    f64 = torch.float64
+    B, J = int(bucket), int(n_buckets)
+    Hq = q.shape[0]
+    Hk = k.shape[0]
+    kv = torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev)
+    q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
+    out: dict[str, Any] = {}
+
+    # position-only sums, host float64 (broadcast over heads)
+    ps = _pos_sums(q_pos, B, J)
+    for name, key in (("n", "q_n"), ("t", "q_t"), ("tt", "q_tt"), ("s", "q_s"), ("ss", "q_ss"), ("s3", "q_s3"),
+                      ("s4", "q_s4")):
+        out[key] = torch.as_tensor(ps[name], device=dev).expand(Hq, J).clone()
+    kp = _pos_sums(k_pos, B, 1)
+    for name in ("n", "t", "tt"):
+        out[f"k_{name}"] = torch.full((Hk,), float(kp[name][0]), dtype=f64, device=dev)
+
+    # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, J, M, d), M = the largest
+    # bucket count, so every bucket's sums come from one batched product per quantity
+    X, tp, sp = _padded(q, q_pos, B, J, acc)
+    r2 = (X * X).sum(-1)  # (Hq, J, M)
+    Xt = X.transpose(-1, -2)
+    vals = {
+        "q_x": X.sum(2), "q_xt": torch.einsum("hjmd,jm->hjd", X, tp), "q_xx": Xt @ X,
+        "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
+        "q_xs2": torch.einsum("hjmd,jm->hjd", X, sp * sp), "q_xs3": torch.einsum("hjmd,jm->hjd", X, sp * sp * sp),
+        "q_r2x": torch.einsum("hjm,hjmd->hjd", r2, X), "q_r2xs": torch.einsum("hjm,hjmd->hjd", r2 * sp, X),
+        "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2),
+    }
+    out.update({key: v.to(f64) for key, v in vals.items()})
+    del X, Xt, r2, vals
+
+    # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
+    X, tp, _ = _padded(k, k_pos, B, J, acc)
+    out["k_x"] = X.sum(2).to(f64).sum(1)
+    out["k_xt"] = torch.einsum("hjmd,jm->hjd", X, tp).to(f64).sum(1)
+    out["k_xx"] = (X.transpose(-1, -2) @ X).to(f64).sum(1)
+    del X
+
+    # same-position pairs delta = q - k(kv head), per bucket
+    common, iq, ik = np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True)
+    out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
+    D = q.index_select(1, torch.as_tensor(iq, device=dev)).to(acc) \
+        - k.index_select(0, kv).index_select(1, torch.as_tensor(ik, device=dev)).to(acc)
+    D, _, _ = _padded(D, common, B, J, acc)
+    out["p_x"] = D.sum(2).to(f64).sum(1)
+    out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
+    return out
+
+
+def to_host(per_layer: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
+    """Every layer's float64 device sums to host numpy in one transfer (SPEC 1.3, 12.1)."""
+    import torch
+
+    items = [(layer, key, t) for layer, sums in sorted(per_layer.items()) for key, t in sums.items()]
+    if not items:
+        return {}
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in items]).cpu().numpy()
+    out: dict[int, dict[str, np.ndarray]] = {}
+    offset = 0
+    for layer, key, t in items:
+        size = t.numel()
+        out.setdefault(layer, {})[key] = flat[offset: offset + size].reshape(tuple(t.shape))
+        offset += size
+    return out
+
+
+def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int], kv_index: Sequence[int],
+                     q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, bucket: int, n_buckets: int,
+                     example_id: int, dtype: Any = None) -> LayerMoments:
+    """:func:`accumulate` of one document and layer as a host :class:`LayerMoments` (rows from numpy or torch)."""
+    host = to_host({layer: accumulate(q, q_pos, k, k_pos, np.asarray(kv_index), bucket, n_buckets, dtype)})
+    return LayerMoments(int(layer), np.asarray(q_heads, np.int64), np.asarray(kv_heads, np.int64),
+                        np.asarray(kv_index, np.int64), int(bucket), int(n_buckets), host[layer], [int(example_id)])
+
+
+# ---- merge -----------------------------------------------------------------------------------------
+
+
+class MomentMerger:
+    """Adds one layer's per-document moments in the order given (the caller's fixed order: sorted example
+    ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer."""
+
+    def __init__(self) -> None:
+        self.merged: LayerMoments | None = None
+        self._rank = 0
+
+    def add(self, m: LayerMoments) -> None:
+        """Add one document's moments (its rank in the order of the calls decides its parity)."""
+        if len(m.docs) != 1:
+            raise ValueError("MomentMerger takes per-document moments (one example id each)")
+        if self.merged is None:
+            s = m.sums
+            sums = {key: np.zeros_like(s[key]) for key in DOC_KEYS}
+            sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
+            sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
+            Hq, d = s["q_x"].shape[0], s["q_x"].shape[-1]
+            sums.update(pm_cov=np.zeros((Hq, d, d)), pm_mean=np.zeros((Hq, d)), pm_unpaired=np.zeros(Hq))
+            self.merged = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
+        out = self.merged
+        if (m.layer != out.layer or not np.array_equal(m.q_heads, out.q_heads)
+                or not np.array_equal(m.kv_heads, out.kv_heads) or m.bucket != out.bucket
+                or m.n_buckets != out.n_buckets):
+            raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
+        if m.docs[0] in out.docs:
+            raise ValueError(f"document {m.docs[0]} is given twice")
+        for key in DOC_KEYS:
+            out.sums[key] += m.sums[key]
+        parity = self._rank % 2
+        for k in HALF_KEYS:
+            out.sums[f"qh_{k}"][parity] += m.sums[f"q_{k}"].sum(axis=1)
+            out.sums[f"kh_{k}"][parity] += m.sums[f"k_{k}"]
+        self._permutation_terms(m, out.sums)
+        out.docs.append(int(m.docs[0]))
+        self._rank += 1
+
+
+    @staticmethod
+    def _permutation_terms(m: LayerMoments, out: dict[str, np.ndarray]) -> None:
+        """Per-document terms of the within-document permutation null of SPEC 3 (ii)'s R^2(t ~ x + 1_Q).
+
+        When a document's queries and keys sit at the same positions (every position, or a shared sample),
+        permuting t within it moves each position's g = q + k (within-kind centred) as one unit, and
+        c = sum g t_perm has mean sum_d tbar_d sum_d g and covariance sum_d s_tt,d / (n_d - 1) S_d(g), S_d the
+        document's centred scatter of q + k = 2 q q^T + 2 k k^T - delta delta^T summed (the permutation
+        moments of a linear statistic). ``pm_mean`` holds sum_d tbar_d sum_d (q + k) (the kind means are
+        removed after the merge), ``pm_cov`` the covariance, ``pm_unpaired`` the documents where this does
+        not hold (their Q and K positions differ).
+        """
+        s = m.sums
+        q = {k: s[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xx")}
+        kv = m.kv_index
+        n = q["n"]
+        paired = (s["p_n"] == n) & (s["k_n"][kv] == n) & (np.abs(s["k_t"][kv] - q["t"]) == 0)
+        out["pm_unpaired"] += ~paired
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tbar = np.where(n > 0, q["t"] / n, 0.0)
+            w = np.where(n > 1, (q["tt"] - q["t"] * tbar) / (n - 1), 0.0)
+        g = q["x"] + s["k_x"][kv]
+        gg = 2 * q["xx"] + 2 * s["k_xx"][kv] - s["p_xx"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            Sg = gg - np.where(n > 0, 1.0 / n, 0.0)[:, None, None] * g[:, :, None] * g[:, None, :]
+        ok = paired[:, None]
+        out["pm_mean"] += np.where(ok, tbar[:, None] * g, 0.0)
+        out["pm_cov"] += np.where(ok[:, :, None], w[:, None, None] * Sg, 0.0)
+
+
+def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
+    """Exact float64 merge of one layer's per-document moments (SPEC 12.1), with the parity sums.
+
+    Documents are added in sorted example-id order whatever order they come in (so shards merge to the
+    same bits as one worker); parity 0 holds the 1st, 3rd, ... documents of that order (SPEC 3 (i)).
+    """
+    if not docs:
+        raise ValueError("no documents to merge")
+    merger = MomentMerger()
+    for m in sorted(docs, key=lambda m: m.docs[0]):
+        merger.add(m)
+    assert merger.merged is not None
+    return merger.merged
+
+
+# ---- bytes on storage --------------------------------------------------------------------------------
+
+
+#: symmetric d x d sums, stored as their upper triangle (row-major, diagonal included)
+SYMMETRIC = ("q_xx", "q_xxs", "q_xxs2", "k_xx", "p_xx")
+
+
+def _pack(a: np.ndarray) -> np.ndarray:
+    d = a.shape[-1]
+    iu = np.triu_indices(d)
+    return a[..., iu[0], iu[1]]
+
+
+def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
+    iu = np.triu_indices(d)
+    out = np.zeros((*packed.shape[:-1], d, d))
+    out[..., iu[0], iu[1]] = packed
+    out[..., iu[1], iu[0]] = packed
+    return out
+
+
+def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
+    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout; the
+    symmetric d x d sums as upper triangles (half the bytes; the lower triangle is its mirror)."""
+    import io
+
+    arrays: dict[str, np.ndarray] = {}
+    for m in layers:
+        p = f"L{m.layer}"
+        arrays.update({f"{p}.q_heads": m.q_heads, f"{p}.kv_heads": m.kv_heads, f"{p}.kv_index": m.kv_index,
+                       f"{p}.layout": np.array([m.bucket, m.n_buckets], np.int64),
+                       f"{p}.docs": np.asarray(m.docs, np.int64)})
+        arrays.update({f"{p}.{k}": _pack(np.asarray(v, np.float64)) if k in SYMMETRIC else np.asarray(v, np.float64)
+                       for k, v in m.sums.items()})
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
+    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`."""
+    import io
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    layers = sorted({int(name.split(".", 1)[0][1:]) for name in arrays})
+    out = {}
+    for layer in layers:
+        p = f"L{layer}."
+        own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
+        bucket, n_buckets = (int(v) for v in own.pop("layout"))
+        d = int(own["k_x"].shape[-1])
+        own.update({k: _unpack(own[k], d) for k in SYMMETRIC if k in own})
+        out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
+                                  n_buckets, own, [int(e) for e in own.pop("docs")])
+    return out

@@ -1,0 +1,217 @@
+"""Moments during capture (SPEC 12.1): every eligible head and every position, accumulated inside the read
+hook, committed with each document (checksummed, resumable) and merged by finalize; equal to a float64 brute
+force over every row, the same for any sampler, and a sharded capture gives the same bits as one worker."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+
+from qk_core.capture import capture_model
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moments_file
+from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.geometry.driver import run_geometry
+from qk_core.geometry.from_moments import layer_geometry
+from qk_core.geometry.heads import iter_capture_heads
+from qk_core.io.storage import Storage
+
+pytestmark = pytest.mark.slow  # three tiny captures, ~20 s on a busy CPU
+torch.set_num_threads(1)
+N_DOCS = 5
+
+
+def _registry(tmp: Path, per_bucket: int, heads: int) -> Any:
+    return load_registry(tm.write_registry(tmp / f"registry-{per_bucket}-{heads}.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": per_bucket, "heads": heads, "moments": True}}}, tmp / "corpus.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("capmom")
+    tm.build_tiny_model("qwen3", tmp / "model")
+    texts = [t[: 40 + 5 * i] for i, t in enumerate(tm.sample_texts(N_DOCS, 80, seed=2))]
+    tm.write_corpus_jsonl(tmp / "corpus.jsonl", texts, ids=[7, 3, 12, 5, 9])
+    sampled, full = _registry(tmp, 2, 5), _registry(tmp, 16, 100)  # per_bucket = B: every position
+    corpus = local_corpus(sampled.corpus("tiny").params)
+    s_sampled, s_full = Storage(tmp / "sampled"), Storage(tmp / "full")
+    return {"tmp": tmp, "corpus": corpus, "sampled_reg": sampled, "storage": s_sampled,
+            "sampled": capture_model(sampled.model("m"), corpus, s_sampled, device="cpu"),
+            "full_storage": s_full, "full": capture_model(full.model("m"), corpus, s_full, device="cpu")}
+
+
+def test_moments_of_every_head_equal_a_float64_brute_force_over_every_row(setup: dict[str, Any]) -> None:
+    full = CaptureReader(setup["full_storage"], setup["full"].prefix)
+    sampled = CaptureReader(setup["storage"], setup["sampled"].prefix)
+    assert full.manifest["moments"]["dtype"] == "float64"
+    layers = full.moment_layers()
+    assert layers == sampled.moment_layers() == sorted({int(h["layer"]) for h in full.manifest["heads"]})
+    n_tokens = setup["full"].doc_tokens.set_index("example_id")["n_tokens"]
+    for layer in layers:
+        lm = full.read_moments(layer)
+        assert lm.docs == sorted(n_tokens.index)
+        # a capture of 5 sampled heads holds the moments of every head of every eligible layer, the same bits
+        other = sampled.read_moments(layer)
+        for key, arr in lm.sums.items():
+            assert np.array_equal(arr, other.sums[key]), (layer, key)
+        # brute force: every position's rows of every head (per_bucket = B captured them all), float64
+        for i, q_head in enumerate(lm.q_heads):
+            h = full.read_head(layer, int(q_head))
+            assert len(h.q) == int(n_tokens.sum())
+            q, k, t = h.q.astype(np.float64), h.k.astype(np.float64), h.q_pos.astype(np.float64)
+            assert np.array_equal(h.q_pos, h.k_pos) and np.array_equal(h.q_doc, h.k_doc)
+            b = np.minimum(h.q_pos // h.bucket, lm.n_buckets - 1)
+            s = t - (b + 0.5) * h.bucket
+            kv = lm.kv_index[i]
+            assert lm.kv_heads[kv] == h.kv_head
+            for j in range(lm.n_buckets):
+                sel = b == j
+                for key, want in (("q_n", sel.sum()), ("q_t", t[sel].sum()), ("q_x", q[sel].sum(0)),
+                                  ("q_xt", t[sel] @ q[sel]), ("q_xx", q[sel].T @ q[sel]),
+                                  ("q_xxs2", (q[sel] * s[sel, None] ** 2).T @ q[sel]),
+                                  ("q_r4", ((q[sel] ** 2).sum(1) ** 2).sum())):
+                    np.testing.assert_allclose(lm.sums[key][i, j], want, rtol=1e-12, atol=1e-12 * np.abs(want).max(),
+                                               err_msg=f"L{layer} H{q_head} b{j} {key}")
+            for key, want in (("k_x", k.sum(0)), ("k_xx", k.T @ k), ("k_xt", t @ k)):
+                np.testing.assert_allclose(lm.sums[key][kv], want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+            np.testing.assert_allclose(lm.sums["p_xx"][i], (q - k).T @ (q - k), rtol=1e-12,
+                                       atol=1e-12 * np.abs((q - k).T @ (q - k)).max())
+            ids = sorted(n_tokens.index)
+            odd = np.isin(h.q_doc, ids[1::2])
+            np.testing.assert_allclose(lm.sums["qh_xt"][1, i], t[odd] @ q[odd], rtol=1e-12,
+                                       atol=1e-12 * np.abs(t[odd] @ q[odd]).max())
+
+
+def test_every_head_geometry_from_capture_moments_equals_the_rows_of_every_position(setup: dict[str, Any]) -> None:
+    storage, res = setup["full_storage"], setup["full"]
+    reader = CaptureReader(storage, res.prefix)
+    pca_o, rot_o = PCAOptions(), RotationOptions(capture_floor="beta")
+    rows = run_geometry("m", iter_capture_heads(storage, res.heads), pca_o, rot_o)
+    pca_t, rot_t = rows["pca"][0].set_index(["layer", "q_head"]), rows["rotation"][0].set_index(["layer", "q_head"])
+    n = 0
+    for layer in reader.moment_layers():
+        for rec in layer_geometry(reader.read_moments(layer), reader.window, pca_o, rot_o):
+            key = (layer, rec["q_head"])
+            for col in ("pc0_evr", "pc0_r_q", "pc0_r_k", "pos_budget_q"):
+                np.testing.assert_allclose(rec["pca"][col], pca_t.loc[key, col], rtol=1e-9)
+            for col in ("alpha_k", "bias_strength", "var_frac_b", "separation_strength", "split_half_cos", "r2_full"):
+                np.testing.assert_allclose(rec["rotation"][col], rot_t.loc[key, col], rtol=1e-9)
+            n += 1
+    assert n == len(res.heads)
+
+
+def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any]) -> None:
+    entry, corpus = setup["sampled_reg"].model("m"), setup["corpus"]
+    storage = Storage(setup["tmp"] / "sharded")
+    ids = [int(e) for e in corpus["example_id"]]
+    for part in (ids[3:], ids[:3]):
+        res = capture_model(entry, corpus, storage, device="cpu", only_docs=part, finalize=False)
+    CaptureWriter(storage, entry.key, storage.read_json(f"{res.prefix}/manifest.json")).finalize()
+    one = setup["storage"]
+    assert res.prefix == setup["sampled"].prefix
+    for layer in CaptureReader(one, res.prefix).moment_layers():
+        rel = moments_file(res.prefix, layer)
+        assert storage.read_bytes(rel) == one.read_bytes(rel)
+
+
+def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, Any]) -> None:
+    """A document's moments file is checksummed in its document file's footer; finalize refuses an altered one,
+    and the merged files are verified like every other committed file."""
+    entry, corpus = setup["sampled_reg"].model("m"), setup["corpus"]
+    storage = Storage(setup["tmp"] / "altered")
+    res = capture_model(entry, corpus, storage, device="cpu", only_docs=[7, 3], finalize=False)
+    rel = f"{res.prefix}/moments/docs/doc-3.npz"
+    data = bytearray(storage.read_bytes(rel))
+    data[-100] ^= 1
+    storage.write_bytes(rel, bytes(data))
+    writer = CaptureWriter(storage, entry.key, storage.read_json(f"{res.prefix}/manifest.json"))
+    with pytest.raises(CaptureError, match=r"doc-3\.npz"):
+        writer.finalize()
+    reader = CaptureReader(setup["storage"], setup["sampled"].prefix)
+    assert any(name.startswith("moments/L") for name in reader.files)
+    path = Path(setup["storage"].full(moments_file(setup["sampled"].prefix, reader.moment_layers()[0])))
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(CaptureError, match="SHA-256"):
+            CaptureReader(setup["storage"], setup["sampled"].prefix).read_moments(reader.moment_layers()[0])
+    finally:
+        path.write_bytes(original)
+
+
+def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(setup: dict[str, Any]) -> None:
+    """SPEC 12.1/12.3 through the geometry driver: ``coverage = "all"`` gives every eligible head (the capture
+    sampled 5 of 16) with its coverage, positions and documents; ``"sampled"`` is today's row path exactly."""
+    import pandas.testing as pd_testing
+
+    from qk_core.geometry.driver import geometry_of_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    n_tokens = int(res.doc_tokens["n_tokens"].sum())
+    every = geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"),
+                                RotationOptions(coverage="all", capture_floor="beta"))
+    for table in (every["pca"][0], every["rotation"][0]):
+        assert len(table) == 16 and set(table["coverage"]) == {"all"} and set(table["status"]) == {"ok"}
+        assert set(table["n_q"]) == set(table["n_k"]) == {n_tokens} and set(table["n_docs"]) == {N_DOCS}
+    assert '"coverage": "all"' in every["pca"][0]["options"].iloc[0]
+    full = CaptureReader(setup["full_storage"], setup["full"].prefix)
+    want = {(layer, r["q_head"]): r for layer in full.moment_layers()
+            for r in layer_geometry(full.read_moments(layer), full.window, PCAOptions(),
+                                    RotationOptions(capture_floor="beta"))}
+    for row in every["rotation"][0].itertuples():
+        assert row.bias_strength == want[(row.layer, row.q_head)]["rotation"]["bias_strength"]
+    sampled = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions())
+    rows = run_geometry("m", iter_capture_heads(storage, res.heads), PCAOptions(), RotationOptions())
+    for a, b in ((sampled["pca"], rows["pca"]), (sampled["rotation"][:3], rows["rotation"][:3])):
+        for x, y in zip(a, b, strict=True):
+            pd_testing.assert_frame_equal(x, y)
+    assert set(sampled["pca"][0]["coverage"]) == {"sampled"} and len(sampled["pca"][0]) == 5
+    assert set(sampled["pca"][0]["n_docs"]) == {N_DOCS}
+
+
+def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: dict[str, Any]) -> None:
+    """SPEC 4.6 / 12.2: with coverage 'all' the query model rests on every position of every document, while
+    key pairs stay the sampled ones; a capture without moments is refused with a message."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5, interval="percentile")
+    with pytest.raises(ValueError, match="coverage 'all' needs interval 'percentile'"):
+        dataclasses.replace(opts, coverage="all", interval="jackknife_t")
+    every = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="all"))
+    sampled = analyse_capture("m", storage, res.prefix, heads, opts)
+    n_tokens = int(res.doc_tokens["n_tokens"].sum())
+    assert set(every.heads["coverage"]) == {"all"} and set(every.heads["n_queries_model"]) == {n_tokens}
+    assert set(sampled.heads["coverage"]) == {"sampled"}
+    assert (sampled.heads["n_queries_model"] < n_tokens).all()
+    assert np.isfinite(every.heads["ap_overall"]).all()
+    assert len(every.pairs) == len(sampled.pairs)  # the same sampled key pairs
+
+
+def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:
+    """``capture.moments = false`` (not in the fingerprint: it adds files, not rows) stores no moments, and
+    coverage 'all' then fails naming the capture instead of silently falling back."""
+    from qk_core.geometry.driver import geometry_of_capture
+
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-nomoments.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moments": False}}}, tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "nomoments")
+    res = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    assert res.prefix == setup["sampled"].prefix  # the same fingerprint as the capture with moments
+    reader = CaptureReader(storage, res.prefix)
+    assert reader.moment_layers() == [] and not storage.ls(f"{res.prefix}/moments")
+    assert "none merged" in reader.complete["moments"]["note"]
+    with pytest.raises(CaptureError, match="no moments"):
+        geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"), None)

@@ -1,0 +1,297 @@
+"""Every head, every position (SPEC 12): moments accumulated over exactly the sampled rows of a capture give
+the row path's PCA, rotation and query model to 1e-10 relative in float64 (SPEC 12.2), and the merge of
+per-document moments is exact and independent of document order (SPEC 12.1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+
+from qk_core.capture import capture_model
+from qk_core.capture.moments import DOC_KEYS, LayerMoments, document_moments, merge_documents
+from qk_core.capture.store import CaptureReader, HeadData
+from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.config.registry import load_registry
+from qk_core.corpus.build import local_corpus
+from qk_core.geometry.driver import run_geometry
+from qk_core.geometry.from_moments import layer_geometry
+from qk_core.geometry.heads import iter_capture_heads
+from qk_core.io.storage import Storage
+from qk_core.plasticity.estimators import closed_form
+from qk_core.plasticity.query_model import fit_query_model, fit_query_model_from_moments
+
+torch.set_num_threads(1)
+REL = 1e-10
+N_DOCS = 9  # odd: the split halves differ in size
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> tuple[Storage, Any, dict[int, list[HeadData]]]:
+    """A tiny llama (GQA 4 q / 2 kv heads, d = 16) captured over 9 documents of different lengths."""
+    tmp = tmp_path_factory.mktemp("moments")
+    tm.build_tiny_model("llama", tmp / "model")
+    texts = [t[: 80 + 6 * i] for i, t in enumerate(tm.sample_texts(N_DOCS, 140, seed=5))]
+    tm.write_corpus_jsonl(tmp / "corpus.jsonl", texts, ids=[30 - 3 * i for i in range(N_DOCS)])
+    reg = load_registry(tm.write_registry(tmp / "registry.toml", {"m": {
+        "family": "llama", "source": {"local": str(tmp / "model")}, "window": 128, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 13, "moments": True}}}, tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "root")
+    res = capture_model(reg.model("m"), local_corpus(reg.corpus("tiny").params), storage, device="cpu")
+    reader = CaptureReader(storage, res.prefix)
+    by_layer: dict[int, list[HeadData]] = {}
+    for row in res.heads.sort_values(["layer", "q_head"]).itertuples():
+        by_layer.setdefault(int(row.layer), []).append(reader.read_head(int(row.layer), int(row.q_head)))
+    return storage, res, by_layer
+
+
+def per_document_moments(heads: list[HeadData]) -> list[LayerMoments]:
+    """SPEC 12.1 moments of one layer per document, from exactly the head's sampled rows (float64)."""
+    q_heads = [h.q_head for h in heads]
+    kv_heads = sorted({h.kv_head for h in heads})
+    kv_index = [kv_heads.index(h.kv_head) for h in heads]
+    k_rows = {h.kv_head: h for h in heads}
+    out = []
+    def rows(x: np.ndarray, pos: np.ndarray, docs: np.ndarray, doc: int) -> tuple[np.ndarray, np.ndarray]:
+        sel = np.flatnonzero(docs == doc)
+        sel = sel[np.argsort(pos[sel])]
+        return x[sel], pos[sel]
+
+    for doc in np.unique(heads[0].q_doc):
+        qs = [rows(h.q, h.q_pos, h.q_doc, doc) for h in heads]
+        ks = [rows(k_rows[kv].k, k_rows[kv].k_pos, k_rows[kv].k_doc, doc) for kv in kv_heads]
+        assert all(np.array_equal(p, qs[0][1]) for _, p in qs) and all(np.array_equal(p, ks[0][1]) for _, p in ks)
+        out.append(document_moments(heads[0].layer, q_heads, kv_heads, kv_index, np.stack([x for x, _ in qs]),
+                                    qs[0][1], np.stack([x for x, _ in ks]), ks[0][1], heads[0].bucket,
+                                    -(-heads[0].window // heads[0].bucket), int(doc), dtype=torch.float64))
+    return out
+
+
+def assert_rel(got: Any, want: Any, what: str) -> None:
+    """Equal to 1e-10 relative: scalars against their magnitude, arrays against their largest element."""
+    if want is None or isinstance(want, (str, bool, np.bool_)) or got is None:
+        assert got == want or (got is None and want is None), f"{what}: {got!r} != {want!r}"
+        return
+    g, w = np.asarray(got, dtype=float), np.asarray(want, dtype=float)
+    assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
+    assert np.array_equal(np.isnan(g), np.isnan(w)), f"{what}: NaN pattern differs"
+    fin = np.isfinite(w)
+    if not fin.any():
+        return
+    scale = np.abs(w[fin]) if w.ndim == 0 else np.max(np.abs(w[fin]))
+    err = np.max(np.abs(g[fin] - w[fin]))
+    assert err <= REL * max(float(np.max(scale)), 1e-300), f"{what}: |{g} - {w}| = {err:.3g} (scale {scale})"
+
+
+@pytest.mark.slow  # the module's capture fixture takes ~10 s on a busy CPU
+@pytest.mark.parametrize("floor", ["permutation", "beta"])
+@pytest.mark.parametrize("separation", ["centroid", "eigen"])
+def test_geometry_from_moments_equals_the_row_path(capture: Any, floor: str, separation: str) -> None:
+    storage, res, by_layer = capture
+    pca_o = PCAOptions()
+    rot_o = RotationOptions(separation=separation, capture_floor=floor)
+    rows = run_geometry("m", iter_capture_heads(storage, res.heads), pca_o, rot_o)
+    pca_t, rot_t = rows["pca"][0].set_index(["layer", "q_head"]), rows["rotation"][0].set_index(["layer", "q_head"])
+    n_heads = 0
+    for layer, heads in by_layer.items():
+        lm = merge_documents(per_document_moments(heads))
+        floors = ({int(h): float(rot_t.loc[(layer, h), "r2_floor"]) for h in lm.q_heads}
+                  if floor == "permutation" else None)
+        for rec in layer_geometry(lm, heads[0].window, pca_o, rot_o, floors):
+            key = (layer, rec["q_head"])
+            assert rec["n_q"] == rot_t.loc[key, "n_q"] and rec["n_k"] == rot_t.loc[key, "n_k"]
+            assert rec["n_docs"] == N_DOCS
+            for name, value in rec["pca"].items():
+                assert_rel(value, pca_t.loc[key, name], f"pca {key} {name}")
+            for name, value in rec["rotation"].items():
+                want = rot_t.loc[key, name]
+                if name == "notes" or name.startswith("complement"):
+                    continue  # rows only (SPEC 12.1): the complement needs angles of individual vectors
+                assert_rel(value, want, f"rotation {key} {name}")
+            assert rec["rotation"]["status"] == "ok" and rec["pca"]["status"] == "ok"
+            n_heads += 1
+    assert n_heads == len(res.heads) == 13
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("covariance", ["full", "diagonal"])
+def test_query_model_from_moments_equals_the_row_path(capture: Any, covariance: str) -> None:
+    _, _, by_layer = capture
+    rng = np.random.default_rng(0)
+    for heads in by_layer.values():
+        lm = merge_documents(per_document_moments(heads))
+        for i, h in enumerate(heads):
+            J = lm.n_buckets
+            rows = fit_query_model(h.q, h.q_pos, h.window, h.bucket, covariance, min_queries=10)
+            mom = fit_query_model_from_moments({k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")},
+                                               h.window, h.bucket, covariance, min_queries=10)
+            assert mom.status == rows.status and np.array_equal(mom.n_queries, rows.n_queries)
+            for name in ("alpha", "beta", "H", "alpha_pos", "beta_pos", "sigma_pos2", "r2", "mean", "cov",
+                         "shrinkage"):
+                assert_rel(getattr(mom, name), getattr(rows, name), f"L{h.layer}H{h.q_head} {covariance} {name}")
+            if covariance == "full":
+                assert np.nanmax(rows.shrinkage) > 0.01  # the Ledoit-Wolf intensity is exercised
+            delta = h.k[rng.integers(0, len(h.k), 64)] - h.k[rng.integers(0, len(h.k), 64)]
+            for b in range(1, J):
+                if rows.status[b] != "ok":
+                    continue
+                cf_m, cf_r = closed_form(mom, b, delta), closed_form(rows, b, delta)
+                for name in ("m", "v", "z", "pp"):
+                    assert_rel(getattr(cf_m, name), getattr(cf_r, name), f"closed form b={b} {name}")
+
+
+def random_documents(n_docs: int, seed: int = 1) -> list[LayerMoments]:
+    """Per-document moments of random rows of documents of different lengths (ids not in order)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_docs):
+        n = 20 + 7 * i
+        q, k = rng.normal(size=(4, n, 6)), rng.normal(size=(2, n, 6))
+        out.append(document_moments(3, range(4), range(2), [0, 0, 1, 1], q, np.arange(n), k, np.arange(n), 16, 4,
+                                    (17 * i) % 23, dtype=torch.float64))
+    return out
+
+
+def test_merge_is_exact_and_independent_of_document_order() -> None:
+    docs = random_documents(7)
+    one = merge_documents(docs)
+    order = np.random.default_rng(1).permutation(len(docs))
+    shuffled = merge_documents([docs[i] for i in order])
+    shards = merge_documents(docs[4:] + docs[:4])  # two workers' documents, committed in any order
+    assert one.docs == sorted(one.docs) == shuffled.docs == shards.docs
+    for key in one.sums:
+        assert np.array_equal(one.sums[key], shuffled.sums[key]), key  # to the last bit
+        assert np.array_equal(one.sums[key], shards.sums[key]), key
+    for key in DOC_KEYS:
+        np.testing.assert_allclose(one.sums[key], sum(d.sums[key] for d in docs), rtol=1e-13)
+    # parity halves: the 1st, 3rd, ... documents by sorted id (SPEC 3 (i))
+    ids = sorted(d.docs[0] for d in docs)
+    by_id = {d.docs[0]: d for d in docs}
+    for half, chosen in ((0, ids[::2]), (1, ids[1::2])):
+        np.testing.assert_allclose(one.sums["kh_xt"][half], sum(by_id[e].sums["k_xt"] for e in chosen), rtol=1e-14)
+        np.testing.assert_allclose(one.sums["qh_x"][half], sum(by_id[e].sums["q_x"].sum(axis=1) for e in chosen),
+                                   rtol=1e-14)
+        assert one.sums["qh_n"][half][0] == sum(by_id[e].sums["q_n"][0].sum() for e in chosen)
+    with pytest.raises(ValueError, match="twice"):
+        merge_documents([docs[0], docs[0]])
+
+
+def test_accumulate_matches_a_float64_brute_force_and_bounds_float32() -> None:
+    """Every key of :func:`accumulate` against a numpy float64 brute force over every position (SPEC 12.1),
+    and the float32 accumulation within its stated bound (sums over at most one bucket in float32)."""
+    rng = np.random.default_rng(3)
+    Hq, Hk, n, d, B, J = 4, 2, 200, 8, 32, 8
+    q = rng.normal(size=(Hq, n, d)) + rng.normal(size=d) * 3 + np.arange(n)[None, :, None] * 0.01
+    k = rng.normal(size=(Hk, n, d))
+    pos = np.arange(n)
+    kv_index = np.array([0, 0, 1, 1])
+    got = document_moments(0, range(Hq), range(Hk), kv_index, q, pos, k, pos, B, J, 7, dtype=torch.float64).sums
+    t = pos.astype(float)
+    b = np.minimum(pos // B, J - 1)
+    s = t - (b + 0.5) * B
+    onehot = np.eye(J)[b]  # (n, J)
+    r2 = (q * q).sum(-1)
+    want = {
+        "q_n": np.tile(onehot.sum(0), (Hq, 1)), "q_t": np.tile(t @ onehot, (Hq, 1)),
+        "q_tt": np.tile((t * t) @ onehot, (Hq, 1)),
+        "q_x": np.einsum("hnd,nj->hjd", q, onehot), "q_xt": np.einsum("hnd,n,nj->hjd", q, t, onehot),
+        "q_xx": np.einsum("hnd,hne,nj->hjde", q, q, onehot),
+        "q_xxs": np.einsum("hnd,hne,n,nj->hjde", q, q, s, onehot),
+        "q_xxs2": np.einsum("hnd,hne,n,nj->hjde", q, q, s * s, onehot),
+        "q_xs2": np.einsum("hnd,n,nj->hjd", q, s * s, onehot), "q_xs3": np.einsum("hnd,n,nj->hjd", q, s**3, onehot),
+        "q_r2x": np.einsum("hn,hnd,nj->hjd", r2, q, onehot), "q_r2xs": np.einsum("hn,hnd,n,nj->hjd", r2, q, s, onehot),
+        "q_r4": np.einsum("hn,nj->hj", r2 * r2, onehot), "q_r2": np.einsum("hn,nj->hj", r2, onehot),
+        "q_r2s": np.einsum("hn,n,nj->hj", r2, s, onehot), "q_r2s2": np.einsum("hn,n,nj->hj", r2, s * s, onehot),
+        "q_s": np.tile(s @ onehot, (Hq, 1)), "q_ss": np.tile((s * s) @ onehot, (Hq, 1)),
+        "q_s3": np.tile(s**3 @ onehot, (Hq, 1)), "q_s4": np.tile(s**4 @ onehot, (Hq, 1)),
+        "k_n": np.full(Hk, n), "k_t": np.full(Hk, t.sum()), "k_tt": np.full(Hk, (t * t).sum()),
+        "k_x": k.sum(1), "k_xt": np.einsum("hnd,n->hd", k, t), "k_xx": np.einsum("hnd,hne->hde", k, k),
+        "p_n": np.full(Hq, n), "p_x": (q - k[kv_index]).sum(1),
+        "p_xx": np.einsum("hnd,hne->hde", q - k[kv_index], q - k[kv_index]),
+    }
+    assert set(got) == set(want) == set(DOC_KEYS)
+    for key, w in want.items():
+        np.testing.assert_allclose(got[key], w, rtol=1e-12, atol=1e-12 * np.abs(w).max(), err_msg=key)
+    # float32 accumulation: each bucket sum in float32 (<= B terms), everything above in float64
+    got32 = document_moments(0, range(Hq), range(Hk), kv_index, q.astype(np.float32), pos, k.astype(np.float32),
+                             pos, B, J, 7, dtype=torch.float32).sums
+    for key, w in want.items():
+        bound = 32 * np.sqrt(B) * 2.0**-24 * np.abs(w).max()  # float32 inputs (to the 4th power) and sums
+        assert np.abs(got32[key] - w).max() <= bound, key
+
+
+@pytest.mark.slow
+def test_plasticity_with_the_query_model_from_moments_equals_the_row_path(capture: Any) -> None:
+    """SPEC 12.2 through the plasticity analysis: the query model from the moments of the same rows gives the
+    same per-pair closed form, AP profile, bootstrap and diagnostics as the row path."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_head
+
+    _, _, by_layer = capture
+    opts = PlasticityOptions(bootstrap=20, pairs_per_bucket=64, interval="percentile")
+    heads = next(iter(by_layer.values()))
+    lm = merge_documents(per_document_moments(heads))
+    for i, h in enumerate(heads):
+        rows = analyse_head(h, opts)
+        mom = analyse_head(h, opts, query_sums={k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")})
+        assert mom.row["coverage"] == "all" and rows.row["coverage"] == "sampled"
+        assert mom.row["n_queries_model"] == rows.row["n_queries_model"] == len(h.q)
+        assert np.isfinite(rows.ap[1:]).sum() >= 4
+        for name in ("ap", "ap_empirical", "boot"):
+            assert_rel(getattr(mom, name), getattr(rows, name), f"L{h.layer}H{h.q_head} {name}")
+        for key, value in rows.row.items():
+            if isinstance(value, (float, np.floating)):
+                assert_rel(mom.row[key], value, f"L{h.layer}H{h.q_head} row {key}")
+        for col in ("z", "pp", "delta_1"):
+            assert_rel(mom.pairs[col].to_numpy(), rows.pairs[col].to_numpy(), f"pairs {col}")
+
+
+def test_moments_round_trip_through_bytes() -> None:
+    """The stored form (SPEC 12.1): every key back, symmetric sums from their upper triangle, no pickle."""
+    from qk_core.capture.moments import moments_from_bytes, moments_to_bytes
+
+    merged = merge_documents(random_documents(3))
+    back = moments_from_bytes(moments_to_bytes([merged]))[merged.layer]
+    assert back.docs == merged.docs and np.array_equal(back.kv_index, merged.kv_index)
+    assert (back.bucket, back.n_buckets) == (merged.bucket, merged.n_buckets)
+    assert set(back.sums) == set(merged.sums)
+    for key, arr in merged.sums.items():
+        np.testing.assert_allclose(back.sums[key], arr, rtol=1e-15, atol=1e-13 * np.abs(arr).max(), err_msg=key)
+
+
+def test_permutation_floor_from_moments_matches_the_row_permutation() -> None:
+    """SPEC 3 (ii) with every position (SPEC 12.2): the within-document permutation floor from the merged
+    moments (exact permutation mean and covariance, Gaussian draws) agrees with permuting the rows themselves,
+    where rows of a document are dependent (shared content, a smooth walk along positions) and the analytic
+    floor of independent rows is far too low."""
+    from qk_core.config.options import RotationOptions
+    from qk_core.geometry.from_moments import layer_pooled
+    from qk_core.geometry.moments import pooled_moments
+    from qk_core.geometry.rotation import analytic_noise_floor, moment_permutation_floor, position_noise_floor
+
+    rng = np.random.default_rng(0)
+    d, docs, rows = 8, [], []
+    for i in range(8):
+        n = 60 + 10 * i
+        content = rng.normal(size=(1, 1, d)) * 2
+        walk = np.cumsum(rng.normal(size=(1, n, d)) * 0.3, axis=1)
+        q = content + walk + rng.normal(size=(2, n, d))
+        k = content + walk[:, :, ::-1] + rng.normal(size=(1, n, d))
+        docs.append(document_moments(0, range(2), range(1), [0, 0], q, np.arange(n), k, np.arange(n), 16, 8, i,
+                                     dtype=torch.float64))
+        rows.append((q, k, np.arange(n), np.full(n, i)))
+    lm = merge_documents(docs)
+    assert not lm.sums["pm_unpaired"].any()
+    opts = RotationOptions(capture_permutations=999)
+    t, doc = np.concatenate([r[2] for r in rows]), np.concatenate([r[3] for r in rows])
+    K = np.concatenate([r[1][0] for r in rows])
+    for h in range(2):
+        Q = np.concatenate([r[0][h] for r in rows])
+        m = pooled_moments(Q, t, K, t)
+        by_rows = position_noise_floor(Q, t, doc, K, t, doc, m, opts)
+        by_moments = moment_permutation_floor(layer_pooled(lm)[h], lm.sums["pm_mean"][h], lm.sums["pm_cov"][h], opts)
+        assert abs(by_moments - by_rows) < 0.1 * by_rows, (by_moments, by_rows)
+        assert analytic_noise_floor(m) < 0.5 * by_rows
