@@ -46,7 +46,7 @@ def _equal(a: pd.Series, b: pd.Series, rtol: float) -> tuple[bool, str]:
         diff = np.nanmax(np.abs(x - y)[~same]) if (~same).any() else float("nan")
         return False, f"{int((~same).sum())} values differ, largest |difference| {diff:.3g}"
     xs, ys = np.array([str(v) for v in a], dtype=object), np.array([str(v) for v in b], dtype=object)
-    same = np.fromiter((u == v for u, v in zip(xs, ys, strict=True)), dtype=bool, count=len(xs))  # elementwise, any object
+    same = np.fromiter((u == v for u, v in zip(xs, ys, strict=True)), dtype=bool, count=len(xs))
     return bool(same.all()), "" if same.all() else f"{int((~same).sum())} values differ, e.g. {xs[~same][0][:80]!r} " \
                                                    f"vs {ys[~same][0][:80]!r}"
 
