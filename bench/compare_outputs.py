@@ -5,13 +5,17 @@
 Every Parquet file under ``assets/`` and ``captures/`` present in either root is read in both and compared
 column by column: values equal (NaN equal to NaN, floats bit for bit unless ``--rtol`` is given), and
 whether the file's bytes are equal. Columns whose values differ are listed with the largest difference;
-a file in one root only is listed. The static report's text (``report/index.html`` without its tags) is
-compared line by line, ignoring lines that hold a date or a duration. Exit 1 when any value differs.
+a file in one root only is listed. Text values have each root's checkout folder (the storage root's parent)
+replaced by ``<repo>`` (a path names where the demo ran, not what it computed); columns of wall time
+(``VOLATILE_COLUMNS``) are listed as volatile, not as differences. The static report's text
+(``report/index.html`` without its tags) is diffed line by line (difflib), ignoring lines that hold a date or a
+duration. Exit 1 when any value differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import re
 import sys
@@ -22,6 +26,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+VOLATILE_COLUMNS = {"seconds"}  # wall time of a step or trial: differs run to run by nature
 VOLATILE = re.compile(r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}|\b\d+(\.\d+)? ?s\b|run [0-9a-f]{8}|materiali[sz]ed")
 
 
@@ -33,7 +38,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _equal(a: pd.Series, b: pd.Series, rtol: float) -> tuple[bool, str]:
+def _equal(a: pd.Series, b: pd.Series, rtol: float, repos: tuple[str, str] = ("", "")) -> tuple[bool, str]:
     if len(a) != len(b):
         return False, f"{len(a)} vs {len(b)} rows"
     if pd.api.types.is_numeric_dtype(a) and pd.api.types.is_numeric_dtype(b):
@@ -45,7 +50,10 @@ def _equal(a: pd.Series, b: pd.Series, rtol: float) -> tuple[bool, str]:
             return True, ""
         diff = np.nanmax(np.abs(x - y)[~same]) if (~same).any() else float("nan")
         return False, f"{int((~same).sum())} values differ, largest |difference| {diff:.3g}"
-    xs, ys = np.array([str(v) for v in a], dtype=object), np.array([str(v) for v in b], dtype=object)
+    def text(col: pd.Series, repo: str) -> np.ndarray:
+        return np.array([str(v).replace(repo, "<repo>") if repo else str(v) for v in col], dtype=object)
+
+    xs, ys = text(a, repos[0]), text(b, repos[1])
     same = np.fromiter((u == v for u, v in zip(xs, ys, strict=True)), dtype=bool, count=len(xs))
     return bool(same.all()), "" if same.all() else f"{int((~same).sum())} values differ, e.g. {xs[~same][0][:80]!r} " \
                                                    f"vs {ys[~same][0][:80]!r}"
@@ -73,13 +81,14 @@ def report_lines(root: Path) -> list[str]:
     if not path.exists():
         return []
     parser = _Text()
-    parser.feed(path.read_text())
+    parser.feed(path.read_text().replace(str(root.resolve().parent), "<repo>"))
     return [line for line in parser.lines if not VOLATILE.search(line)]
 
 
 def compare(before: Path, after: Path, rtol: float = 0.0) -> tuple[list[str], bool]:
     out = ["| file | rows | bytes equal | columns whose values differ |", "|---|---|---|---|"]
     ok = True
+    repos = (str(before.resolve().parent), str(after.resolve().parent))
     for rel in sorted(_files(before) | _files(after)):
         a, b = before / rel, after / rel
         if not a.exists() or not b.exists():
@@ -88,19 +97,23 @@ def compare(before: Path, after: Path, rtol: float = 0.0) -> tuple[list[str], bo
             continue
         ta, tb = pq.read_table(a).to_pandas(), pq.read_table(b).to_pandas()
         problems = [f"`{c}` missing {'after' if c in ta else 'before'}" for c in sorted(set(ta) ^ set(tb))]
+        volatile = []
         for col in (c for c in ta if c in tb):
-            same, why = _equal(ta[col], tb[col], rtol)
-            if not same:
+            same, why = _equal(ta[col], tb[col], rtol, repos)
+            if not same and col in VOLATILE_COLUMNS:
+                volatile.append(f"`{col}` (wall time; volatile)")
+            elif not same:
                 problems.append(f"`{col}`: {why}")
         ok &= not problems
+        problems += volatile
         out.append(f"| `{rel}` | {len(ta)} | {'yes' if _digest(a) == _digest(b) else 'no'} | "
                    f"{'; '.join(problems) or 'none'} |")
     ra, rb = report_lines(before), report_lines(after)
-    changed = [f"- before: {x!r}\n  after: {y!r}" for x, y in zip(ra, rb, strict=False) if x != y]
-    if len(ra) != len(rb):
-        changed.append(f"- report text: {len(ra)} lines before, {len(rb)} after")
+    changed = [f"- lines {i1 + 1}-{i2} before: {ra[i1:i2]!r}\n  lines {j1 + 1}-{j2} after: {rb[j1:j2]!r}"
+               for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ra, rb, autojunk=False).get_opcodes()
+               if tag != "equal"]
     out += ["", f"Report text (`report/index.html` without tags, {len(ra)} lines, dates and durations left out): "
-            + ("the same." if not changed else f"{len(changed)} lines differ:"), *changed[:40]]
+            + ("the same." if not changed else f"{len(changed)} blocks differ:"), *changed[:40]]
     return out, ok and not changed
 
 
