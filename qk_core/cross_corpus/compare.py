@@ -350,6 +350,29 @@ def corpus_values(inp: CorpusInputs, stream: int, opts: CrossCorpusOptions, mode
     return CorpusValues(inp.corpus, len(doc_ids), heads, point, boot, n_heads, profile, loo, how)
 
 
+def _key_rows(k_doc: np.ndarray, k_pos: np.ndarray, doc: np.ndarray, pos: np.ndarray, what: str) -> np.ndarray:
+    """Row index of each (document, position) among a head's captured keys. Documents are ranked densely first:
+    example ids can be 64-bit hashes, whose product with a position would overflow int64."""
+    k_doc, k_pos = np.asarray(k_doc, np.int64), np.asarray(k_pos, np.int64)
+    if not len(k_doc):
+        if len(doc):
+            raise ValueError(f"{what}: {len(doc)} stored pairs but the capture holds no key of this head")
+        return np.zeros(0, np.int64)
+    docs = np.unique(k_doc)
+    mult = int(k_pos.max()) + 1 if len(k_pos) else 1
+    order = np.lexsort((k_pos, k_doc))
+    keyed = np.searchsorted(docs, k_doc[order]) * mult + k_pos[order]
+    d = np.searchsorted(docs, doc)
+    known = (d < len(docs)) & (docs[np.minimum(d, len(docs) - 1)] == doc) & (pos >= 0) & (pos < mult)
+    idx = np.searchsorted(keyed, d * mult + pos)
+    known &= (idx < len(keyed)) & (keyed[np.minimum(idx, len(keyed) - 1)] == d * mult + pos)
+    if not known.all():
+        i = int(np.flatnonzero(~known)[0])
+        raise ValueError(f"{what}: {int((~known).sum())} stored pairs name keys the capture does not hold, "
+                         f"first document {int(doc[i])} position {int(pos[i])}")
+    return order[idx]
+
+
 def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.ndarray,
                  opts: CrossCorpusOptions) -> np.ndarray:
     """(H, D, J) leave-one-document-out AP_j with the query model refitted (SPEC 4.6 revised,
@@ -365,13 +388,9 @@ def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.nd
             continue
         pr = by_head.get_group((layer, q_head))
         hd = inp.read_head(layer, q_head)
-        # a key row is (document, position): the pair's k_i, k_j found by a search over the sorted keys
-        k_doc, k_pos = np.asarray(hd.k_doc, np.int64), np.asarray(hd.k_pos, np.int64)
-        order = np.lexsort((k_pos, k_doc))
-        mult = int(k_pos.max()) + 1 if len(k_pos) else 1
-        keyed = k_doc[order] * mult + k_pos[order]
         doc = pr["example_id"].to_numpy(np.int64)
-        rows = [order[np.searchsorted(keyed, doc * mult + pr[c].to_numpy(np.int64))] for c in ("t_i", "t_j")]
+        rows = [_key_rows(hd.k_doc, hd.k_pos, doc, pr[c].to_numpy(np.int64), f"{inp.corpus} head ({layer}, {q_head})")
+                for c in ("t_i", "t_j")]
         k = np.asarray(hd.k)
         delta = np.subtract(k[rows[0]], k[rows[1]], dtype=np.float64)
         q_bucket = np.clip(np.asarray(hd.q_pos) // B, 0, J - 1)
