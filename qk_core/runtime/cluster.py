@@ -24,12 +24,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Generic, TypeVar
 
 from qk_core.config.settings import Settings
 
 T = TypeVar("T")
 POLL_S = 1.0  # how often a waiting driver looks at the cluster's nodes and the tasks' start reports
+DEATH_REPORT_WAIT_S = 30.0  # after the tasks end, how long a retried task's old node may take to be marked dead
 
 
 class RayScheduleError(RuntimeError):
@@ -203,24 +205,21 @@ def _wait(refs: list[Any], request: dict[str, float], labels: list[str], tracker
             except Exception:  # the tracker's node died: keep waiting without start reports
                 tracker = None
             seen += len(starts)
-        nodes = ray.nodes()  # after the starts: a retry's node death is seen no later than its new start
-        alive = {n["NodeID"]: n for n in nodes if n["Alive"]}
-        for node_id, node in alive_before.items():  # deaths first: the tasks that ran there are known
-            if node_id not in alive:
-                ran = [lb for lb, at in where.items() if at and at[-1] == node_id]
-                _say(log, "warning", f"Ray node {node_id[:12]} ({node.get('NodeManagerAddress', '?')}) died"
-                                     + (f" while running {', '.join(ran)}; Ray retries them on another node "
-                                        f"(up to {max_retries} times)" if ran else ""))
-        for label, node_id, pid in starts:
+        attempts = {lb: len(at) for lb, at in where.items()}
+        for label, node_id, _ in starts:
             where.setdefault(label, []).append(node_id)
-            attempt = len(where[label])
+        nodes = ray.nodes()
+        unfinished = {lb for ref, lb in zip(refs, labels, strict=False) if ref in set(pending)}
+        alive = _report_deaths(alive_before, nodes, where, unfinished, log, max_retries)
+        for label, node_id, pid in starts:
+            attempts[label] = attempt = attempts.get(label, 0) + 1
             host = {**alive_before, **alive}.get(node_id, {}).get("NodeManagerAddress", "?")
             if attempt == 1:
                 _say(log, "info", f"{label}: started on Ray node {node_id[:12]} ({host}, pid {pid})")
             else:
                 _say(log, "warning", f"{label}: retried by Ray, attempt {attempt} of {max_retries + 1}, on "
                                      f"node {node_id[:12]} ({host}, pid {pid}); the previous attempt ran on "
-                                     f"node {where[label][-2][:12]}")
+                                     f"node {where[label][attempt - 2][:12]}")
         alive_before = alive
         if not pending or satisfiable(request, nodes):
             infeasible_since = None
@@ -238,7 +237,31 @@ def _wait(refs: list[Any], request: dict[str, float], labels: list[str], tracker
                 f"{', ...' if len(labels) > 4 else ''}) request {want} each, which no node of the cluster "
                 f"offers ({cluster_offer(nodes)}); gave up after {timeout:g} s (QK_RAY_SCHEDULE_TIMEOUT_S). "
                 f"Lower the request (registry capture.num_gpus) or add a node that has it")
+    # a task retried on another node while Ray still lists the old one alive: give the health check time to say
+    # whether it died (a worker crash leaves its node alive: that costs this wait once, after the tasks ended)
+    left = {a for at in where.values() for a, b in pairwise(at) if a != b} & set(alive_before)
+    deadline = time.monotonic() + DEATH_REPORT_WAIT_S
+    while left and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        alive_before = _report_deaths(alive_before, ray.nodes(), where, set(), log, max_retries)
+        left &= set(alive_before)
     return ray.get(refs)
+
+
+def _report_deaths(alive_before: dict[str, dict], nodes: list[dict], where: dict[str, list[str]],
+                   unfinished: set[str], log: Any, max_retries: int) -> dict[str, dict]:
+    """Warn of every node alive before and not now, naming the tasks that were running there; returns the live
+    nodes. Ray may start a task's retry before it marks the old node dead, so a task counts if it started on
+    the node and either has not finished or was started again elsewhere afterwards."""
+    alive = {n["NodeID"]: n for n in nodes if n["Alive"]}
+    for node_id, node in alive_before.items():
+        if node_id in alive:
+            continue
+        ran = [lb for lb, at in where.items() if node_id in at and (lb in unfinished or at[-1] != node_id)]
+        _say(log, "warning", f"Ray node {node_id[:12]} ({node.get('NodeManagerAddress', '?')}) died"
+                             + (f" while running {', '.join(ran)}; Ray retries them on another node "
+                                f"(up to {max_retries} times)" if ran else ""))
+    return alive
 
 
 def _say(log: Any, level: str, message: str) -> None:
