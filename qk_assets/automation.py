@@ -10,6 +10,8 @@
   in the same run.
 """
 
+import warnings
+
 from dagster import (
     AssetKey,
     AssetSelection,
@@ -17,37 +19,32 @@ from dagster import (
     AutomationConditionSensorDefinition,
     AutomationContext,
     AutomationResult,
+    BetaWarning,
     DefaultSensorStatus,
+    PartitionsDefinition,
 )
 
-from qk_assets.partitions import listed_keys
-from qk_core.config.registry import RegistryError, load_registry
+from qk_assets.partitions import (
+    checkpoint_pair_keys,
+    listed_keys,
+    model_corpus_partitions,
+    model_partitions,
+    multi_corpus_models,
+)
+from qk_core.config.registry import Registry, RegistryError, load_registry
 
 SENSOR_INTERVAL_S = 5
 
 
-class RegistryListed(AutomationCondition):
-    """True for the partitions the registry file lists now (re-read at each evaluation): a model, corpus or
-    checkpoint removed from the file is never requested again, while its partitions, materialisations and
-    stored outputs stay; listed again, it catches up on what it missed.
+class RegistryKeys(AutomationCondition):
+    """True for the candidate partitions among :meth:`keys` of the registry file as it is now (re-read at
+    each evaluation, so it follows the file without a reload). A subclass names the keys; a partitions
+    definition that is not the registry's passes unfiltered, a registry file that does not load gives
+    nothing (``registry_partitions_sensor`` names the error). A Python condition runs in the code server:
+    the sensors evaluating one set ``use_user_code_server``."""
 
-    Why a condition and not deleting the removed dynamic partition keys (``DeleteDynamicPartitionsRequest``):
-    a pair leaves the registry also when only a model's ``corpora`` list shrinks, and then both of its keys
-    stay (the model and the corpus are still listed), so deleting keys cannot stop automation there; and a
-    deleted key hides the partitions' history from the UI, which the registry promises to keep ("removing
-    an entry is reported, never silently deletes outputs"). Removed pairs keep their last ``registry_entry``
-    observation, so Dagster's own conditions (which only see data) cannot tell them apart. A Python
-    condition runs in the code server: ``model_automation_sensor`` sets ``use_user_code_server``.
-    A registry file that does not load lists nothing (``registry_partitions_sensor`` names the error).
-    """
-
-    @property
-    def name(self) -> str:
-        return "registry_listed"
-
-    @property
-    def description(self) -> str:
-        return "the registry file lists this partition now"
+    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+        raise NotImplementedError
 
     @property
     def requires_cursor(self) -> bool:
@@ -58,13 +55,79 @@ class RegistryListed(AutomationCondition):
         if subset.is_empty or not subset.is_partitioned:  # on the right of `&`: only what the rest selected
             return AutomationResult(context, subset)
         try:
-            listed = listed_keys(load_registry(), context.partitions_def)
+            wanted = self.keys(load_registry(), context.partitions_def)
         except RegistryError:
             return AutomationResult(context, context.get_empty_subset())
-        if listed is None:
+        if wanted is None:
             return AutomationResult(context, subset)
-        keys = {k for k in subset.expensively_compute_partition_keys() if k in listed}
+        keys = {k for k in subset.expensively_compute_partition_keys() if k in wanted}
         return AutomationResult(context, subset.compute_intersection_with_partition_keys(keys))
+
+
+class RegistryListed(RegistryKeys):
+    """True for the partitions the registry file lists now: a model, corpus or checkpoint removed from the
+    file is never requested again, while its partitions, materialisations and stored outputs stay; listed
+    again, it catches up on what it missed.
+
+    Why a condition and not deleting the removed dynamic partition keys (``DeleteDynamicPartitionsRequest``):
+    a pair leaves the registry also when only a model's ``corpora`` list shrinks, and then both of its keys
+    stay (the model and the corpus are still listed), so deleting keys cannot stop automation there; and a
+    deleted key hides the partitions' history from the UI, which the registry promises to keep ("removing
+    an entry is reported, never silently deletes outputs"). Removed pairs keep their last ``registry_entry``
+    observation, so Dagster's own conditions (which only see data) cannot tell them apart.
+    """
+
+    @property
+    def name(self) -> str:
+        return "registry_listed"
+
+    @property
+    def description(self) -> str:
+        return "the registry file lists this partition now"
+
+    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+        return listed_keys(reg, partitions_def)
+
+
+class ComparedModel(RegistryKeys):
+    """True for the ``model`` partitions whose registry entry lists two or more corpora: the models the
+    cross-corpus comparison (SPEC 10) has something to compare for."""
+
+    @property
+    def name(self) -> str:
+        return "compared_model"
+
+    @property
+    def description(self) -> str:
+        return "the registry lists two or more corpora for this model"
+
+    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+        return set(multi_corpus_models(reg)) if partitions_def == model_partitions() else None
+
+
+class CheckpointPair(RegistryKeys):
+    """True for the (model, corpus) partitions a trajectory reads: each checkpoint of a listed series on its
+    first corpus (SPEC 6). Other models' partitions are not checkpoints of any series."""
+
+    @property
+    def name(self) -> str:
+        return "checkpoint_pair"
+
+    @property
+    def description(self) -> str:
+        return "a checkpoint of a listed series, on its first corpus"
+
+    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+        return checkpoint_pair_keys(reg) if partitions_def == model_corpus_partitions() else None
+
+
+def deps_updated(where: AutomationCondition, ignore: AssetSelection | None = None) -> AutomationCondition:
+    """``any_deps_updated`` counting only the dependency partitions where ``where`` holds (evaluated on the
+    dependency's partitions), ``ignore`` left out: Dagster's own ``any_deps_match`` with the operand of
+    ``any_deps_updated`` narrowed, so only updates that change the downstream partition's inputs request it."""
+    cond = AutomationCondition.any_deps_match(
+        (AutomationCondition.newly_updated() | AutomationCondition.will_be_requested()) & where)
+    return cond.ignore(ignore) if ignore is not None else cond
 
 
 PER_PAIR = (AutomationCondition.eager() & RegistryListed()).with_label(
@@ -82,11 +145,14 @@ def automation_sensor(derived: list[AssetKey]) -> AutomationConditionSensorDefin
     cross-model figures, trajectory and ``report_html``. One tick evaluates them all, so an update requests
     everything that follows it at once (an unpartitioned set in one run, in dependency order): the report
     is rebuilt after the joins, statistics and figures it shows, never beside stale ones."""
-    return AutomationConditionSensorDefinition(
-        "automation_sensor",
-        target=AssetSelection.assets(*derived),
-        minimum_interval_seconds=SENSOR_INTERVAL_S,
-        default_status=DefaultSensorStatus.RUNNING,
-        description="Rebuilds the model report, joins, statistics, cross-model figures, trajectories and the "
-                    "report after their inputs change, the report last (one tick, one run).",
-    )
+    with warnings.catch_warnings():  # use_user_code_server is marked beta; the Python conditions need it
+        warnings.simplefilter("ignore", BetaWarning)
+        return AutomationConditionSensorDefinition(
+            "automation_sensor",
+            target=AssetSelection.assets(*derived),
+            minimum_interval_seconds=SENSOR_INTERVAL_S,
+            default_status=DefaultSensorStatus.RUNNING,
+            use_user_code_server=True,  # CheckpointPair / ComparedModel / RegistryListed read the registry file
+            description="Rebuilds the model report, joins, statistics, cross-model figures, trajectories and the "
+                        "report after their inputs change, the report last (one tick, one run).",
+        )

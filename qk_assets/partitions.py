@@ -90,6 +90,12 @@ def multi_corpus_models(reg: Registry) -> list[str]:
     return [key for key, entry in reg.models.items() if len(entry.corpora) >= 2]
 
 
+def checkpoint_pair_keys(reg: Registry) -> set[str]:
+    """The (model, corpus) partition keys the trajectories read: every checkpoint of every series on the
+    checkpoint's first corpus (SPEC 6)."""
+    return {str(pair_key(k, reg.model(k).corpus)) for s in reg.series.values() for k in s.checkpoint_keys}
+
+
 def primary_pairs(reg: Registry) -> list[tuple[str, str]]:
     """(model, its first corpus) for every model: what the study-wide tables (report, joins) read."""
     return [(key, entry.corpus) for key, entry in reg.models.items()]

@@ -7,11 +7,13 @@ and the flags that keep it from reaching the network on its own.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +116,56 @@ def region_std(img: np.ndarray, x: float, y: float, w: float, h: float) -> float
     if x1 <= x0 or y1 <= y0:
         return 0.0
     return float(img[y0:y1, x0:x1].std())
+
+
+def click_and_probe(url: str, click: str, probe: str, width: int = 1440, height: int = 900, settle_s: float = 15,
+                    after_s: float = 3, shot: Path | None = None, timeout: float = 120) -> object:
+    """Load ``url`` in headless Chromium driven over its DevTools protocol (what a click needs), wait ``settle_s``,
+    run the JavaScript expression ``click`` (e.g. one that clicks a button), wait ``after_s``, and return the JSON
+    value of the expression ``probe``; with ``shot``, a screenshot of the window is written there."""
+    from websockets.sync.client import connect
+
+    with tempfile.TemporaryDirectory(prefix="qk-chromium-") as profile:
+        proc = subprocess.Popen([chromium(), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+                                 f"--window-size={width},{height}", "about:blank"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            port_file, deadline = Path(profile) / "DevToolsActivePort", time.monotonic() + 30
+            while not (port_file.exists() and port_file.read_text().strip()):
+                assert time.monotonic() < deadline and proc.poll() is None, "chromium did not open its DevTools port"
+                time.sleep(0.2)
+            port, path = port_file.read_text().split()[:2]
+            with connect(f"ws://127.0.0.1:{port}{path}", max_size=2**27, open_timeout=30) as ws:
+                ids = iter(range(1, 1_000_000))
+
+                def call(method: str, session: str | None = None, **params: object) -> dict:
+                    n = next(ids)
+                    ws.send(json.dumps({"id": n, "method": method, "params": params,
+                                        **({"sessionId": session} if session else {})}))
+                    while True:
+                        msg = json.loads(ws.recv(timeout=timeout))
+                        if msg.get("id") == n:
+                            assert "error" not in msg, f"{method}: {msg['error']}"
+                            return msg["result"]
+
+                target = call("Target.createTarget", url="about:blank")["targetId"]
+                session = call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+                call("Emulation.setDeviceMetricsOverride", session, width=width, height=height, deviceScaleFactor=1,
+                     mobile=False)
+
+                def evaluate(expr: str) -> object:
+                    res = call("Runtime.evaluate", session, expression=expr, returnByValue=True, awaitPromise=True)
+                    assert "exceptionDetails" not in res, res["exceptionDetails"]
+                    return res["result"].get("value")
+
+                call("Page.navigate", session, url=url)
+                time.sleep(settle_s)
+                evaluate(click)
+                time.sleep(after_s)
+                value = evaluate(probe)
+                if shot is not None:
+                    shot.write_bytes(base64.b64decode(call("Page.captureScreenshot", session, format="png")["data"]))
+                return value
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

@@ -130,3 +130,80 @@ def test_the_partitions_sensor_reports_a_removal_once(tmp_path: Path, monkeypatc
             assert isinstance(back, SensorResult) and len(back.run_requests) == 1
     finally:
         partitions.registry.cache_clear()
+
+
+SERIES = ('\n[series.s]\nfamily = "llama"\nsource = { local = "ck/{revision}" }\ncorpus = "c"\n'
+          'checkpoints = [{ revision = "r1", window = 64 }, { revision = "r2", window = 64 }]\n')
+TWO_CORPORA = (CORPUS + '[corpora.d]\nkind = "local_file"\npath = "code.jsonl"\n' + model("m1")
+               + model("m2").replace('corpus = "c"', 'corpora = ["c", "d"]') + SERIES)
+
+
+def test_automation_requests_only_what_an_update_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``automation_sensor`` requests after one model's analyses update: the cross-model tables, but no
+    trajectory unless a series checkpoint changed, and a cross-corpus comparison only for a model that lists two
+    corpora (issue 26, item 5)."""
+    from qk_assets import partitions
+    from qk_assets.definitions import defs, derived_keys, per_model_keys  # the conditions read the file at each tick
+
+    path = tmp_path / "registry.toml"
+    path.write_text(TWO_CORPORA)
+    monkeypatch.setenv("QK_REGISTRY", str(path))
+    monkeypatch.setenv("QK_STORAGE_ROOT", str(tmp_path / "storage"))
+    partitions.registry.cache_clear()
+    try:
+        assets = list(defs.assets)
+        per_model, derived = per_model_keys(assets), derived_keys(assets)
+        trajectory, compared = AssetKey("trajectory"), AssetKey("cross_corpus_metrics")
+        assert {trajectory, compared, AssetKey("model_report")} <= set(derived)
+        # of what automation_sensor evaluates, the assets in question and one cross-model figure (kept small: fast)
+        target = AssetSelection.assets(*(k for k in derived if k.path[0].startswith(("trajectory", "cross_corpus"))),
+                                       "geometry_figures")
+        reg = load_registry(path)
+        with DagsterInstance.ephemeral() as instance:
+            partitions.sync_instance(instance, reg)
+
+            def update(pairs: list[tuple[str, str]]) -> None:  # every per-model asset of these pairs
+                for key in per_model:
+                    for m, c in pairs:
+                        instance.report_runless_asset_event(AssetMaterialization(key, partition=f"{c}|{m}"))
+
+            update(partitions.registry_pairs(reg))  # everything analysed, then every derived asset built
+            for key in derived:
+                part = {"trajectory": "s", "trajectory_profiles": "s"}.get(key.path[0])
+                if key.path[0].startswith("cross_corpus"):
+                    part = "m2"
+                instance.report_runless_asset_event(AssetMaterialization(key, partition=part))
+            first = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target)
+            assert requested(first, trajectory) == set() and requested(first, compared) == set()
+
+            update([("m1", "c")])  # a one-corpus model that is no checkpoint
+            second = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                    cursor=first.cursor)
+            assert second.get_requested_partitions(AssetKey("geometry_figures"))  # cross-model figures follow it
+            assert requested(second, trajectory) == set()  # no checkpoint changed
+            assert requested(second, compared) == set()  # m1 lists one corpus: nothing to compare
+            assert requested(second, AssetKey("cross_corpus_verdicts")) == set()
+
+            update([("m2", "d")])  # the second corpus of a two-corpus model
+            third = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                   cursor=second.cursor)
+            assert requested(third, compared) == {"m2"}
+            assert requested(third, trajectory) == set()
+            for key in derived:  # mark what was requested as done
+                if key.path[0].startswith("cross_corpus"):
+                    instance.report_runless_asset_event(AssetMaterialization(key, partition="m2"))
+
+            # a pair the registry does not list (m1 on d: its partitions exist in the grid) changes nothing
+            update([("m1", "d")])
+            fourth = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                    cursor=third.cursor)
+            assert requested(fourth, compared) == set() and requested(fourth, trajectory) == set()
+
+            update([("s@r2", "c")])  # a checkpoint's analyses: its series' trajectory, no comparison
+            fifth = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                   cursor=fourth.cursor)
+            assert requested(fifth, trajectory) == {"s"}
+            assert requested(fifth, AssetKey("trajectory_profiles")) == {"s"}
+            assert requested(fifth, compared) == set()
+    finally:
+        partitions.registry.cache_clear()

@@ -2,6 +2,7 @@
 headless Chromium draws it (every figure resolves and is drawn, not blank)."""
 
 import re
+import time
 from pathlib import Path
 
 import matplotlib
@@ -12,7 +13,17 @@ import numpy as np
 import pandas as pd
 import pytest
 from chromium import load_png, probe_images, region_std, screenshot
-from dagster import AssetExecutionContext, AssetKey, StaticPartitionsDefinition, asset, instance_for_test, materialize
+from dagster import (
+    AssetExecutionContext,
+    AssetKey,
+    AssetObservation,
+    AssetRecordsFilter,
+    MetadataValue,
+    StaticPartitionsDefinition,
+    asset,
+    instance_for_test,
+    materialize,
+)
 from s3 import MotoS3
 
 from qk_assets.defs import report as report_module
@@ -272,7 +283,7 @@ def test_report_is_requested_after_a_registry_removal(tmp_path: Path, monkeypatc
     assert REGISTRY_LISTING in defs.resolve_asset_graph().get(AssetKey("report_html")).parent_keys
     assert REGISTRY_LISTING in registry_partitions_sensor.asset_selection.resolve(defs.resolve_asset_graph())
     reg = load_registry()
-    assert observe_listing().value == listing_version(reg)
+    assert observe_listing().data_version.value == listing_version(reg)
     job = defs.resolve_implicit_job_def_def_for_assets([AssetKey("report_html")])
     with dg.instance_for_test() as instance:
         assert job.execute_in_process(instance=instance, asset_selection=[AssetKey("report_html")]).success
@@ -327,6 +338,11 @@ def test_report_leaves_out_what_the_registry_no_longer_lists(tmp_path: Path) -> 
     try:
         with instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
             instance.add_dynamic_partitions("model", [*MODELS, gone])
+            for listed_models in ([*MODELS, gone], MODELS, MODELS):  # the registry sensor's observations: gone left
+                instance.report_runless_asset_event(AssetObservation(
+                    report_module.REGISTRY_LISTING, metadata={"models": MetadataValue.json(listed_models)}))
+            left = instance.fetch_observations(AssetRecordsFilter(asset_key=report_module.REGISTRY_LISTING),
+                                               limit=3, ascending=True).records[1].timestamp
             for m in [*MODELS, gone]:
                 assert materialize([toy], partition_key=m, instance=instance, resources=resources).success
             assert materialize([toy_report], instance=instance, resources=resources).success
@@ -338,6 +354,39 @@ def test_report_leaves_out_what_the_registry_no_longer_lists(tmp_path: Path) -> 
     page = (tmp_path / "storage" / "report" / "index.html").read_text()
     assert meta["removed_from_registry"].value == gone and meta["figures"].value == 2
     assert page.count(gone) == 1 and "No longer in the registry, left out of this page" in page
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(left))  # the first observation without it
+    assert f"{gone} (removed {when})" in page and meta["removed_on"].value == {gone: when}
     for m in MODELS:
         assert f"<td>plasticity_metrics</td><td>{m}</td>" in page
     assert (tmp_path / "storage" / "figures" / "plasticity" / gone / "profile.png").exists()  # outputs kept
+
+
+def test_the_registry_pairs_and_which_are_missing_at_a_glance() -> None:
+    """Issue 26.3: of the (model, corpus) grid, the pairs the registry asks for (``registry_listing``'s observation)
+    and, on ``report_html``, which of those are missing, asset by asset."""
+    from qk_assets.defs.registry import listing_metadata
+    from qk_assets.partitions import registry_pairs
+    from qk_core.config.registry import load_registry
+
+    reg = load_registry()  # the shipped registry: 15 models + 10 checkpoints, 3 corpora, 27 pairs
+    pairs = registry_pairs(reg)
+    meta = listing_metadata(reg)
+    assert meta["pairs_listed"].value == len(pairs) == 27 < len(reg.models) * len(reg.corpora)
+    records = [r.data for r in meta["pairs"].records]
+    assert [(r["model"], r["corpus"]) for r in records] == pairs
+    demo = [r for r in records if r["model"] == "smollm2-135m"]
+    assert [r["corpus"] for r in demo] == ["sotu-demo", "code-demo"] and demo[0]["groups"] == "demo"
+    assert {r["series"] for r in records if "@" in r["model"]} == {"smollm3-3b"}
+    assert set(meta["models"].value) == set(reg.models)
+
+    done = {"sotu-demo|smollm2-135m", "code-demo|smollm2-135m"}
+    cov = report_module.pair_coverage(reg, {"qk_capture": done | {"sotu-demo|gemma3-270m"},
+                                            "plasticity_metrics": done, "rotation_metrics": {"sotu-demo|smollm2-135m"}})
+    assert [tuple(r) for r in cov[["model", "corpus"]].itertuples(index=False)] == pairs  # never an unlisted pair
+    row = {(r.model, r.corpus): r for r in cov.itertuples()}
+    assert row["smollm2-135m", "sotu-demo"].missing == "" and row["smollm2-135m", "sotu-demo"].assets == "3 of 3"
+    assert row["smollm2-135m", "code-demo"].missing == "rotation_metrics"
+    gemma = row["gemma3-270m", "sotu-demo"]
+    assert gemma.capture == "materialised" and gemma.missing == "plasticity_metrics, rotation_metrics"
+    assert row["gemma3-270m", "code-demo"].capture == "missing" and row["gemma3-270m", "code-demo"].missing == "all"
+    assert int((cov["missing"] != "").sum()) == len(pairs) - 1

@@ -141,6 +141,10 @@ def test_page_order_findings_figures_sections_then_options_and_provenance(tmp_pa
     assert figures.count("<img ") == 5  # heatmap and profiles per model, pc_roles; not the diagnostics
     assert 'href="figures/plasticity_heatmap/smollm2-135m/heatmap.pdf"' in figures  # the vector file beside it
     assert "median over heads (no interval)" in page and "value (mean over heads)" in page
+    # the mean, then its interval, then the median apart (never a median between a mean and its interval)
+    head = page.index("value (mean over heads)")
+    assert head < page.index("lo (95% CI of the mean)", head) < page.index("hi (95% CI of the mean)", head) \
+        < page.index("median over heads (no interval)", head)
     assert page.index("options behind these numbers") > page.index('<section id="appendix"')
 
 

@@ -55,7 +55,9 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
         "Post-RoPE query/key vectors of sampled heads at sampled positions (SPEC 1), stored under "
         "`captures/<model>/<fingerprint>/`. Value: one row per sampled head (layer, q_head, kv_head, d, "
         "attention_type, sliding_window (-1 for full attention), rope_applied, n_q_rows, n_k_rows, "
-        "capture_prefix); per-layer metadata is in the capture manifest."),
+        "capture_prefix); per-layer metadata is in the capture manifest. Partitions: every model key times "
+        "every corpus, of which the registry asks for the pairs in registry_listing's `pairs`; which of "
+        "those are missing: report_html's `registry_pairs`."),
 )
 def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: StorageResource,
                device: TorchDeviceResource, ray: RayClusterResource):

@@ -20,8 +20,9 @@ reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_
 - ``cross_corpus_verdicts``: every statement, one row each (the report shows these).
 
 Dependencies map a model to its (model, corpus) partitions (``MultiToSingleDimensionPartitionMapping`` on
-the ``model`` dimension, built in), so an update of any of them re-runs this model's comparison
-(``automation_sensor``). The grid also holds corpora the model is not captured on; the asset reads the
+the ``model`` dimension, built in), so an update of any of them that the registry lists re-runs this model's
+comparison (``automation_sensor``; :data:`CONDITION` requests only models that list two or more corpora).
+The grid also holds corpora the model is not captured on; the asset reads the
 registry's corpora itself and reports one without results as missing instead of failing. A model with one
 corpus gets empty tables and a verdict row saying so. Bootstrap resamples, seed and interval mass are the
 model's plasticity options (registry ``analysis.plasticity``).
@@ -40,6 +41,7 @@ from dagster import (
 )
 
 from qk_assets import checks
+from qk_assets.automation import ComparedModel, RegistryListed, deps_updated
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import results_first, table_value
@@ -54,13 +56,15 @@ GROUP = "cross_corpus"
 CAPTURE = "qk_capture"
 UPSTREAM = (CAPTURE, "rotation_heads", "plasticity_pairs")
 
-# After any of the model's (model, corpus) analyses change, once nothing upstream runs; a new capture alone
-# does not trigger it (its analyses will), and a corpus without results does not block it.
+# For the models that list two or more corpora, after one of the model's listed (model, corpus) analyses
+# changes, once nothing upstream runs; a new capture alone does not trigger it (its analyses will), a corpus
+# without results does not block it, and a model with one corpus is never requested (nothing to compare).
 CONDITION = (
-    AutomationCondition.any_deps_updated().ignore(AssetSelection.assets(CAPTURE)).since_last_handled()
+    ComparedModel()
+    & deps_updated(RegistryListed(), ignore=AssetSelection.assets(CAPTURE)).since_last_handled()
     & ~AutomationCondition.any_deps_in_progress()
     & ~AutomationCondition.in_progress()
-).with_label("after the model's analyses update (tolerates corpora without results)")
+).with_label("models with two or more corpora, after their listed analyses update (tolerates missing ones)")
 OUT = {"group_name": GROUP, "kinds": {"parquet"}, "automation_condition": CONDITION}
 # per-partition (per model) checks, qk_assets/checks.py: finite values (blocking), intervals lo <= hi
 CHECKS = checks.check_specs([("cross_corpus_metrics", checks.VALUES_FINITE),

@@ -33,6 +33,7 @@ import json
 import warnings
 from collections.abc import Callable
 
+import pandas as pd
 from dagster import (
     AssetKey,
     AssetSelection,
@@ -41,6 +42,8 @@ from dagster import (
     DataVersion,
     DataVersionsByPartition,
     DefaultSensorStatus,
+    MetadataValue,
+    ObserveResult,
     RunRequest,
     SensorEvaluationContext,
     SensorResult,
@@ -49,6 +52,7 @@ from dagster import (
     sensor,
 )
 
+from qk_assets.metadata import table_value
 from qk_assets.partitions import (
     CORPUS_DIM,
     MODEL_DIM,
@@ -101,8 +105,22 @@ def listing_version(reg: Registry) -> str:
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
 
 
-def observe_listing() -> DataVersion:
-    return DataVersion(listing_version(load_registry()))
+def listing_metadata(reg: Registry) -> dict[str, MetadataValue]:
+    """What the registry asks for, as ``registry_listing``'s observation shows it: the number of (model, corpus)
+    pairs, one row per pair (its groups, its series for a checkpoint, whether it is compared across corpora),
+    and the listed model keys (``report_html`` dates a removal from them)."""
+    series_of = {k: s.name for s in reg.series.values() for k in s.checkpoint_keys}
+    rows = pd.DataFrame([{"model": m, "corpus": c, "groups": ", ".join(reg.model(m).groups),
+                          "series": series_of.get(m, ""), "corpora": len(reg.model(m).corpora)}
+                         for m, c in registry_pairs(reg)], columns=["model", "corpus", "groups", "series", "corpora"])
+    return {"pairs_listed": MetadataValue.int(len(rows)),
+            "pairs": table_value(rows, max_rows=len(rows) or 1),
+            "models": MetadataValue.json(sorted(reg.model_keys))}
+
+
+def observe_listing() -> ObserveResult:
+    reg = load_registry()
+    return ObserveResult(data_version=DataVersion(listing_version(reg)), metadata=listing_metadata(reg))
 
 
 def _observe(versions: Callable[[Registry], dict[str, str]]) -> DataVersionsByPartition:
@@ -133,9 +151,11 @@ with warnings.catch_warnings():  # observable_source_asset is marked beta; its u
     )(observe_analysis)
     registry_listing = observable_source_asset(
         name="registry_listing", group_name="registry",
-        description="What the registry lists (its model keys, (model, corpus) pairs and series) as one data version. "
-                    "Observed by registry_partitions_sensor when an entry changes; report_html depends on it, so "
-                    "removing an entry rebuilds the report without it.",
+        description="What the registry lists (its model keys, (model, corpus) pairs and series) as one data version; "
+                    "each observation shows the pairs it asks for (`pairs`: model, corpus, groups, series), the "
+                    "only keys of the (model, corpus) grid automation materialises (report_html's `registry_pairs` "
+                    "says which are missing). Observed by registry_partitions_sensor when an entry changes; "
+                    "report_html depends on it, so removing an entry rebuilds the report without it.",
     )(observe_listing)
 
 

@@ -32,12 +32,14 @@ from qk_assets import defs as defs_pkg
 from qk_assets.defs.registry import REGISTRY_LISTING
 from qk_assets.figures import png_size
 from qk_assets.io_manager import asset_rel
-from qk_assets.partitions import MODEL_DIM, registry, registry_pairs, split_key
+from qk_assets.metadata import table_value
+from qk_assets.partitions import MODEL_DIM, model_corpus_partitions, pair_key, registry, registry_pairs, split_key
 from qk_assets.resources import StorageResource
 from qk_core.config.registry import Registry
 from qk_core.io.storage import Storage
 from qk_core.report.html import AssetState, Figure, ModelInfo, ReportInputs, render_report
 
+CAPTURE = "qk_capture"
 REPORT_DIR = "report"
 PAGE = f"{REPORT_DIR}/index.html"
 VECTOR_FORMATS = ("pdf", "svg")  # copied beside a figure's PNG when stored
@@ -161,6 +163,54 @@ def drop_removed(df: pd.DataFrame, removed: set[str]) -> pd.DataFrame:
     return out
 
 
+def pair_coverage(reg: Registry, materialised: dict[str, set[str]]) -> pd.DataFrame:
+    """One row per (model, corpus) pair the registry asks for, in file order: its groups, whether its capture is
+    materialised and which of its per-pair assets (``materialised``: asset -> materialised partition keys) are
+    still missing. The grid of the (model, corpus) partitions also holds pairs nobody asked for; this is what a
+    reader wants of it (issue 26.3)."""
+    rows = []
+    for model, corpus in registry_pairs(reg):
+        key = str(pair_key(model, corpus))
+        missing = [a for a, done in materialised.items() if key not in done]
+        rows.append({"model": model, "corpus": corpus, "groups": ", ".join(reg.model(model).groups),
+                     "capture": "materialised" if key in materialised.get(CAPTURE, set()) else "missing",
+                     "assets": f"{len(materialised) - len(missing)} of {len(materialised)}",
+                     "missing": "all" if missing and len(missing) == len(materialised) else ", ".join(missing)})
+    return pd.DataFrame(rows, columns=["model", "corpus", "groups", "capture", "assets", "missing"])
+
+
+def removal_dates(instance, removed: set[str]) -> dict[str, float]:
+    """When each removed model left the registry: the time of the first ``registry_listing`` observation that did
+    not list it after one that did (its ``models`` metadata); a model no recorded observation listed is left out."""
+    if not removed:
+        return {}
+    recs = instance.fetch_observations(AssetRecordsFilter(asset_key=REGISTRY_LISTING), limit=10_000,
+                                       ascending=True).records
+    listed_before: set[str] = set()
+    out: dict[str, float] = {}
+    for rec in recs:
+        obs = rec.asset_observation
+        value = obs.metadata.get("models") if obs is not None else None
+        models = set(getattr(value, "value", None) or [])
+        if value is None:
+            continue
+        for m in removed:
+            if m in models:
+                listed_before.add(m)
+                out.pop(m, None)  # listed again: a later removal counts
+            elif m in listed_before and m not in out:
+                out[m] = rec.timestamp
+    return out
+
+
+def removed_note(removed: set[str], dates: dict[str, float]) -> str:
+    """The page's one line about models the registry no longer lists (each with the date it left, when known)."""
+    names = [f"{m} (removed {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(dates[m]))})" if m in dates else m
+             for m in sorted(removed)]
+    return (f"No longer in the registry, left out of this page (stored outputs kept): {', '.join(names)}. "
+            "A figure across models drawn before the removal shows them until it is recomputed.")
+
+
 @asset(deps=[*sorted(UPSTREAM, key=lambda k: k.to_user_string()), REGISTRY_LISTING], group_name="report",
        kinds={"html"}, automation_condition=REPORT_CONDITION)
 def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.DataFrame:
@@ -233,6 +283,10 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
                                       height=height, files=tuple(files)))
                 inventory.append({"asset": name, "partition": label or "", "kind": "figure", "path": st.uri(dest)})
 
+    per_pair = [k for k, pdef in UPSTREAM.items() if pdef == model_corpus_partitions()]
+    coverage = pair_coverage(reg, {k.to_user_string(): set(instance.get_materialized_partitions(k))
+                                   for k in sorted(per_pair, key=lambda k: k.to_user_string())})
+    dates = removal_dates(instance, removed)
     measured = {s.partition for s in states if s.partition in model_keys}
     models = [k for k in registry().model_keys if k in measured] or registry().in_group("demo")
     inputs = ReportInputs(
@@ -240,9 +294,7 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
         models=[_model_info(k) for k in models], tables=tables, figures=figures, states=states,
         defined_assets=[k.to_user_string() for k in UPSTREAM], expected_assets=EXPECTED,
         storage_url=st.url, generated_at=time.time(), model_order=list(registry().model_keys), links=links,
-        notes=[f"No longer in the registry, left out of this page (stored outputs kept): {', '.join(sorted(removed))}. "
-               "A figure across models drawn before the removal shows them until it is recomputed."]
-        if removed else [],
+        notes=[removed_note(removed, dates)] if removed else [],
     )
     page = render_report(inputs)
     st.write_text(PAGE, page)
@@ -251,9 +303,14 @@ def report_html(context: AssetExecutionContext, storage: StorageResource) -> pd.
     local = st.local_path(PAGE)
     missing = sorted({*EXPECTED, *(k.to_user_string() for k in UPSTREAM)} - {s.asset for s in states})
     context.add_output_metadata({
+        "pairs_listed": len(coverage),  # what the registry asks for, and how much of it is still missing
+        "pairs_missing": int((coverage["missing"] != "").sum()),
         "report": MetadataValue.url(local.as_uri()) if local else MetadataValue.path(st.uri(PAGE)),
+        "registry_pairs": table_value(coverage, max_rows=max(len(coverage), 1)),
         "models": ", ".join(models),
         "removed_from_registry": ", ".join(sorted(removed)) or "none",
+        "removed_on": MetadataValue.json({m: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t))
+                                          for m, t in sorted(dates.items())}),
         "figures": len(figures),
         "assets_computed": len({s.asset for s in states}),
         "page_bytes": len(page.encode()),

@@ -150,11 +150,15 @@ def frame_table(df: pd.DataFrame, *, caption: str = "", max_rows: int | None = N
                 total: int | None = None, cls: str = "") -> Table:
     """A DataFrame as a table of plain cells (first ``max_rows`` rows)."""
     shown = df if max_rows is None else df.head(max_rows)
+    if {"value", "median"} <= set(shown.columns):  # the mean with its interval together, the median after them
+        cols = [c for c in shown.columns if c != "median"]
+        at = max(cols.index(c) for c in ("value", "lo", "hi") if c in cols) + 1
+        shown = shown[[*cols[:at], "median", *cols[at:]]]
     rows = [[value_cell(v) for v in rec] for rec in shown.itertuples(index=False)]
     total = len(df) if total is None else total
     if not cls and any(len(c.text) > 60 for row in rows for c in row):
         cls = "wrap"  # sentences (verdicts, notes, options) wrap instead of widening the table
-    columns = [str(c) for c in df.columns]
+    columns = [str(c) for c in shown.columns]
     if {"value", "median"} <= set(columns):  # a mean beside a median: say which is which
         columns = [METRIC_LABELS.get(c, c) for c in columns]
     return Table(columns, rows, caption=caption, link=link, total=total if total > len(rows) else None, cls=cls)
