@@ -127,8 +127,15 @@ def _profiles(ap_below: float, ap_beyond: float, C: int, W: int) -> pd.DataFrame
 
 
 def _accuracy(acc: dict[int, float], n: int = 20) -> pd.DataFrame:
-    return pd.DataFrame([{"length": L, "depth": ALL_DEPTHS, "n_trials": n, "n_correct": round(a * n), "accuracy": a}
-                         for L, a in acc.items()])
+    """Pooled rows of an ``extension_accuracy`` table (plus one depth row per length) with these accuracies."""
+    rows = []
+    for L, a in acc.items():
+        lo, hi = wilson(round(a * n), n)
+        for depth in (ALL_DEPTHS, 0.5):
+            rows.append({"length": L, "length_over_c": L / 64, "depth": depth, "n_trials": n,
+                         "n_correct": round(a * n), "accuracy": a, "accuracy_lo": lo, "accuracy_hi": hi,
+                         "margin": 0.0, "chance": 0.1})
+    return pd.DataFrame(rows)
 
 
 def _rotation(bias: float) -> pd.DataFrame:
