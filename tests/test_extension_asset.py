@@ -37,6 +37,13 @@ window = 64
 bucket = 8
 corpus = "tiny"
 
+[models.c]
+family = "llama"
+source = {{ local = "m" }}
+window = 64
+bucket = 8
+corpus = "tiny"
+
 [variants.b]
 trained_context = {C}
 groups = ["extension"]
@@ -110,6 +117,17 @@ def test_comparison_of_a_base_reads_its_variants_and_reports_the_missing_one(ext
     assert "fig_ap_profiles" in meta["extension_comparison"] and "statement" in meta["extension_correlations"]
     prof = storage.read_parquet(asset_rel(["extension_profiles"], "b")).to_pandas()
     assert set(prof["variant"]) == {"b~none", "b~linear", "b~yarn"} and (prof["trained_context"] == C).all()
+
+
+def test_comparison_of_a_model_without_variants_is_empty_and_says_so(ext: ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "storage"
+    result = dg.materialize([ext.extension_comparison], partition_key="c", resources=resources(root),
+                            instance=instance())
+    assert result.success
+    meta = {m.materialization.asset_key.to_user_string(): m.materialization.metadata
+            for m in result.get_asset_materialization_events()}
+    assert "no variant declared ([variants.c]" in meta["extension_correlations"]["statement"].value
+    assert Storage(root).read_parquet(asset_rel(["extension_comparison"], "c")).num_rows == 0
 
 
 def test_retrieval_on_a_model_that_is_not_a_variant_says_why(ext: ModuleType, tmp_path: Path) -> None:
