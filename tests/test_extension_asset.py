@@ -7,6 +7,7 @@ root where the IO manager puts them (one left out), and ``extension_comparison``
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -117,6 +118,17 @@ def test_comparison_of_a_base_reads_its_variants_and_reports_the_missing_one(ext
     assert "fig_ap_profiles" in meta["extension_comparison"] and "statement" in meta["extension_correlations"]
     prof = storage.read_parquet(asset_rel(["extension_profiles"], "b")).to_pandas()
     assert set(prof["variant"]) == {"b~none", "b~linear", "b~yarn"} and (prof["trained_context"] == C).all()
+    # bench/extension_run.py --collect-only: the committed result folder from these outputs
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from extension_run import collect
+
+    out = collect(storage, tmp_path / "registry.toml", "b", tmp_path / "result",
+                  {"command": "make demo", "wall_s": 12.0, "rc": 0, "load": [1.5]})
+    readme = (out / "README.md").read_text()
+    assert "Wall time: 12 s" in readme and corr["summary"].iloc[0] in readme and "| b~yarn" in readme
+    assert {p.name for p in out.iterdir()} >= {"comparison.csv", "correlations.csv", "accuracy_by_length.csv",
+                                               "ap_profiles.png", "measure_vs_accuracy.png", "run.json"}
+    assert len(pd.read_csv(out / "accuracy_by_length.csv")) == 3 * 4  # three variants with results x 4 lengths
 
 
 def test_comparison_of_a_model_without_variants_is_empty_and_says_so(ext: ModuleType, tmp_path: Path) -> None:
