@@ -5,6 +5,10 @@ intervals per (length, depth) and per length; the effective length by NoLiMa's r
 Effective length (SPEC 13.2): the longest tested length whose accuracy is at least ``threshold`` (default 0.85)
 times the variant's own accuracy at the shortest tested length (C/2 by default). Undefined (NaN, with the
 reason) when the reference accuracy is 0: every length would pass a rule relative to nothing.
+
+Dynamic NTK rescales its base from the sequence length of each forward (transformers' ``dynamic_rope_update``):
+the prompt's keys are rotated with the base of the prompt's length, the K continuations (one cached forward)
+with the base of the prompt plus continuation, as in generation with that encoding.
 """
 
 from __future__ import annotations
