@@ -177,6 +177,11 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "heads matter more for distant retrieval than random heads' and 'removing bias raises distant "
                 "plasticity', with 95% intervals, including when they do not.", (r"^intervention",),
                 nav="Interventions"),
+    SectionSpec("trajectory", "Training trajectory", "SPEC 6",
+                "Geometry across SmolLM3-3B training checkpoints. The checkpoints come from the hub, so "
+                "the offline demo captures none of them: its trajectory shows the thesis's published "
+                "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",),
+                nav="Trajectory"),
     SectionSpec("extension", "Context extension without training: does the geometry predict which extension "
                 "works?", "SPEC 13",
                 "One trained model under RoPE overrides applied at inference (none, linear interpolation, dynamic "
@@ -187,11 +192,6 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "correlation of each geometry measure beyond C with accuracy beyond C, with exact p and n "
                 "(n >= 3), stated plainly - including when no measure predicts. Hours on a CPU, so not part of "
                 "`make demo`: `make demo ARGS=\"--group extension\"` runs it.", (r"^extension",), nav="Extension"),
-    SectionSpec("trajectory", "Training trajectory", "SPEC 6",
-                "Geometry across SmolLM3-3B training checkpoints. The checkpoints come from the hub, so "
-                "the offline demo captures none of them: its trajectory shows the thesis's published "
-                "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",),
-                nav="Trajectory"),
     SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
                 "What was measured and how: weights, capture window L, bucket width B, head and position "
                 "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),
