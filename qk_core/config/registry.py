@@ -472,7 +472,10 @@ def _variants(path: Path, doc: dict[str, Any], models: dict[str, ModelEntry], de
         if not lines:
             raise _err(path, where, "(variants)", "declares no variant (e.g. none = {}, linear = { type = "
                                                   "\"linear\", factor = 2 })")
-        raw_base = {k: v for k, v in bases[base].items() if k not in ("window", "bucket", "groups")}
+        replaced = {"window", "bucket", "groups"}
+        if {"corpus", "corpora"} & set(shared):  # the table's corpus list replaces the base's, whichever field
+            replaced |= {"corpus", "corpora"}
+        raw_base = {k: v for k, v in bases[base].items() if k not in replaced}
         base_overrides = dict(raw_base.pop("config_overrides", None) or {})
         family = models[base].family
         for name, line in lines.items():
