@@ -12,10 +12,18 @@ import pytest
 import tiny_models as tm
 import torch
 
+from qk_core.capture.store import HeadData
 from qk_core.config.options import ExtensionOptions, ExtensionOptionsError, resolve_options
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
-from qk_core.extension.compare import VariantInputs, ap_region, correlation_rows, plain_statement, variant_table
+from qk_core.extension.compare import (
+    VariantInputs,
+    ap_region,
+    correlation_rows,
+    plain_statement,
+    rotation_regions,
+    variant_table,
+)
 from qk_core.extension.retrieval import (
     ALL_DEPTHS,
     ExtensionError,
@@ -24,6 +32,7 @@ from qk_core.extension.retrieval import (
     long_documents,
     run_retrieval,
 )
+from qk_core.geometry.rotation import analyse_rotation, rotation_record
 from qk_core.models.loading import load_model
 from qk_core.stats.intervals import wilson
 
@@ -192,3 +201,52 @@ def test_fewer_than_three_variants_give_no_correlation() -> None:
     assert "too few variants" in none and "n < 3" in none
     nothing = correlation_rows(_variants([0.2, 0.4, 0.6]), 64, 128).assign(predicts=False)
     assert "no geometry measure predicts" in plain_statement("b", tab, nothing, 64)
+
+
+def _drift_head(rng: np.random.Generator, C: int, W: int, slope_beyond: float, d: int = 8) -> HeadData:
+    """Keys drift along e_0 with slope ``slope_beyond`` at positions >= C only; queries sit at +2 on e_0."""
+    docs, per_doc = 8, 96
+    t = np.concatenate([np.sort(rng.choice(W, per_doc, replace=False)) for _ in range(docs)])
+    doc = np.repeat(np.arange(docs), per_doc)
+    q = rng.normal(0, 0.05, (len(t), d))
+    q[:, 0] += 2.0
+    q[:, 1] += 0.5 + 0.3 * rng.normal(size=len(t))
+    k = rng.normal(0, 0.05, (len(t), d))
+    k[:, 0] += slope_beyond * np.clip(t - C, 0, None)
+    k[:, 1] -= 0.5 + 0.3 * rng.normal(size=len(t))
+    return HeadData(layer=0, q_head=0, kv_head=0, q=q.astype(np.float32), q_pos=t.astype(np.int32), q_doc=doc,
+                    k=k.astype(np.float32), k_pos=t.astype(np.int32), k_doc=doc, window=W, bucket=W // 16)
+
+
+def test_rotation_measures_refitted_over_a_region_of_positions() -> None:
+    """SPEC 13.3: the rotation measures over [C, W) are SPEC 3 on the rows in [C, W) (brute force: the same call on
+    the filtered rows), and a key drift that starts at C shows there at its planted slope."""
+    C, W, s = 256, 512, 0.004
+    rng = np.random.default_rng(0)
+    heads = [_drift_head(rng, C, W, s), _drift_head(rng, C, W, s)]
+    out = rotation_regions(iter(heads), [(C, W), (0, C)])
+    assert out[(C, W)]["n_heads"] == 2 and out[(0, C)]["n_heads"] == 2
+    recs = []
+    for h in heads:
+        qm, km = h.q_pos >= C, h.k_pos >= C
+        recs.append(rotation_record(analyse_rotation(h.q[qm], h.q_pos[qm], h.q_doc[qm], h.k[km], h.k_pos[km],
+                                                     h.k_doc[km], window=W)))
+    for m in ("bias_strength", "abs_r_k_a", "plane_var_fraction", "split_half_cos"):
+        assert out[(C, W)][m] == pytest.approx(np.mean([r[m] for r in recs]), rel=1e-12)
+    assert np.mean([abs(r["alpha_k"]) for r in recs]) == pytest.approx(s, rel=0.05)
+    assert out[(C, W)]["bias_strength"] == pytest.approx(2.0 * s, rel=0.1)  # mu_Q^a * alpha_K
+    assert abs(out[(0, C)]["bias_strength"]) < 0.1 * out[(C, W)]["bias_strength"]  # no drift below C
+
+
+def test_correlations_use_the_refitted_measures_when_every_capture_was_read() -> None:
+    variants = _variants([0.2, 0.4, 0.6, 0.8])
+    for i, v in enumerate(variants):
+        vals = {"bias_strength": 0.1 * i, "abs_r_k_a": 0.5, "plane_var_fraction": 0.2, "split_half_cos": 0.9,
+                "n_heads": 3.0}
+        v.regions = {(64, 96): dict(vals), (64, 128): dict(vals)}
+    tab = variant_table(variants, 64, 128)
+    assert list(tab["bias_strength_beyond_c"]) == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    corr = correlation_rows(variants, 64, 128).set_index(["scope", "measure"])
+    row = corr.loc[("variants", "bias_strength")]
+    assert row["region"] == "[64, 128)" and row["spearman_rho"] == pytest.approx(1.0) and row["n"] == 4
+    assert corr.loc[("cells", "bias_strength"), "n"] == 8

@@ -11,9 +11,10 @@ capture and analyses are those of any model. Here:
   ``extension_effective_length`` (NoLiMa's rule, threshold an option). On a model that is not a variant, or on
   a corpus other than the variant's first, the outputs are empty and say why (no model is loaded).
 - ``extension_comparison`` [model] for a base model: reads every variant's ``extension_accuracy``,
-  ``extension_effective_length``, ``plasticity_profiles`` and ``rotation_metrics`` (its first corpus) from the
-  storage root (``AllPartitionMapping``: Dagster has no mapping from a base key to its variants' keys) and
-  reports a variant without results as missing. Outputs ``extension_comparison`` (per variant),
+  ``extension_effective_length``, ``plasticity_profiles``, ``rotation_metrics`` and capture (its first corpus,
+  SPEC 3 refitted over [C, L) and [C, W)) from the storage root (``AllPartitionMapping``: Dagster has no
+  mapping from a base key to its variants' keys) and reports a variant without results as missing. Outputs
+  ``extension_comparison`` (per variant),
   ``extension_correlations`` (rank correlations with exact p and n, SPEC 13.3) and ``extension_profiles`` (AP
   per variant in absolute positions), with the figures and the plain statement. Neither asset has an automation
   condition (like the interventions: model forwards, hours on a CPU); ``make demo ARGS="--group extension"``
@@ -39,21 +40,26 @@ from qk_assets.metadata import results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, model_partitions, pair_key, registry, split_key
 from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_core.capture.store import CaptureError
+from qk_core.config.options import resolve_options
 from qk_core.extension.compare import (
     CORRELATION_COLUMNS,
     VariantInputs,
     ap_profile,
     correlation_rows,
     plain_statement,
+    rotation_regions,
     variant_table,
 )
 from qk_core.extension.retrieval import ACCURACY_COLUMNS, EFFECTIVE_COLUMNS, TRIAL_COLUMNS, run_retrieval
+from qk_core.geometry.heads import iter_capture_heads
 from qk_core.io.storage import Storage
 from qk_core.models.loading import load_model
 
 GROUP = "extension"
 RETRIEVAL_OUTPUTS = ("extension_trials", "extension_accuracy", "extension_effective_length")
 COMPARISON_INPUTS = ("extension_accuracy", "extension_effective_length", "plasticity_profiles", "rotation_metrics")
+CAPTURE = "qk_capture"
 
 
 @multi_asset(
@@ -129,17 +135,28 @@ def _read(storage: Storage, asset: str, model: str, corpus: str) -> pd.DataFrame
 
 
 def load_variant(storage: Storage, key: str) -> VariantInputs:
-    """One variant's inputs on its first corpus (None where not materialised)."""
+    """One variant's inputs on its first corpus (None where not materialised); with its capture, the rotation
+    measures refitted over [C, L) for every tested length L > C and over [C, W) (SPEC 13.3)."""
     entry = registry().model(key)
     v = entry.variant
-    read = {name: _read(storage, name, key, entry.corpus) for name in COMPARISON_INPUTS}
+    read = {name: _read(storage, name, key, entry.corpus) for name in (*COMPARISON_INPUTS, CAPTURE)}
+    regions = None
+    if read[CAPTURE] is not None:
+        C, W = v.trained_context, entry.window
+        lengths = resolve_options("extension", entry.analysis).prompt_lengths(C, W)
+        spans = sorted({(C, int(n)) for n in lengths if n > C} | {(C, W)})
+        try:
+            regions = rotation_regions((h for _, h in iter_capture_heads(storage, read[CAPTURE])), spans,
+                                       resolve_options("rotation", entry.analysis))
+        except CaptureError:
+            regions = None
     eff = read["extension_effective_length"]
     if eff is not None and not eff["effective_length"].notna().any() and str(eff["reason"].iloc[0]).startswith(
             "not run"):
         eff = None
     return VariantInputs(key=key, name=v.name, type=v.type, factor=v.factor, rope_theta=v.rope_theta,
                          profiles=read["plasticity_profiles"], rotation=read["rotation_metrics"],
-                         accuracy=read["extension_accuracy"], effective=eff)
+                         accuracy=read["extension_accuracy"], effective=eff, regions=regions)
 
 
 @multi_asset(
@@ -153,7 +170,7 @@ def load_variant(storage: Storage, key: str) -> VariantInputs:
         "extension_profiles": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
             "AP (mean over heads) per variant in absolute positions up to W, C recorded (SPEC 13.3).")),
     },
-    deps=[AssetDep(name, partition_mapping=AllPartitionMapping()) for name in COMPARISON_INPUTS],
+    deps=[AssetDep(name, partition_mapping=AllPartitionMapping()) for name in (*COMPARISON_INPUTS, CAPTURE)],
     partitions_def=model_partitions(),
     can_subset=False,
 )

@@ -9,16 +9,25 @@ Two scopes of correlation:
   adds beyond C) or the variant's whole-window rotation measure, against the accuracy at L;
 - ``variants``: one point per variant: AP over [C, W) or the rotation measure, against the accuracy pooled over
   the lengths > C.
+
+The rotation measures over a region of positions (:func:`rotation_regions`) refit SPEC 3 per head on the captured
+rows whose positions lie in it (queries and keys), then average over the heads it could analyse; without the
+capture the comparison falls back to the variant's whole-window ``rotation_metrics`` and says so (``region``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from qk_core.capture.store import HeadData
+from qk_core.config.options import RotationOptions
+from qk_core.geometry.heads import HeadInputError
+from qk_core.geometry.rotation import analyse_rotation, rotation_record
 from qk_core.stats.correlation import MIN_N, correlations, p_clause
 
 ROTATION_MEASURES = ("bias_strength", "abs_r_k_a", "plane_var_fraction", "split_half_cos")
@@ -26,6 +35,37 @@ AP_MEASURE = "ap_beyond_c"
 ALPHA = 0.05
 CORRELATION_COLUMNS = ["scope", "measure", "region", "n", "spearman_rho", "spearman_p", "spearman_method",
                        "kendall_tau", "kendall_p", "pearson_r", "pearson_p", "predicts", "statement"]
+
+
+Region = tuple[int, int]
+
+
+def rotation_regions(heads: Iterable[HeadData | HeadInputError], regions: list[Region],
+                     options: RotationOptions | None = None) -> dict[Region, dict[str, float]]:
+    """Per region [lo, hi): SPEC 3 refitted on each head's rows with positions in it, the mean of each rotation
+    measure over the heads it could analyse, and ``n_heads`` (one pass over the heads)."""
+    options = options or RotationOptions()
+    vals: dict[Region, dict[str, list[float]]] = {r: {m: [] for m in ROTATION_MEASURES} for r in regions}
+    for head in heads:
+        if isinstance(head, HeadInputError):
+            continue
+        for lo, hi in regions:
+            qm = (head.q_pos >= lo) & (head.q_pos < hi)
+            km = (head.k_pos >= lo) & (head.k_pos < hi)
+            try:
+                res = analyse_rotation(head.q[qm], head.q_pos[qm], head.q_doc[qm], head.k[km], head.k_pos[km],
+                                       head.k_doc[km], window=head.window, options=options)
+            except HeadInputError:
+                continue
+            rec = rotation_record(res)
+            for m in ROTATION_MEASURES:
+                vals[(lo, hi)][m].append(float(rec[m]))
+    out = {}
+    for r, by in vals.items():
+        n = len(by[ROTATION_MEASURES[0]])
+        out[r] = {m: float(np.nanmean(v)) if n and np.isfinite(v).any() else float("nan") for m, v in by.items()}
+        out[r]["n_heads"] = float(n)
+    return out
 
 
 @dataclass
@@ -41,6 +81,7 @@ class VariantInputs:
     rotation: pd.DataFrame | None = None  # rotation_metrics (long format)
     accuracy: pd.DataFrame | None = None  # extension_accuracy
     effective: pd.DataFrame | None = None  # extension_effective_length (one row)
+    regions: dict[Region, dict[str, float]] | None = None  # rotation_regions of the variant's capture
 
     def missing(self) -> list[str]:
         return [n for n in ("profiles", "rotation", "accuracy", "effective") if getattr(self, n) is None]
@@ -89,6 +130,10 @@ def variant_table(variants: list[VariantInputs], trained_context: int, window: i
         row[AP_MEASURE] = ap_region(prof, C, window) if prof is not None else float("nan")
         for m in ROTATION_MEASURES:
             row[m] = _metric(v.rotation, m)
+        beyond = (v.regions or {}).get((C, window))
+        for m in ROTATION_MEASURES:
+            row[f"{m}_beyond_c"] = beyond[m] if beyond else float("nan")
+        row["n_heads_beyond_c"] = beyond["n_heads"] if beyond else float("nan")
         if v.accuracy is not None:
             pooled = _pooled(v.accuracy)
             for r in pooled.itertuples():
@@ -109,10 +154,12 @@ def correlation_rows(variants: list[VariantInputs], trained_context: int, window
     table = variant_table(variants, C, window)
     rows = []
     # scope "variants": one point per variant
+    refit = all(v.regions for v in variants)  # every variant's capture read: rotation measures over [C, W)
     for measure in (AP_MEASURE, *ROTATION_MEASURES):
-        x = table[measure].to_numpy(float) if measure in table else np.full(len(table), np.nan)
+        col = measure if measure == AP_MEASURE or not refit else f"{measure}_beyond_c"
+        x = table[col].to_numpy(float) if col in table else np.full(len(table), np.nan)
         y = table["accuracy_beyond_c"].to_numpy(float) if "accuracy_beyond_c" in table else np.full(len(table), np.nan)
-        region = f"[{C}, {window})" if measure == AP_MEASURE else "whole window"
+        region = f"[{C}, {window})" if measure == AP_MEASURE or refit else "whole window (no capture read)"
         rows.append(_row("variants", measure, region, x, y))
     # scope "cells": one point per (variant, length > C)
     xs: dict[str, list[float]] = {m: [] for m in (AP_MEASURE, *ROTATION_MEASURES)}
@@ -125,10 +172,11 @@ def correlation_rows(variants: list[VariantInputs], trained_context: int, window
                 continue
             ys.append(float(r.accuracy))
             xs[AP_MEASURE].append(ap_region(v.profiles, C, r.length) if v.profiles is not None else float("nan"))
+            cell = (v.regions or {}).get((C, int(r.length)))
             for m in ROTATION_MEASURES:
-                xs[m].append(float(trow[m]))
+                xs[m].append(cell[m] if refit and cell else float(trow[m]) if not refit else float("nan"))
     for measure, x in xs.items():
-        region = f"[{C}, L) per length L" if measure == AP_MEASURE else "whole window"
+        region = f"[{C}, L) per length L" if measure == AP_MEASURE or refit else "whole window (no capture read)"
         rows.append(_row("cells", measure, region, np.asarray(x, float), np.asarray(ys, float)))
     return pd.DataFrame(rows, columns=CORRELATION_COLUMNS)
 
