@@ -157,6 +157,12 @@ def test_retrieval_on_a_model_that_is_not_a_variant_says_why(ext: ModuleType, tm
     eff = storage.read_parquet(asset_rel(["extension_effective_length"], "tiny|b")).to_pandas()
     assert eff["reason"].iloc[0].startswith("not run: 'b' is not a context-extension variant")
     assert storage.read_parquet(asset_rel(["extension_trials"], "tiny|b")).num_rows == 0
+    (check,) = result.get_asset_check_evaluations()
+    assert check.check_name == "intervals_well_formed" and check.passed
+    planted = _accuracy({32: 0.9, 64: 0.5})
+    assert ext._intervals_check(planted).passed
+    broken = planted.assign(accuracy_lo=planted["accuracy_hi"] + 0.1)
+    assert not ext._intervals_check(broken).passed
 
 
 def test_the_demo_selects_extension_partitions_only_for_variants() -> None:

@@ -34,6 +34,7 @@ from dagster import (
     multi_asset,
 )
 
+from qk_assets import checks
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import results_first, table_value
@@ -58,6 +59,8 @@ from qk_core.models.loading import load_model
 
 GROUP = "extension"
 RETRIEVAL_OUTPUTS = ("extension_trials", "extension_accuracy", "extension_effective_length")
+# per-partition check (qk_assets/checks.py, not blocking): every Wilson interval of extension_accuracy has lo <= hi
+CHECKS = checks.check_specs([("extension_accuracy", checks.INTERVALS_FORMED)], model_corpus_partitions())
 COMPARISON_INPUTS = ("extension_accuracy", "extension_effective_length", "plasticity_profiles", "rotation_metrics")
 CAPTURE = "qk_capture"
 
@@ -79,6 +82,7 @@ CAPTURE = "qk_capture"
     partitions_def=model_corpus_partitions(),
     pool="gpu",
     can_subset=False,
+    check_specs=CHECKS,
 )
 def extension_retrieval(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,
                         device: TorchDeviceResource, corpus: pd.DataFrame):
@@ -94,6 +98,7 @@ def extension_retrieval(context: AssetExecutionContext, config: AnalysisConfig, 
                f"{registry().path})" if entry.variant is None else
                f"runs on the variant's first corpus '{entry.corpus}' only, not '{corpus_name}'")
         yield from _not_run(model, corpus_name, why)
+        yield from checks.selected(context, [_intervals_check(pd.DataFrame(columns=ACCURACY_COLUMNS))])
         return
     (opts,) = analysis_options(model, config, "extension")
     v = entry.variant
@@ -114,6 +119,12 @@ def extension_retrieval(context: AssetExecutionContext, config: AnalysisConfig, 
         **common, "preview": table_value(pooled)}))
     yield Output(eff, output_name="extension_effective_length", metadata=results_first(lead, {
         **common, "rule": str(res.effective["reason"])}))
+    yield from checks.selected(context, [_intervals_check(res.accuracy)])
+
+
+def _intervals_check(accuracy: pd.DataFrame):
+    table = accuracy.rename(columns={"accuracy": "value", "accuracy_lo": "lo", "accuracy_hi": "hi"})
+    return checks.intervals_well_formed("extension_accuracy", table, ("length", "depth"))
 
 
 def _not_run(model: str, corpus_name: str, why: str) -> list[Output]:
