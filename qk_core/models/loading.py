@@ -263,7 +263,7 @@ def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
             if new_type is not None and new_type != current.get("rope_type", current.get("type")):
                 # a new RoPE type starts from the base's frequencies only (SPEC 13.1): keys of the old type
                 # (e.g. llama3's low_freq_factor) would otherwise linger in the new one
-                current = {k: x for k, x in current.items() if k in ("rope_theta", "partial_rotary_factor")}
+                current = {key: x for key, x in current.items() if key in ("rope_theta", "partial_rotary_factor")}
             merged = {**current, **v}
             if "type" in merged and "rope_type" in v:
                 merged.pop("type")
