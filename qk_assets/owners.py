@@ -9,13 +9,13 @@ from collections.abc import Iterable
 from dagster import AssetsDefinition, AssetSpec
 
 CAPTURE_TEAM = "team:qk-capture"  # registry, corpora, the Q/K capture (GPU)
-ANALYSIS_TEAM = "team:qk-analysis"  # the SPEC 2-4, 6, 10, 11 analyses
+ANALYSIS_TEAM = "team:qk-analysis"  # the SPEC 2-4, 6, 10, 11, 13 analyses
 REPORTING_TEAM = "team:qk-reporting"  # benchmarks, joins, statistics, the report
 
 OWNERS_BY_GROUP: dict[str, list[str]] = {
     "registry": [CAPTURE_TEAM], "corpus": [CAPTURE_TEAM], "capture": [CAPTURE_TEAM],
     "geometry": [ANALYSIS_TEAM], "plasticity": [ANALYSIS_TEAM], "cross_corpus": [ANALYSIS_TEAM],
-    "interventions": [ANALYSIS_TEAM], "trajectory": [ANALYSIS_TEAM],
+    "interventions": [ANALYSIS_TEAM], "trajectory": [ANALYSIS_TEAM], "extension": [ANALYSIS_TEAM],
     "benchmarks": [REPORTING_TEAM], "report": [REPORTING_TEAM],
 }
 

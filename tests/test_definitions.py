@@ -59,10 +59,12 @@ def test_capture_runs_in_the_gpu_pool(graph) -> None:
     assert graph.get(key).pools == {"gpu"}
     others = [k.to_user_string() for k in graph.get_all_asset_keys()
               if k != key and graph.get(k).is_materializable and "gpu" in (graph.get(k).pools or set())]
-    # only the assets that run model forwards hold the GPU pool: the capture and the interventions (SPEC 11)
-    assert all(o.startswith("intervention_") for o in others), others
-    interventions = [k for k in graph.get_all_asset_keys() if k.to_user_string().startswith("intervention_")]
-    assert all(graph.get(k).pools == {"gpu"} for k in interventions)
+    # only the assets that run model forwards hold the GPU pool: the capture, the interventions (SPEC 11) and
+    # retrieval beyond the trained context (SPEC 13.2)
+    forwards = ("intervention_", "extension_trials", "extension_accuracy", "extension_effective_length")
+    assert all(o.startswith(forwards) for o in others), others
+    probes = [k for k in graph.get_all_asset_keys() if k.to_user_string().startswith(forwards)]
+    assert len(probes) == 10 and all(graph.get(k).pools == {"gpu"} for k in probes)
 
 
 def test_shipped_instance_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

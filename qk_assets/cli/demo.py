@@ -56,6 +56,7 @@ from qk_assets.cli.dagster_api import (
 )
 from qk_assets.cli.preflight import InstanceError, instance_problem
 from qk_assets.definitions import build_definitions
+from qk_assets.defs.extension import GROUP as EXTENSION_GROUP
 from qk_assets.partitions import multi_corpus_models, pair_key, registry, sync_instance
 from qk_core.config.registry import Registry
 from qk_core.io.storage import Storage
@@ -93,11 +94,21 @@ def demo_partition_keys(registry: Registry, group: str, patterns: Iterable[str] 
     return pairs | corpora | compared | set(registry.series)
 
 
+def extension_partition_keys(registry: Registry, group: str, patterns: Iterable[str] = ()) -> set[str]:
+    """Partition keys of the extension assets (SPEC 13, group ``extension``) that belong to the run: the chosen
+    variants' (model, first corpus) pairs (retrieval beyond C) and their bases (the comparison). A run without
+    variants materialises none of them."""
+    chosen = [registry.model(m) for m in group_models(registry, group, patterns)]
+    variants = [e for e in chosen if e.variant is not None]
+    return {str(pair_key(e.key, e.corpus)) for e in variants} | {e.variant.base for e in variants}
+
+
 def select_nodes(graph: AssetGraph, registry: Registry, group: str, patterns: Iterable[str] = (),
                  instance: DagsterInstance | None = None) -> tuple[list[Node], list[str]]:
     """The (asset, partition) pairs the demo materialises, and notes on the assets it leaves out."""
     patterns = list(patterns)
-    wanted = demo_partition_keys(registry, group, patterns)
+    wanted_models = demo_partition_keys(registry, group, patterns)
+    wanted_extension = extension_partition_keys(registry, group, patterns)
     nodes: list[Node] = []
     notes: list[str] = []
     for key in graph.toposorted_asset_keys:
@@ -107,6 +118,7 @@ def select_nodes(graph: AssetGraph, registry: Registry, group: str, patterns: It
         if node.partitions_def is None:
             nodes.append((key, None))
             continue
+        wanted = wanted_extension if node.group_name == EXTENSION_GROUP else wanted_models
         keys = [k for k in node.partitions_def.get_partition_keys(dynamic_partitions_store=instance) if k in wanted]
         if not keys:
             notes.append(f"{key.to_user_string()}: no partition for the '{group}' models (skipped)")

@@ -69,8 +69,9 @@ SENSOR_INTERVAL_S = 5
 REGISTRY_ANALYSIS = AssetKey("registry_analysis")
 REGISTRY_LISTING = AssetKey("registry_listing")
 # Fields of a model entry that do not change what is captured for a (model, corpus) pair ("analysis" has a
-# data version of its own: registry_analysis).
-NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index", "analysis")
+# data version of its own: registry_analysis). A variant's record (SPEC 13.1) acts through its config_overrides and
+# window, which stay in the version; leaving the record out keeps the versions of every other entry unchanged.
+NOT_CONFIGURING = ("groups", "description", "corpus", "corpora", "step_index", "analysis", "variant")
 WHERE_IT_RUNS = ("shards", "num_gpus")  # capture options that only decide where a capture runs (issue 12)
 
 

@@ -131,6 +131,25 @@ def describe_layers(config: Any, calls: dict[int, CallInfo], include_sliding: bo
     return infos
 
 
+def variant_problems(infos: list[LayerInfo], expected: dict[str, Any]) -> list[str]:
+    """SPEC 13.1: every RoPE layer of a variant's loaded model must record the variant's override (``expected``:
+    :meth:`qk_core.config.variants.Variant.expected_rope`); one line per layer and field that does not."""
+    out = []
+    rope_layers = [i for i in infos if i.rope_applied]
+    if expected and not rope_layers:
+        out.append("no layer applies RoPE, so no RoPE override can act")
+    for info in rope_layers:
+        for name, want in expected.items():
+            got = getattr(info, name)
+            if isinstance(want, float) and got is not None:
+                same = abs(float(got) - want) <= 1e-9 * abs(want)
+            else:
+                same = got == want
+            if not same:
+                out.append(f"layer {info.layer}: {name} is {got!r}, the variant sets {want!r}")
+    return out
+
+
 def _eligible(info: LayerInfo, include_sliding: bool) -> bool:
     """SPEC 1.4: self-attention with full attention; sliding only on request; cross-attention never."""
     if not info.reached or info.attention_type == "cross":

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers
+from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers, variant_problems
 from qk_core.capture.moments import LayerMoments
 from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_heads, stratified_positions
 from qk_core.capture.store import (
@@ -329,6 +329,11 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
         log.info(f"{entry.key}: loading {entry.source.describe()} on {dev} as {dtype}")
         loaded = load_model(entry, dev, config=config, tokenizer=tokenizer)
     infos = probe_layers(loaded, entry.capture.include_sliding, intervention)
+    if entry.variant is not None:  # SPEC 13.1: the override must be what the loaded model's layers record
+        problems = variant_problems(infos, entry.variant.expected_rope())
+        if problems:
+            raise CaptureError(f"{entry.key}: the loaded model does not carry the variant's RoPE override "
+                               f"({entry.variant.describe()}): " + "; ".join(problems))
     explicit = heads
     heads = plan_heads(entry, infos, explicit)
     sampled = {h["layer"] for h in heads}
@@ -349,6 +354,11 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                     "bucket": int(entry.bucket), "n_buckets": n_buckets, "dtype": moment_dtype,
                     "positions": "every token position of every document"},
     }
+    if entry.variant is not None:  # SPEC 13.1 (only variants carry the key: other manifests are unchanged)
+        rotary = getattr(loaded.backbone, "rotary_emb", None)
+        manifest["variant"] = {**entry.variant.record(), "description": entry.variant.describe(),
+                               "expected_rope": entry.variant.expected_rope(),
+                               "rope_attention_scaling": float(getattr(rotary, "attention_scaling", 1.0) or 1.0)}
     log.info(f"{entry.key}: {len(heads)} heads in {len(sampled)} of {len(infos)} layers "
              f"(eligible: {[i.layer for i in infos if i.eligible]}); window {entry.window}, bucket {entry.bucket}, "
              f"attention backend {loaded.identity.get('attn_implementation')}")

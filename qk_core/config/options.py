@@ -264,6 +264,60 @@ class InterventionOptions:
         return json.dumps(self.record(window), sort_keys=True)
 
 
+class ExtensionOptionsError(ValueError):
+    """An extension option is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class ExtensionOptions:
+    """SPEC 13.2 options of retrieval beyond the trained context C (the probe of SPEC 11.1, unintervened).
+
+    length_fractions: prompt lengths as multiples of C (default C/2, C, 3C/2, 2C); each must fit the variant's
+    window W. lengths: absolute prompt lengths in tokens instead (None: from ``length_fractions``).
+    depths, n_docs, repeats, candidates, seed, snap_chars: as in SPEC 11.1; the documents are the first
+    ``n_docs`` of the corpus long enough for the longest prompt, the same at every length.
+    threshold: the effective-length rule's share of the accuracy at the shortest length (NoLiMa: 0.85).
+    """
+
+    __pydantic_config__ = STRICT_TABLE
+
+    length_fractions: tuple[FloatIn(0.01, 64.0), ...] = (0.5, 1.0, 1.5, 2.0)
+    lengths: tuple[IntIn(64, MAX_TOKENS), ...] | None = None
+    depths: tuple[UnitFloat, ...] = DEFAULT_DEPTHS
+    n_docs: IntIn(1, MAX_DOCS) = 20
+    repeats: IntIn(1, MAX_COUNT) = 1
+    candidates: IntIn(2, MAX_COUNT) = 10
+    seed: NonNegInt = 0
+    snap_chars: IntIn(0, 10**6) = 400
+    threshold: FloatIn(0.0, 1.0) = 0.85
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+        object.__setattr__(self, "length_fractions", tuple(float(f) for f in self.length_fractions))
+        if self.lengths is not None:
+            object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        where = "analysis.extension"
+        if not self.depths:
+            raise ExtensionOptionsError(f"{where}.depths: at least one depth")
+        if not (self.lengths or self.length_fractions):
+            raise ExtensionOptionsError(f"{where}.length_fractions: at least one length")
+
+    def prompt_lengths(self, trained_context: int, window: int) -> list[int]:
+        """The tested prompt lengths in tokens, ascending (each <= the window; the error names the option)."""
+        if self.lengths is not None:
+            out, fld = sorted(set(self.lengths)), "lengths"
+        else:
+            out, fld = sorted({round(f * trained_context) for f in self.length_fractions}), "length_fractions"
+        too_long = [n for n in out if n > window]
+        if too_long:
+            raise ExtensionOptionsError(f"analysis.extension.{fld}: prompt lengths {too_long} exceed the window "
+                                        f"{window} (SPEC 13.2: each length <= W)")
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 COVERAGES = ("sampled", "all")  # SPEC 12.1 option coverage of the per-head analyses
 
 
@@ -375,8 +429,10 @@ class CaptureOptions:
 
 #: Every per-model analysis with an options table in a registry entry's ``analysis = { <name> = {...} }``.
 ANALYSIS_OPTIONS: dict[str, type] = {"pca": PCAOptions, "rotation": RotationOptions,
-                                     "plasticity": PlasticityOptions, "interventions": InterventionOptions}
-_ERRORS: dict[str, type[ValueError]] = {"plasticity": PlasticityOptionsError, "interventions": InterventionOptionsError}
+                                     "plasticity": PlasticityOptions, "interventions": InterventionOptions,
+                                     "extension": ExtensionOptions}
+_ERRORS: dict[str, type[ValueError]] = {"plasticity": PlasticityOptionsError, "interventions": InterventionOptionsError,
+                                        "extension": ExtensionOptionsError}
 
 
 def resolve_options(name: str, analysis: Mapping[str, Any] | None = None,

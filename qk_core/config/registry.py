@@ -43,6 +43,15 @@ from qk_core.config.schema import (
     error_lines,
 )
 from qk_core.config.settings import Settings
+from qk_core.config.variants import (
+    OVERRIDE_FAMILIES,
+    SHARED_FIELDS,
+    Variant,
+    VariantSpec,
+    VariantsTable,
+    make_variant,
+    rope_override,
+)
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -101,6 +110,7 @@ class ModelEntry:
     step_index: int | None = None
     description: str = ""
     corpora: tuple[str, ...] = ()  # every corpus the model is captured on (SPEC 10), ``corpus`` first
+    variant: Variant | None = None  # SPEC 13.1: a base entry plus a RoPE override (``[variants.<base>]``)
 
     def __post_init__(self) -> None:
         if not self.corpora:
@@ -149,6 +159,10 @@ class Registry:
 
     def in_group(self, group: str) -> list[str]:
         return [k for k, m in self.models.items() if group in m.groups]
+
+    def variants_of(self, base: str) -> list[str]:
+        """The variant keys ``<base>~<name>`` of a base model (SPEC 13.1), in file order."""
+        return [k for k, m in self.models.items() if m.variant is not None and m.variant.base == base]
 
 
 def _err(path: Path, entry: str, fld: str, msg: str) -> RegistryError:
@@ -377,7 +391,7 @@ def load_registry(path: str | Path | None = None) -> Registry:
     except RecursionError:
         raise RegistryError(f"{path}: tables or arrays nested too deep to read (config_overrides may nest "
                             f"{MAX_OVERRIDE_DEPTH} tables)") from None
-    unknown = set(doc) - {"defaults", "corpora", "models", "series"}
+    unknown = set(doc) - {"defaults", "corpora", "models", "series", "variants"}
     if unknown:
         raise RegistryError(f"{path}: unknown top-level tables {sorted(unknown)}")
 
@@ -428,4 +442,60 @@ def load_registry(path: str | Path | None = None) -> Registry:
             models[key] = replace(entry, series=name, revision_label=rev, step_index=i)
             keys.append(key)
         series[name] = Series(name, tuple(keys))
+    models.update(_variants(path, doc, models, defaults, corpora))
     return Registry(path=path, models=models, corpora=corpora, series=series)
+
+
+#: config_overrides keys a variant's RoPE override replaces in its base entry's.
+_ROPE_OVERRIDE_KEYS = ("rope_scaling", "rope_parameters", "max_position_embeddings")
+
+
+def _variants(path: Path, doc: dict[str, Any], models: dict[str, ModelEntry], defaults: dict[str, Any],
+              corpora: dict[str, CorpusEntry]) -> dict[str, ModelEntry]:
+    """The entries ``<base>~<name>`` of every ``[variants.<base>]`` table (SPEC 13.1): the base's fields, the
+    variants' window, bucket, groups (and any shared field the table sets), and the variant's RoPE override."""
+    out: dict[str, ModelEntry] = {}
+    bases = _tables(path, doc, "models")
+    for base, table in _tables(path, doc, "variants").items():
+        where = f"variants.{base}"
+        if base not in bases:
+            raise _err(path, where, "(base)", f"no [models.{base}] entry to derive variants from "
+                                              f"(bases are registry models; known: {sorted(bases)})")
+        head = _validated(path, where, VariantsTable,
+                          {k: table[k] for k in ("trained_context", "window", "groups") if k in table})
+        C = head.trained_context
+        window = head.window if head.window is not None else 2 * C
+        if window <= C:
+            raise _err(path, where, "window", f"{window} must exceed trained_context {C} (SPEC 13.1: W > C)")
+        shared = {k: v for k, v in table.items() if k in SHARED_FIELDS and k != "trained_context"}
+        lines = {k: v for k, v in table.items() if k not in SHARED_FIELDS}
+        if not lines:
+            raise _err(path, where, "(variants)", "declares no variant (e.g. none = {}, linear = { type = "
+                                                  "\"linear\", factor = 2 })")
+        replaced = {"window", "bucket", "groups"}
+        if {"corpus", "corpora"} & set(shared):  # the table's corpus list replaces the base's, whichever field
+            replaced |= {"corpus", "corpora"}
+        raw_base = {k: v for k, v in bases[base].items() if k not in replaced}
+        base_overrides = dict(raw_base.pop("config_overrides", None) or {})
+        family = models[base].family
+        for name, line in lines.items():
+            key = f"{base}~{name}"
+            if not SLUG_RE.fullmatch(name):
+                raise _err(path, where, name, "variant names use a-z, 0-9, '.', '_', '-'")
+            if not isinstance(line, dict):
+                raise _err(path, key, f"[{where}].{name}", f"must be a table (e.g. {{ type = \"linear\", "
+                                                           f"factor = 2 }}), got {line!r}")
+            spec = _validated(path, key, VariantSpec, line, f"[{where}].{name}")
+            variant = make_variant(base, name, spec, C, window)
+            rope = rope_override(variant)
+            if rope and family not in OVERRIDE_FAMILIES:
+                raise _err(path, key, f"[{where}].{name}",
+                           f"the base's family {family!r} cannot take a RoPE override (its text config has no "
+                           f"single RoPE table to replace); families that can: {list(OVERRIDE_FAMILIES)}")
+            kept = {k: v for k, v in base_overrides.items() if not (rope and k in _ROPE_OVERRIDE_KEYS)}
+            raw = _merge(raw_base, {k: v for k, v in shared.items() if k not in ("window", "groups")},
+                         {"window": window, "groups": list(head.groups), "config_overrides": {**kept, **rope}})
+            if "description" not in shared:
+                raw["description"] = variant.describe()
+            out[key] = replace(_model(path, key, raw, defaults, corpora), variant=variant)
+    return out

@@ -259,6 +259,11 @@ def apply_config_overrides(config: Any, overrides: dict[str, Any]) -> Any:
                 raise ModelSourceError(
                     f"config_overrides.{k}: this model has per-layer-type RoPE {sorted(current)}; override "
                     "rope_parameters with one table per layer type instead")
+            new_type = v.get("rope_type", v.get("type"))
+            if new_type is not None and new_type != current.get("rope_type", current.get("type")):
+                # a new RoPE type starts from the base's frequencies only (SPEC 13.1): keys of the old type
+                # (e.g. llama3's low_freq_factor) would otherwise linger in the new one
+                current = {key: x for key, x in current.items() if key in ("rope_theta", "partial_rotary_factor")}
             merged = {**current, **v}
             if "type" in merged and "rope_type" in v:
                 merged.pop("type")
@@ -289,7 +294,12 @@ def load_config(entry: ModelEntry) -> Any:
             config = AutoConfig.from_pretrained(name, trust_remote_code=entry.trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelSourceError(f"{entry.key}: {entry.source.describe()}: config not available: {exc}") from exc
-    return apply_config_overrides(config, entry.config_overrides)
+    try:
+        return apply_config_overrides(config, entry.config_overrides)
+    except (ModelSourceError, KeyError, ValueError) as exc:
+        what = f" (variant {entry.variant.describe()})" if entry.variant is not None else ""
+        raise ModelSourceError(f"{entry.key}: config_overrides{what} cannot be applied to the "
+                               f"{entry.family} config: {exc}") from exc
 
 
 def load_tokenizer(key: str, src: Source, trust_remote_code: bool = False) -> Any:

@@ -182,6 +182,16 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "the offline demo captures none of them: its trajectory shows the thesis's published "
                 "reference values (open diamonds) and lists every checkpoint as missing.", (r"trajectory",),
                 nav="Trajectory"),
+    SectionSpec("extension", "Context extension without training: does the geometry predict which extension "
+                "works?", "SPEC 13",
+                "One trained model under RoPE overrides applied at inference (none, linear interpolation, dynamic "
+                "NTK, YaRN, a larger rope_theta), each a registry model <base>~<variant> captured at a window W "
+                "beyond the trained context C. Retrieval (the SPEC 11.1 probe, unintervened) at prompt lengths "
+                "C/2, C, 3C/2, 2C with Wilson 95% intervals and the effective length (NoLiMa's rule); per base "
+                "model, the AP profile of every variant in absolute positions with C marked, and the rank "
+                "correlation of each geometry measure beyond C with accuracy beyond C, with exact p and n "
+                "(n >= 3), stated plainly - including when no measure predicts. Hours on a CPU, so not part of "
+                "`make demo`: `make demo ARGS=\"--group extension\"` runs it.", (r"^extension",), nav="Extension"),
     SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
                 "What was measured and how: weights, capture window L, bucket width B, head and position "
                 "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),

@@ -1,0 +1,1 @@
+"""Context extension without training (SPEC 13): retrieval beyond C, the comparison across variants."""
