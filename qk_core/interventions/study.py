@@ -23,7 +23,7 @@ from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSes
 from qk_core.interventions.outcomes import contrast, summarise
 from qk_core.interventions.probe import Trial, build_trial, candidate_ids, score_trial, trial_outcome
 from qk_core.interventions.remeasure import debias_axes, remeasure
-from qk_core.interventions.verdict import verdicts
+from qk_core.interventions.verdict import probe_statement, verdicts
 
 _log = logging.getLogger(__name__)
 TRIAL_COLUMNS = ["doc_id", "depth", "depth_tokens", "repeat", "n_tokens", "snapped", "intervention", "head_set",
@@ -124,6 +124,7 @@ class StudyResult:
     # the probe's calibration (qk_core.interventions.calibrate): settings tried on held-out documents and the
     # study's baseline at the chosen one, Wilson 95% intervals
     calibration: pd.DataFrame = field(default_factory=pd.DataFrame)
+    probe_statement: str = ""  # the calibration in one sentence, with the study's baseline accuracy
 
 
 def head_set_table(sets: list[HeadSet], plasticity_heads: pd.DataFrame) -> pd.DataFrame:
@@ -177,7 +178,7 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
         profiles=pd.concat(profiles, ignore_index=True) if profiles else pd.DataFrame(),
         remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts, set_table, cal),
         options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"),
-        calibration=cal.table(table))
+        calibration=cal.table(table), probe_statement=probe_statement(table, cal))
 
 
 def calibrate_probe(loaded: Any, corpus: pd.DataFrame, opts: InterventionOptions, window: int, capture_window: int,
