@@ -144,13 +144,14 @@ def test_search_on_planted_accuracy_tables() -> None:
     assert cal.status == "inside" and len(cal.tried) == 1 and cal.chosen == base
 
 
+@pytest.mark.slow  # full forwards of every candidate (about 5 s on a quiet machine, 50 s under load 20)
 def test_calibration_on_a_tiny_model_uses_held_out_documents_only() -> None:
     model = tm.tiny_model("llama")
     bb = backbone_of(model)
     tok = tm.byte_tokenizer()
     corpus = pd.DataFrame({"example_id": [11, 12, 13, 14, 15], "text": [prose(60, s) for s in range(5)]})
-    opts = InterventionOptions(window=200, depths=(0.2, 0.7), n_docs=2, calibration_docs=2, calibration_trials=16,
-                               max_candidates=4, candidates=4, max_window=256)
+    opts = InterventionOptions(window=200, depths=(0.2, 0.7), n_docs=2, calibration_docs=2, calibration_trials=12,
+                               max_candidates=4, candidates=3, max_window=256)
     ho = held_out(corpus, opts)
     assert ho["example_id"].tolist() == [13, 14]
     assert not set(ho["example_id"]) & set(corpus.head(opts.n_docs)["example_id"])
@@ -160,7 +161,7 @@ def test_calibration_on_a_tiny_model_uses_held_out_documents_only() -> None:
             return score_trial(model, trial, candidate_ids(tok, trial.codes))
 
     cal = calibrate(score, tok, corpus, opts, 200, 256)
-    assert cal.documents == (13, 14) and cal.trials_used <= 16 and cal.tried[0].setting == Setting(200, 4)
+    assert cal.documents == (13, 14) and cal.trials_used <= 12 and cal.tried[0].setting == Setting(200, 3)
     assert cal.status in ("inside", "ceiling", "floor", "outside")
     table = cal.table()
     for t, row in zip(cal.tried, table.itertuples(), strict=True):
@@ -218,3 +219,24 @@ def test_verdict_says_plainly_when_the_ceiling_cannot_be_left() -> None:
     v2 = verdicts(planted_trials().assign(depth=lambda d: d["depth"].where(d["depth"] < 0.5, 0.3)),
                   tr.iloc[0:0], opts, None, ok)
     assert v2.iloc[0]["verdict"] == "supported" and "probe calibrated on held-out documents" in v2.iloc[0]["evidence"]
+
+
+def test_report_shows_the_calibration_in_the_interventions_section() -> None:
+    from qk_core.report.html import ReportInputs, render_report
+
+    hard = Setting(512, 10, "near", 3)
+    cal = Calibration(Setting(512, 10), hard, "inside", BAND, documents=(13, 14), budget=48, max_window=2048,
+                      max_candidates=20)
+    cal.tried = [Tried(Setting(512, 10), 8, 8, 8, state="above"), Tried(hard, 8, 8, 6, state="inside")]
+    study = planted_trials()
+    study.loc[(study["intervention"] == "baseline") & (study["doc_id"] < 2), "correct"] = False
+    table = cal.table(study)
+    assert table["phase"].tolist() == ["calibration", "calibration", "study"]
+    assert table["chosen"].tolist() == [False, True, True] and table.iloc[2]["accuracy"] == 8 / 12
+    assert table.iloc[2]["documents"] == "0, 1, 2, 3, 4, 5" and table.iloc[0]["documents"] == "13, 14"
+    page = render_report(ReportInputs(title="t", models=[], tables={"intervention_calibration": {"m": table}},
+                                      figures=[], states=[], defined_assets=["intervention_calibration"]))
+    sec = page[page.index('<section id="interventions"'):]
+    sec = sec[:sec.index("</section>")]
+    assert "m: probe calibration" in sec and "window 512, K = 10, near, 3 decoys" in sec
+    assert "6 / 8" in sec and "0.6667" in sec and "[0.3906, 0.8619]" in sec and "held-out: 13, 14" in sec
