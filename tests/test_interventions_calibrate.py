@@ -144,7 +144,6 @@ def test_search_on_planted_accuracy_tables() -> None:
     assert cal.status == "inside" and len(cal.tried) == 1 and cal.chosen == base
 
 
-@pytest.mark.slow  # full forwards of every candidate (about 5 s on a quiet machine, 50 s under load 20)
 def test_calibration_on_a_tiny_model_uses_held_out_documents_only() -> None:
     model = tm.tiny_model("llama")
     bb = backbone_of(model)
