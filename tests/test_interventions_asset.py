@@ -93,6 +93,13 @@ def test_interventions_asset_materialises(tmp_path: Path, monkeypatch: pytest.Mo
         verdicts = storage.read_parquet(asset_rel(["intervention_verdicts"], key)).to_pandas()
         assert set(verdicts["hypothesis"].str[:2]) == {"H1", "H2"}
         assert "**" in meta["intervention_verdicts"]["statements"].value
+        # the probe's calibration: on the held-out third document only, then the study's baseline row
+        cal = storage.read_parquet(asset_rel(["intervention_calibration"], key)).to_pandas()
+        assert cal["phase"].iloc[-1] == "study" and (cal["phase"].iloc[:-1] == "calibration").all()
+        assert cal["chosen"].iloc[-1] and cal["chosen"].sum() == 2
+        held = set(docs["example_id"].iloc[2:3].astype(str))
+        assert set(cal.loc[cal["phase"] == "calibration", "documents"]) == held
+        assert meta["intervention_calibration"]["status"].value in ("inside", "ceiling", "floor", "outside")
         assert (tmp_path / "storage" / "figures" / "interventions" / "t" / "tiny" / "accuracy.png").exists()
     finally:
         monkeypatch.undo()

@@ -15,7 +15,11 @@ device resource (pool ``gpu``), reads the pair's corpus (the haystacks), its cap
 - ``intervention_debias_profiles`` / ``intervention_debias_metrics``: the `lowest` heads recaptured without
   and with `debias`, SPEC 3 and 4 re-run: AP profiles, AP headline and bias_strength with paired intervals;
   figure: AP profile with and without debias;
-- ``intervention_verdicts``: plain statements of what the data support (H1, H2) with their intervals.
+- ``intervention_verdicts``: plain statements of what the data support (H1, H2) with their intervals;
+- ``intervention_calibration``: the probe's calibration (:mod:`qk_core.interventions.calibrate`): every
+  setting tried on the held-out documents with its accuracy (Wilson 95%), the chosen one, and the study's
+  baseline accuracy at it; metadata: the status, the chosen settings and the calibration in one sentence (the
+  H1 verdicts say so plainly when the probe could not leave the ceiling or the floor).
 
 Options: :class:`qk_core.interventions.options.InterventionOptions` defaults < the registry entry's
 ``analysis.interventions`` table < the run config (the demo models' registry entries hold reduced settings).
@@ -64,6 +68,10 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
         "intervention_debias_metrics": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
             "AP_overall / first20 / last20 / drop and bias_strength of the lowest heads without and with "
             "debias, and the paired difference with document-bootstrap 95% intervals (SPEC 11.3).")),
+        "intervention_calibration": AssetOut(group_name=GROUP, kinds={"parquet"}, description=(
+            "The probe's difficulty calibration on held-out documents: each setting tried (window, K, "
+            "distractors, decoys) with its baseline accuracy (Wilson 95%), the chosen one, and the study's "
+            "baseline accuracy at it; target band in the options (issue 24 item 4).")),
     },
     # Dagster maps the corpus partition to the pairs' corpus dimension (as for the capture)
     ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(), "corpus": AssetIn()},
@@ -126,13 +134,27 @@ def interventions(context: AssetExecutionContext, config: AnalysisConfig, storag
         res.profiles, res.remeasured, title)})}))
     yield Output(res.remeasured, output_name="intervention_debias_metrics", metadata=results_first(lead, {
         **common, "preview": _md(res.remeasured, 40)}))
+    cal = res.options.get("probe_calibration", {})
+    study_row = res.calibration[res.calibration["phase"] == "study"] if len(res.calibration) else res.calibration
+    baseline = {}
+    if len(study_row):
+        r = study_row.iloc[0]
+        baseline = {"baseline_accuracy": float(r["accuracy"]), "baseline_accuracy_lo": float(r["accuracy_lo"]),
+                    "baseline_accuracy_hi": float(r["accuracy_hi"])}
+    yield Output(res.calibration, output_name="intervention_calibration", metadata=results_first(baseline, {
+        **common, "status": str(cal.get("status", "")), "chosen": str(cal.get("chosen", "")),
+        "configured": str(cal.get("configured", "")), "target_band": MetadataValue.json(cal.get("band", [])),
+        "held_out_documents": MetadataValue.json(cal.get("held_out_documents", [])),
+        "calibration": MetadataValue.md(res.probe_statement or "(none)"),
+        "preview": _md(res.calibration.drop(columns=["documents"]) if len(res.calibration) else res.calibration)}))
     yield Output(res.verdicts, output_name="intervention_verdicts", metadata=results_first(lead, {
         **common, "statements": MetadataValue.md("\n".join(f"- **{r.verdict}** - {r.statement}"
                                                            for r in res.verdicts.itertuples()) or "(none)")}))
 
 
 OUTPUTS = ("intervention_trials", "intervention_summary", "intervention_contrast", "intervention_head_sets",
-           "intervention_debias_profiles", "intervention_debias_metrics", "intervention_verdicts")
+           "intervention_debias_profiles", "intervention_debias_metrics", "intervention_verdicts",
+           "intervention_calibration")
 
 
 def verdict_values(verdicts: pd.DataFrame) -> dict[str, float]:

@@ -181,6 +181,7 @@ def n_buckets(L: int, B: int) -> int:
     return -(-int(L) // int(B))
 
 
+NEAR_CODES = 44  # 5-digit codes one digit away from a given one: 8 for the first digit (no 0) + 4 x 9
 DEFAULT_DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
@@ -205,6 +206,15 @@ class InterventionOptions:
     remeasure_docs: documents of those recaptures (None: all of the corpus the capture read).
     corpora: the model's corpora the study runs on (SPEC 10; None: every one); on any other corpus the
     study's outputs are empty and say why (:meth:`runs_on`).
+
+    Probe difficulty (issue 24 item 4; :mod:`qk_core.interventions.calibrate`): distractors ``random`` (K - 1
+    random 5-digit codes, SPEC 11.1) or ``near`` (each differs from the correct code in one digit); decoys:
+    that many of the distractor codes also sit in the haystack as needles of other names (each shares the
+    first or the last name with the asked one). calibrate: choose window, candidates, distractors and decoys
+    on held-out documents (those after the study's ``n_docs``, the next ``calibration_docs`` of them) so that
+    the baseline accuracy lands in ``target_band``, searching a fixed ladder from the settings above, at most
+    ``calibration_trials`` trials in all, windows up to ``max_window`` (None: the capture window) and K up to
+    ``max_candidates``; false: the settings above are used as given.
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -225,9 +235,18 @@ class InterventionOptions:
     remeasure: Bool = True
     remeasure_docs: IntIn(1, MAX_DOCS) | None = None
     corpora: tuple[Str, ...] | None = None
+    distractors: Literal["random", "near"] = "random"
+    decoys: IntIn(0, MAX_COUNT) = 0
+    calibrate: Bool = True
+    target_band: tuple[UnitFloat, UnitFloat] = (0.40, 0.90)
+    calibration_docs: IntIn(1, MAX_DOCS) = 4
+    calibration_trials: IntIn(1, MAX_COUNT) = 48
+    max_window: IntIn(64, MAX_TOKENS) | None = None
+    max_candidates: IntIn(2, MAX_COUNT) = 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+        object.__setattr__(self, "target_band", tuple(float(b) for b in self.target_band))
         if self.corpora is not None:
             object.__setattr__(self, "corpora", tuple(self.corpora))
         object.__setattr__(self, "interventions", tuple(self.interventions))
@@ -247,6 +266,19 @@ class InterventionOptions:
             raise InterventionOptionsError(f"{where}.window: at least 64 tokens, got {self.window}")
         if not 0.0 < self.ci < 1.0:
             raise InterventionOptionsError(f"{where}.ci: must lie in (0, 1), got {self.ci}")
+        if self.distractors not in ("random", "near"):
+            raise InterventionOptionsError(f"{where}.distractors: random or near, got {self.distractors!r}")
+        if self.decoys > self.candidates - 1:
+            raise InterventionOptionsError(f"{where}.decoys: at most candidates - 1 = {self.candidates - 1}, got "
+                                           f"{self.decoys}")
+        if self.candidates > NEAR_CODES + 1 and self.distractors == "near":
+            raise InterventionOptionsError(f"{where}.candidates: near distractors allow at most {NEAR_CODES + 1}")
+        lo, hi = self.target_band
+        if not 0.0 <= lo < hi <= 1.0:
+            raise InterventionOptionsError(f"{where}.target_band: need 0 <= low < high <= 1, got {[lo, hi]}")
+        if self.max_candidates > NEAR_CODES + 1:
+            raise InterventionOptionsError(f"{where}.max_candidates: at most {NEAR_CODES + 1} (codes one digit from "
+                                           f"the correct one), got {self.max_candidates}")
 
     def runs_on(self, corpus: str) -> bool:
         """Whether the study runs on ``corpus`` (``corpora`` unset: on every corpus of the model)."""

@@ -1,6 +1,12 @@
 """The retrieval probe (SPEC 11.1): a needle "The pass code of <name> is <code>." at a token depth of a
 corpus document, a question at the end, and the correct code ranked among K candidates by sequence
 log-probability from one forward of the prompt plus one cached forward of all K continuations.
+
+Two difficulty knobs beyond SPEC 11.1 (issue 24 item 4, chosen by :mod:`qk_core.interventions.calibrate`):
+``near`` distractors (each differs from the correct code in one digit) and ``decoys``: the first that many
+distractor codes are also inserted into the haystack as needles of other names, each sharing the first or
+the last name with the asked one, at seeded relative positions (sentence boundaries where one is near).
+With ``random`` distractors and no decoys a trial is the SPEC 11.1 trial, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Trial:
     ids: list[int]  # the prompt's token ids (with the tokenizer's special tokens)
     needle_token: int  # index of the needle's first token in ids
     snapped: bool  # inserted at a sentence boundary
+    decoys: tuple[str, ...] = ()  # names of the decoy needles (their codes are codes[1 : 1 + len(decoys)])
 
     @property
     def depth_tokens(self) -> float:
@@ -47,15 +54,44 @@ class Trial:
         return self.needle_token / len(self.ids)
 
 
-def trial_rng(seed: int, doc_id: int, depth: float, rep: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed), PROBE_STREAM, int(doc_id), round(depth * 1000), int(rep)])
+def trial_rng(seed: int, doc_id: int, depth: float, rep: int, stream: int = PROBE_STREAM) -> np.random.Generator:
+    return np.random.default_rng([int(seed), int(stream), int(doc_id), round(depth * 1000), int(rep)])
 
 
-def draw_needle(rng: np.random.Generator, K: int) -> tuple[str, list[str]]:
-    """A name and K distinct 5-digit codes (the first is the correct one)."""
+def near_codes(code: str) -> list[str]:
+    """Every 5-digit code that differs from ``code`` in exactly one digit (no leading 0), in a fixed order."""
+    out = []
+    for i, d in enumerate(code):
+        for x in "0123456789":
+            if x != d and not (i == 0 and x == "0"):
+                out.append(code[:i] + x + code[i + 1:])
+    return out
+
+
+def draw_needle(rng: np.random.Generator, K: int, distractors: str = "random") -> tuple[str, list[str]]:
+    """A name and K distinct 5-digit codes (the first is the correct one); ``near``: the K - 1 distractors
+    differ from the correct code in one digit each."""
     name = f"{FIRST[rng.integers(len(FIRST))]} {LAST[rng.integers(len(LAST))]}"
     codes = rng.choice(np.arange(10000, 100000), size=K, replace=False)
-    return name, [str(int(c)) for c in codes]
+    out = [str(int(c)) for c in codes]
+    if distractors == "near":
+        pool = near_codes(out[0])
+        if len(pool) < K - 1:
+            raise ProbeError(f"near distractors: at most {len(pool)} codes one digit from a code, K = {K}")
+        out = [out[0]] + [pool[i] for i in rng.choice(len(pool), size=K - 1, replace=False)]
+    return name, out
+
+
+def draw_decoy_names(rng: np.random.Generator, name: str, n: int) -> list[str]:
+    """``n`` distinct names other than ``name``: even ones share its first name, odd ones its last name."""
+    first, last = name.split(" ", 1)
+    same_first = [f"{first} {x}" for x in LAST if x != last]
+    same_last = [f"{x} {last}" for x in FIRST if x != first]
+    a = [same_first[i] for i in rng.permutation(len(same_first))]
+    b = [same_last[i] for i in rng.permutation(len(same_last))]
+    if (n + 1) // 2 > len(a) or n // 2 > len(b):
+        raise ProbeError(f"decoys: {n} names requested, at most {2 * min(len(a), len(b))} exist")
+    return [(a if i % 2 == 0 else b)[i // 2] for i in range(n)]
 
 
 def candidate_ids(tokenizer: Any, codes: list[str]) -> list[list[int]]:
@@ -76,24 +112,51 @@ def _insertion_point(text: str, target: int, snap_chars: int) -> tuple[int, bool
     return (ws + 1 if ws >= 0 else len(text)), False
 
 
+def _with_decoys(doc: str, decoys: list[str], where: np.ndarray, snap_chars: int) -> str:
+    """``doc`` with each decoy sentence inserted near relative character position ``where[i]`` (a sentence
+    boundary where one is near), the rightmost first so that earlier positions stay valid."""
+    spots = sorted(((_insertion_point(doc, int(w * len(doc)), snap_chars)[0], s) for w, s in
+                    zip(where, decoys, strict=True)), reverse=True)
+    for at, sent in spots:
+        head = doc[:at]
+        if head and not head[-1].isspace():
+            head += " "
+        doc = head + sent + doc[at:].lstrip()
+    return doc
+
+
 def build_trial(tokenizer: Any, doc_id: int, text: str, depth: float, window: int, K: int = 10, seed: int = 0,
-                rep: int = 0, snap_chars: int = 400) -> Trial:
-    """A prompt of at most ``window`` tokens (continuations included) with the needle at ``depth``."""
-    rng = trial_rng(seed, doc_id, depth, rep)
-    name, codes = draw_needle(rng, K)
+                rep: int = 0, snap_chars: int = 400, distractors: str = "random", decoys: int = 0,
+                stream: int = PROBE_STREAM) -> Trial:
+    """A prompt of at most ``window`` tokens (continuations included) with the needle at ``depth`` and
+    ``decoys`` other needles (module docstring); ``stream`` separates the RNG of other trial sets (the
+    calibration's)."""
+    rng = trial_rng(seed, doc_id, depth, rep, stream)
+    name, codes = draw_needle(rng, K, distractors)
+    if decoys > K - 1:
+        raise ProbeError(f"document {doc_id}: {decoys} decoys need at least {decoys + 1} candidates, K = {K}")
+    decoy_names = draw_decoy_names(rng, name, decoys) if decoys else []
+    decoy_at = rng.random(decoys) if decoys else np.zeros(0)
+    decoy_text = [NEEDLE.format(name=n, code=codes[1 + i]) for i, n in enumerate(decoy_names)]
     needle, question = NEEDLE.format(name=name, code=codes[0]), QUESTION.format(name=name)
     max_cont = max(len(c) for c in candidate_ids(tokenizer, codes))
     fixed = len(tokenizer(needle + question, add_special_tokens=True)["input_ids"]) + max_cont
+    extra = len(tokenizer("".join(decoy_text), add_special_tokens=False)["input_ids"]) if decoys else 0
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = enc["offset_mapping"]
-    budget = min(window - fixed - 2, len(offsets))
+    budget = min(window - fixed - extra - 2, len(offsets))
     if budget < 16:
         raise ProbeError(f"document {doc_id}: window {window} leaves {budget} tokens for the document")
     for _ in range(8):
         doc = text[: offsets[budget - 1][1]]
-        n_total = budget + fixed - max_cont
-        target_tok = min(max(round(depth * n_total), 0), budget - 1)
-        at, snapped = _insertion_point(doc, offsets[target_tok][0], snap_chars)
+        doc_offsets, n_doc = offsets, budget
+        if decoys:
+            doc = _with_decoys(doc, decoy_text, decoy_at, snap_chars)
+            doc_offsets = tokenizer(doc, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            n_doc = len(doc_offsets)
+        n_total = n_doc + fixed - max_cont
+        target_tok = min(max(round(depth * n_total), 0), n_doc - 1)
+        at, snapped = _insertion_point(doc, doc_offsets[target_tok][0], snap_chars)
         head = doc[:at]
         if head and not head[-1].isspace():
             head += " "
@@ -103,7 +166,8 @@ def build_trial(tokenizer: Any, doc_id: int, text: str, depth: float, window: in
         excess = len(ids) + max_cont - window
         if excess <= 0:
             start = next(i for i, (s, e) in enumerate(penc["offset_mapping"]) if e > len(head) and e > s)
-            return Trial(int(doc_id), float(depth), int(rep), name, codes, ids, int(start), snapped)
+            return Trial(int(doc_id), float(depth), int(rep), name, codes, ids, int(start), snapped,
+                         tuple(decoy_names))
         budget -= excess
     raise ProbeError(f"document {doc_id}: could not fit the prompt into {window} tokens")
 

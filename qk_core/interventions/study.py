@@ -10,19 +10,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from qk_core.config.options import InterventionOptions
+from qk_core.interventions.calibrate import Calibration, calibrate
 from qk_core.interventions.head_sets import HeadSet, head_sets, k_values
 from qk_core.interventions.hook import DebiasAxis, Intervention, InterventionSession
 from qk_core.interventions.outcomes import contrast, summarise
 from qk_core.interventions.probe import Trial, build_trial, candidate_ids, score_trial, trial_outcome
 from qk_core.interventions.remeasure import debias_axes, remeasure
-from qk_core.interventions.verdict import verdicts
+from qk_core.interventions.verdict import probe_statement, verdicts
 
 _log = logging.getLogger(__name__)
 TRIAL_COLUMNS = ["doc_id", "depth", "depth_tokens", "repeat", "n_tokens", "snapped", "intervention", "head_set",
@@ -48,7 +49,7 @@ def conditions(sets: list[HeadSet], interventions: tuple[str, ...]) -> list[Cond
 def build_trials(tokenizer: Any, docs: pd.DataFrame, window: int, opts: InterventionOptions) -> list[Trial]:
     docs = docs.head(opts.n_docs)
     return [build_trial(tokenizer, int(eid), str(text), depth, window, opts.candidates, opts.seed, rep,
-                        opts.snap_chars)
+                        opts.snap_chars, opts.distractors, opts.decoys)
             for eid, text in zip(docs["example_id"], docs["text"], strict=True)
             for depth in opts.depths for rep in range(opts.repeats)]
 
@@ -120,6 +121,10 @@ class StudyResult:
     verdicts: pd.DataFrame  # what the data support (qk_core.interventions.verdict)
     options: dict[str, Any]
     seconds_per_forward: float  # mean wall time of one trial under one condition (prompt + continuations)
+    # the probe's calibration (qk_core.interventions.calibrate): settings tried on held-out documents and the
+    # study's baseline at the chosen one, Wilson 95% intervals
+    calibration: pd.DataFrame = field(default_factory=pd.DataFrame)
+    probe_statement: str = ""  # the calibration in one sentence, with the study's baseline accuracy
 
 
 def head_set_table(sets: list[HeadSet], plasticity_heads: pd.DataFrame) -> pd.DataFrame:
@@ -141,7 +146,10 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
     """
 
     log = log or _log
-    window = int(opts.window or entry.window)
+    cal = calibrate_probe(loaded, corpus, opts, int(opts.window or entry.window), int(entry.window), log,
+                          entry.key)
+    opts = cal.chosen.apply(opts)  # the study runs at the chosen difficulty
+    window = int(opts.window)
     axes = debias_axes(storage, capture_prefix, rotation_heads)
     eligible = set(axes) if "debias" in opts.interventions or opts.remeasure else None
     ks = k_values(len(plasticity_heads), list(opts.k_fractions))
@@ -162,11 +170,30 @@ def run_study(entry: Any, corpus: pd.DataFrame, storage: Any, capture_prefix: st
                 profiles.append(p.assign(k=s.k))
                 remeasured.append(m.assign(k=s.k))
 
-    record = opts.record(window)
+    record = {**opts.record(window), "probe_calibration": cal.record()}
     remeasured_df = pd.concat(remeasured, ignore_index=True) if remeasured else pd.DataFrame()
     set_table = head_set_table(sets, plasticity_heads)
     return StudyResult(
         trials=table, summary=summarise(table, opts), contrast=contrast(table, opts), head_sets=set_table,
         profiles=pd.concat(profiles, ignore_index=True) if profiles else pd.DataFrame(),
-        remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts, set_table),
-        options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"))
+        remeasured=remeasured_df, verdicts=verdicts(table, remeasured_df, opts, set_table, cal),
+        options=record, seconds_per_forward=float(table["seconds"].mean()) if len(table) else float("nan"),
+        calibration=cal.table(table), probe_statement=probe_statement(table, cal))
+
+
+def calibrate_probe(loaded: Any, corpus: pd.DataFrame, opts: InterventionOptions, window: int, capture_window: int,
+                    log: Any = None, key: str = "") -> Calibration:
+    """:func:`qk_core.interventions.calibrate.calibrate` on the loaded model (baseline, no intervention)."""
+    log = log or _log
+
+    def score(trial: Trial) -> np.ndarray:
+        with InterventionSession(loaded.backbone, Intervention()):
+            return score_trial(loaded.model, trial, candidate_ids(loaded.tokenizer, trial.codes), loaded.device)
+
+    t0 = time.perf_counter()
+    cal = calibrate(score, loaded.tokenizer, corpus, opts, window, capture_window)
+    for t in cal.tried:
+        log.info(f"{key}: probe calibration {t.setting.label()}: {t.correct}/{t.n_trials} correct "
+                 f"({t.error or t.state}, {t.seconds:.1f}s)")
+    log.info(f"{key}: probe calibration {cal.status} in {time.perf_counter() - t0:.1f}s: {cal.statement()}")
+    return cal

@@ -7,6 +7,10 @@ when below, inconclusive otherwise; not testable when the baseline is not above 
 cannot be seen) or when every random set is the `lowest` set itself (a matched layer distribution leaves
 no other choice; the contrast is then zero by construction). How many heads the random sets share with
 `lowest` is stated with every H1 verdict (shared heads pull the contrast towards zero).
+With the probe's calibration (:mod:`qk_core.interventions.calibrate`), H1 is not testable when no setting
+within the calibration's budget left the ceiling (or the floor): the statement then says so plainly, with
+the baseline accuracy and its Wilson interval at the hardest (easiest) setting tried, instead of a contrast
+that is 0 by construction.
 H2 "removing bias raises distant plasticity": AP_last20 of the debiased heads, debias - baseline (paired
 document bootstrap). Supported when the interval lies above 0, contradicted below, inconclusive otherwise.
 """
@@ -17,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.config.options import InterventionOptions
+from qk_core.interventions.calibrate import Calibration
 from qk_core.interventions.outcomes import contrast
 from qk_core.stats.intervals import wilson
 
@@ -57,12 +62,25 @@ def _overlap_note(ov: tuple[int, int, float] | None, k: int) -> str:
     return note + (f", {same} of them all {k}" if same else "")
 
 
+def probe_statement(trials: pd.DataFrame, cal: Calibration) -> str:
+    """The calibration's sentence with the study's baseline accuracy (all depths, Wilson 95%)."""
+    base = trials[trials["intervention"] == "baseline"]
+    if base.empty:
+        return cal.statement()
+    c, n = int(base["correct"].sum()), len(base)
+    lo, hi = wilson(c, n)
+    return cal.statement((c / n, lo, hi, n))
+
+
 def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionOptions,
-             head_sets: pd.DataFrame | None = None) -> pd.DataFrame:
+             head_sets: pd.DataFrame | None = None, calibration: Calibration | None = None) -> pd.DataFrame:
     """H1 per (intervention, k) and H2 per k; ``head_sets`` (the study's head set table) adds the overlap of
-    the random sets with `lowest` to H1."""
+    the random sets with `lowest` to H1; ``calibration`` (the probe's) makes H1 not testable, saying why, where
+    the probe stayed at the ceiling or the floor, and is cited in every H1 row's evidence."""
 
     rows = []
+    probe = probe_statement(trials, calibration) if calibration is not None else ""
+    stuck = calibration is not None and calibration.status in ("ceiling", "floor")
     far = trials[trials["depth"] < FAR]
     if far.empty:
         far = trials[trials["depth"] <= trials["depth"].median()]
@@ -83,6 +101,8 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
                        else "one document only (no interval)")
             if ov is not None and ov[1] == ov[0]:  # every random set is `lowest`: contrast 0 by construction
                 call, why = "not testable", note
+            if stuck:  # the probe never left the ceiling (floor): a contrast there is 0 by construction
+                call, why = "not testable", probe
             rows.append({
                 "hypothesis": "H1: low-plasticity heads matter more for distant retrieval than random heads",
                 "intervention": r.intervention, "k": int(r.k), "estimate": r.contrast, "lo": r.contrast_lo,
@@ -90,7 +110,7 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
                 "evidence": (f"depths {depths}: baseline accuracy {acc:.2f} (Wilson lower {blo:.2f}, chance "
                              f"{1 / opts.candidates:.2f}, {n} trials), drop(lowest) {r.drop:+.2f}, "
                              f"drop(random) {r.drop_random:+.2f}, {r.n_docs} documents"
-                             + (f"; {note}" if note else "")),
+                             + (f"; {note}" if note else "") + (f"; {probe}" if probe else "")),
                 "verdict": call,
                 "statement": _statement_h1(call, r.intervention, int(r.k), r.contrast, r.contrast_lo, r.contrast_hi,
                                            why if call == "not testable" else note),

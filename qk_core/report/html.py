@@ -28,6 +28,7 @@ from qk_core.report.tables import (
     Cell,
     Entries,
     Table,
+    calibration_table,
     cross_corpus_tables,
     fmt_time,
     is_metrics_frame,
@@ -173,7 +174,11 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("interventions", "Interventions: does low plasticity cause long-context failure?", "SPEC 11",
                 "A needle (a pass code) is hidden at a token depth of a corpus document and the model ranks the "
                 "correct code among K candidates; heads with the lowest, highest or random AP_last20 are "
-                "ablated or debiased. The verdict table states plainly whether the data support 'low-plasticity "
+                "ablated or debiased. The probe's difficulty (window, candidates, near-miss distractor codes, "
+                "decoy needles of other names) is calibrated per model on held-out documents so that the baseline "
+                "accuracy lands in a target band (default 40-90%), away from the ceiling and the floor; where no "
+                "setting within the budget leaves them, the verdicts say so instead of reporting a contrast. The "
+                "verdict table states plainly whether the data support 'low-plasticity "
                 "heads matter more for distant retrieval than random heads' and 'removing bias raises distant "
                 "plasticity', with 95% intervals, including when they do not.", (r"^intervention",),
                 nav="Interventions"),
@@ -445,6 +450,11 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
                 view.lead += cross_corpus_tables(
                     str(p), inputs.tables.get("cross_corpus_metrics", {}).get(p),
                     inputs.tables.get("cross_corpus_correlations", {}).get(p), present[p])
+        elif sec.id == "interventions" and asset == "intervention_calibration":
+            for p in _part_order(present, model_order):
+                lead = calibration_table(str(p), present[p])
+                if lead is not None:
+                    view.lead.append(lead)
         elif asset == "benchmark_stats" and None in present:
             table = stats_table(present[None])
             if table is not None:

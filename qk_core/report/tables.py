@@ -436,6 +436,34 @@ def cross_corpus_tables(model: str, metrics: pd.DataFrame | None, correlations: 
     return out
 
 
+CALIBRATION_COLUMNS = {"phase", "window", "candidates", "distractors", "decoys", "n_trials", "correct", "accuracy",
+                       "accuracy_lo", "accuracy_hi", "chance", "state", "chosen", "documents"}
+
+
+def calibration_table(partition: str, df: pd.DataFrame) -> tuple[str, Table] | None:
+    """(title, table) of one study's probe calibration (issue 24 item 4): each setting tried on the held-out
+    documents with its baseline accuracy [Wilson 95%] and where it lies relative to the target band, then the
+    study's baseline at the chosen setting; None for a frame of another shape (a study not run)."""
+    if not len(df) or not set(df.columns) >= CALIBRATION_COLUMNS:
+        return None
+    rows = []
+    for r in df.to_dict("records"):
+        setting = f"window {r['window']}, K = {r['candidates']}, {r['distractors']}, {r['decoys']} decoys"
+        who = "held-out" if r["phase"] == "calibration" else "study"
+        rows.append([Cell(str(r["phase"]), bold=r["phase"] == "study"), Cell(setting, bold=bool(r["chosen"])),
+                     Cell(f"{int(r['correct'])} / {int(r['n_trials'])}", num=True),
+                     interval_cell(r["accuracy"], r["accuracy_lo"], r["accuracy_hi"],
+                                   note=f"chance {fmt_num(r['chance'])}"),
+                     Cell(str(r["state"])), Cell("chosen" if r["chosen"] else ""),
+                     Cell(f"{who}: {r['documents']}")])
+    return (f"{partition}: probe calibration", Table(
+        ["phase", "setting", "correct", "accuracy [95%]", "vs band", "", "documents"], rows, cls="wrap", caption=(
+            "The probe's difficulty is chosen on held-out documents (never the study's) along a fixed ladder: near "
+            "distractors, decoy needles, longer windows, more candidates, until the baseline accuracy lands in the "
+            "target band (options target_band, calibration_trials, max_window, max_candidates); Wilson 95% "
+            "intervals. The study row is the baseline accuracy at the chosen setting on the study's documents.")))
+
+
 # ---- registry entries -------------------------------------------------------------------------
 def _sampler(cap: dict[str, Any]) -> str:
     name = str(cap.get("position_sampler", ""))
