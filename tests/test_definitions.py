@@ -64,7 +64,8 @@ def test_capture_runs_in_the_gpu_pool(graph) -> None:
     forwards = ("intervention_", "extension_trials", "extension_accuracy", "extension_effective_length")
     assert all(o.startswith(forwards) for o in others), others
     probes = [k for k in graph.get_all_asset_keys() if k.to_user_string().startswith(forwards)]
-    assert len(probes) == 10 and all(graph.get(k).pools == {"gpu"} for k in probes)
+    # 8 intervention outputs (the probe calibration among them) and 3 of retrieval beyond C
+    assert len(probes) == 11 and all(graph.get(k).pools == {"gpu"} for k in probes)
 
 
 def test_shipped_instance_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
