@@ -17,10 +17,15 @@ Memory: the peak resident set size of the measured phase, read from ``VmHWM`` af
 difference; also the lifetime peak (``ru_maxrss``). The modes alternate ``--repeats`` times; the
 table reports each run and the ratio of the medians.
 
+``--moments``: the capture also accumulates the SPEC 12.1 moments of every eligible head over every position
+(``capture.moments = true``, what ``coverage = "all"`` analyses read); results go to
+``capture_cpu_moments_<tokens>.{json,md}`` with the bytes of the per-document and merged moment files (issue 22.4).
+
 Run (on a quiet machine; about 35 s per 8K forward on 2 cores)::
 
     .venv/bin/python bench/capture_cpu.py                    # 2 docs x 8192 tokens, writes bench/results/capture_cpu.*
     .venv/bin/python bench/capture_cpu.py --tokens 1024 --out /tmp/x   # quick check
+    .venv/bin/python bench/capture_cpu.py --moments --tokens 2048 --docs 4   # every head, every position
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def _setup(tokens: int, n_docs: int, threads: int) -> tuple:
+def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tuple:
     import torch
 
     torch.set_num_threads(threads)
@@ -71,7 +76,7 @@ def _setup(tokens: int, n_docs: int, threads: int) -> tuple:
     reg = load_registry()
     entry = reg.model(MODEL)
     entry = dataclasses.replace(entry, window=tokens, bucket=tokens // 16,
-                                capture=dataclasses.replace(entry.capture, max_docs=n_docs))
+                                capture=dataclasses.replace(entry.capture, max_docs=n_docs, moments=moments))
     docs = sotu_corpus(reg.corpus(entry.corpus).params).head(n_docs)
     t = time.perf_counter()
     loaded = load_model(entry, "cpu")
@@ -99,22 +104,32 @@ def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         t, c = time.perf_counter(), time.process_time()
-        marks = [t]
-        result = capture_model(entry, docs, Storage(tmp), loaded=loaded,
-                               on_document=lambda e, n: marks.append(time.perf_counter()))
+        marks, staged = [t], {}
+
+        def on_document(_eid: int, _n: int) -> None:
+            marks.append(time.perf_counter())
+            if entry.capture.moments and len(marks) == len(docs) + 1:  # every document committed, not yet merged
+                staged.update(doc_files_mb=_mb(Path(tmp), "/docs/"), moments_doc_mb=_mb(Path(tmp), "/moments/docs/"))
+
+        result = capture_model(entry, docs, Storage(tmp), loaded=loaded, on_document=on_document)
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         q_rows = int(result.heads["n_q_rows"].sum())
         k_rows = int(result.heads.drop_duplicates(["layer", "kv_head"])["n_k_rows"].sum())
         extra = {"heads": len(result.heads), "rows": q_rows + k_rows, "forward_collect_s": result.seconds,
                  "finalize_s": time.perf_counter() - marks[-1], "cpu_s": cpu,
-                 "disk_mb": sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file()) / 2**20}
+                 "disk_mb": _mb(Path(tmp), ""), "moments_merged_mb": _mb(Path(tmp), "/moments/"), **staged}
     return wall, [b - a for a, b in itertools.pairwise(marks)], extra
 
 
-def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int) -> dict:
+def _mb(root: Path, part: str) -> float:
+    """MB of the files under ``root`` whose path contains ``part``."""
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and part in f.as_posix()) / 2**20
+
+
+def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, moments: bool = False) -> dict:
     """``timing``: plain and capture passes alternated in one process; ``plain``/``capture``: one pass
     in a fresh process for its peak RSS."""
-    entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads)
+    entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads, moments)
     base = {"mode": mode, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
             "rss_after_load_mb": _vm("VmRSS")}
     if mode == "timing":
@@ -145,7 +160,8 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int) -> di
 
 def _run_child(mode: str, a: argparse.Namespace, env: dict) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens), "--docs",
-                           str(a.docs), "--threads", str(a.threads), "--repeats", str(a.repeats)],
+                           str(a.docs), "--threads", str(a.threads), "--repeats", str(a.repeats),
+                           *(["--moments"] if a.moments else [])],
                           env=env, cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
@@ -157,10 +173,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternated plain/capture pairs of the timing run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--moments", action="store_true", help="the capture also accumulates every head's moments")
     ap.add_argument("--child", choices=["timing", "plain", "capture"])
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats)))
+        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats, a.moments)))
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load0 = os.getloadavg()

@@ -115,3 +115,33 @@ def test_real_captured_qk_reproduces_attention_logits(captured: dict) -> None:
             total += int((head.k_pos[km][None, :] <= head.q_pos[qm][:, None]).sum())
     assert worst < 2e-3, worst
     assert compared > 0.95 * total
+
+
+@pytest.mark.parametrize("key", ["smollm2-135m", "gemma3-270m"])
+def test_cached_gguf_weights_equal_the_gguf_file(key: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dequantised weights kept as safetensors (qk_core.models.loading.gguf_weights) are the GGUF file's own:
+    the backbone and the model with its LM head equal, tensor for tensor, what transformers loads from the GGUF
+    file; a cached file of the wrong size is converted again."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from qk_core.models import loading
+
+    entry = load_registry().model(key)
+    if importlib.util.find_spec(entry.source.package or "") is None:
+        missing(f"the demo model package {entry.source.package!r}", "make setup; requirements-models.txt")
+    monkeypatch.setattr(loading, "CACHE_DIR", tmp_path)  # a fresh conversion, not the shared cache's
+    gguf = loading.resolve_gguf(entry.source)
+    config = loading.load_config(entry)
+    for auto, with_head in ((AutoModel, False), (AutoModelForCausalLM, True)):
+        direct = auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32)
+        cached = load_model(entry, "cpu", config=config, tokenizer=object(), with_head=with_head).model
+        a, b = direct.state_dict(), cached.state_dict()
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+    folder = loading.gguf_cache_dir(entry.source) / "weights"
+    assert folder.parent.parent == tmp_path / "gguf-converted"
+    with open(folder / loading.SAFETENSORS_FILE, "r+b") as fh:  # a damaged (truncated) conversion
+        fh.truncate(1000)
+    assert loading.gguf_weights(entry.key, entry.source, AutoModelForCausalLM) == folder
+    assert (folder / ".complete").read_text() == str((folder / loading.SAFETENSORS_FILE).stat().st_size)
+    assert (folder / loading.SAFETENSORS_FILE).stat().st_size > 10**8

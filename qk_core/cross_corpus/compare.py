@@ -92,6 +92,7 @@ from qk_core.capture.store import HeadData
 from qk_core.config.options import COVARIANCES, INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, n_buckets
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.jackknife import loo_profiles
+from qk_core.runtime.blas import blas_threads
 from qk_core.stats.bootstrap import doc_weights
 from qk_core.stats.correlation import correlations, p_clause
 from qk_core.stats.intervals import INTERVAL_METHODS, percentile_interval, read_interval
@@ -503,7 +504,8 @@ def compare_corpora(model: str, inputs: list[CorpusInputs], opts: CrossCorpusOpt
     if len(Ls) != 1:
         raise CrossCorpusError(f"{model}: the corpora were captured with different (L, B) {sorted(Ls)}; "
                                "profiles and aggregates are only comparable at one window")
-    vals = [corpus_values(inp, stream, opts, model) for stream, inp in enumerate(inputs)]
+    with blas_threads(1):  # many small products: one OpenBLAS thread is fastest and leaves the other cores alone
+        vals = [corpus_values(inp, stream, opts, model) for stream, inp in enumerate(inputs)]
     ref = vals[0]
     rows: list[dict[str, Any]] = []
     widths: dict[tuple[str, str], float] = {}
