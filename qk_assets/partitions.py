@@ -30,6 +30,7 @@ from dagster import (
     PartitionsDefinition,
 )
 
+from qk_assets.resources import initialise_pools
 from qk_core.config.registry import Registry, load_registry
 
 MODEL_DIM = "model"
@@ -150,8 +151,10 @@ def partition_requests(reg: Registry, existing: dict[str, list[str]]) -> tuple[l
 
 
 def sync_instance(instance, reg: Registry) -> dict[str, list[str]]:
-    """Add the registry's partitions to ``instance`` (what the sensor does, for in-process runs and tests);
-    returns the keys added per dimension."""
+    """Add the registry's partitions to ``instance`` (what the sensor does, for in-process runs and tests) and
+    give the ``gpu`` pool its limit (:func:`qk_assets.resources.initialise_pools`); returns the keys added per
+    dimension."""
+    initialise_pools(instance)
     existing = {d: list(instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
     adds, _ = partition_requests(reg, existing)
     for req in adds:

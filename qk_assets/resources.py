@@ -4,11 +4,24 @@ import time
 from typing import ClassVar
 from urllib.parse import urlparse
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, DagsterInstance
 from dagster_ray import RayResource
 
 from qk_core.config.settings import Settings
 from qk_core.io.storage import Storage
+
+GPU_POOL = "gpu"  # the concurrency pool of every step that holds the device: capture, intervention and extension probes
+
+
+def initialise_pools(instance: DagsterInstance) -> bool:
+    """Give the ``gpu`` pool its default limit (``concurrency.pools.default_limit``) if it has none yet; True
+    when it did. Dagster does so on the run queue's first tick that sees the pool, but after that tick has read
+    the configured pools, so every run of a new pool queued by then starts at once (a fresh instance's first
+    backfill ran three captures side by side). A limit set by hand (``dagster instance concurrency set``) stays."""
+    storage = instance.event_log_storage
+    if GPU_POOL in storage.get_concurrency_keys():
+        return False
+    return bool(storage.initialize_concurrency_limit_to_default(GPU_POOL))
 
 
 class StorageResource(ConfigurableResource):

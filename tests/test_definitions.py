@@ -86,10 +86,16 @@ def test_shipped_instance_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert instance.run_monitoring_enabled
         assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] > 0
         assert not instance.telemetry_enabled
-        # A pool nobody configured (the capture's "gpu") gets the default: one slot.
+        assert cc.pool_config.pool_granularity.value == "run"  # a run waiting for the pool waits in the queue
+        # The gpu pool gets its default limit before any run is queued (resources.initialise_pools), once: a
+        # limit set by hand stays.
+        from qk_assets.resources import initialise_pools
+
         els = instance.event_log_storage
-        els.initialize_concurrency_limit_to_default("gpu")
-        assert els.get_concurrency_info("gpu").slot_count == 1
+        assert "gpu" not in els.get_concurrency_keys()
+        assert initialise_pools(instance) and els.get_concurrency_info("gpu").slot_count == 1
+        els.set_concurrency_slots("gpu", 3)
+        assert not initialise_pools(instance) and els.get_concurrency_info("gpu").slot_count == 3
     finally:
         instance.dispose()
 

@@ -29,7 +29,7 @@ from qk_assets.automation import PER_PAIR
 from qk_assets.checks import check_spec
 from qk_assets.metadata import results_first, table_value
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
-from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+from qk_assets.resources import GPU_POOL, RayClusterResource, StorageResource, TorchDeviceResource
 from qk_core.capture import capture_model
 from qk_core.capture.run import layers_frame
 from qk_core.capture.sharded import capture_sharded
@@ -44,7 +44,7 @@ HEAD_TABLE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "slid
     ins={"corpus": AssetIn()},  # Dagster maps the corpus partition to the pairs' corpus dimension
     deps=["registry_entry"],
     automation_condition=PER_PAIR,
-    pool="gpu",
+    pool=GPU_POOL,
     group_name="capture",
     kinds={"pytorch", "parquet"},
     check_specs=[check_spec(  # per partition: each (model, corpus) capture has its own result

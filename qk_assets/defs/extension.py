@@ -40,7 +40,7 @@ from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, model_partitions, pair_key, registry, split_key
-from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_assets.resources import GPU_POOL, StorageResource, TorchDeviceResource
 from qk_core.capture.store import CaptureError
 from qk_core.config.options import resolve_options
 from qk_core.extension.compare import (
@@ -80,7 +80,7 @@ CAPTURE = "qk_capture"
     ins={"corpus": AssetIn()},
     deps=["registry_analysis", "registry_entry"],  # options: analysis.extension; the variant's RoPE override
     partitions_def=model_corpus_partitions(),
-    pool="gpu",
+    pool=GPU_POOL,
     can_subset=False,
     check_specs=CHECKS,
 )

@@ -34,7 +34,7 @@ from qk_assets.figures import save_figures
 from qk_assets.metadata import results_first
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import model_corpus_partitions, registry, split_key
-from qk_assets.resources import StorageResource, TorchDeviceResource
+from qk_assets.resources import GPU_POOL, StorageResource, TorchDeviceResource
 from qk_core.capture.store import CaptureError
 from qk_core.config.options import resolve_options
 from qk_core.interventions.verdict import COLUMNS
@@ -77,7 +77,7 @@ def _md(df: pd.DataFrame, n: int = 40) -> MetadataValue:
     ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "rotation_heads": AssetIn(), "corpus": AssetIn()},
     deps=["registry_analysis"],  # its options are analysis.interventions
     partitions_def=model_corpus_partitions(),
-    pool="gpu",
+    pool=GPU_POOL,
     can_subset=False,
 )
 def interventions(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,

@@ -62,6 +62,7 @@ from qk_assets.partitions import (
     partition_requests,
     registry_pairs,
 )
+from qk_assets.resources import GPU_POOL, initialise_pools
 from qk_core.config.registry import Registry, RegistryError, load_registry
 
 REGISTRY_ENTRY = AssetKey("registry_entry")
@@ -174,6 +175,8 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
         reg = load_registry()
     except RegistryError as exc:
         return SkipReason(f"registry not loaded, partitions unchanged: {exc}")
+    if initialise_pools(context.instance):
+        context.log.info(f"concurrency pool {GPU_POOL!r}: default limit set")
     existing = {d: list(context.instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
     adds, gone = partition_requests(reg, existing)
     versions = entry_versions(reg)
