@@ -120,7 +120,7 @@ def gguf_weights(key: str, src: Source, head_class: Any) -> Path:
     Dequantising a GGUF file takes most of a load (24 s for Gemma 3 270M on two cores, against 1-2 s from this
     folder). The folder holds the model with its LM head (``head_class``, loaded from the GGUF file in float32):
     ``from_pretrained`` on it gives that model or, through ``AutoModel``, its backbone, with exactly the
-    values the GGUF load gives (``tests/test_models_loading.py``). Keyed like :func:`gguf_cache_dir`;
+    values the GGUF load gives (``tests/test_capture_real.py``). Keyed like :func:`gguf_cache_dir`;
     ``.complete`` records the file's size, and a folder whose file has another size is converted again.
     """
     import safetensors.torch
