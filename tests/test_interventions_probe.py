@@ -251,3 +251,13 @@ def test_verdicts_state_support_and_its_absence() -> None:
     flat = tr.copy()
     flat.loc[flat["intervention"] == "baseline", "correct"] = False
     assert verdicts(flat, rem.iloc[0:0], opts).iloc[0]["verdict"] == "not testable"
+    # the ceiling, and no condition moved a trial: a contrast of 0 by construction is not a verdict
+    top = tr.assign(correct=True)
+    h1 = verdicts(top, rem.iloc[0:0], opts).iloc[0]
+    assert h1["verdict"] == "not testable" and h1["estimate"] == 0
+    assert "at the ceiling at distant depths" in h1["statement"] and "0 by construction" in h1["statement"]
+    # at the ceiling, but the ablation of both head sets drops it alike: the data's own (inconclusive) verdict
+    both = top.copy()
+    both.loc[(both["intervention"] != "baseline") & (both["depth"] < 0.5) & (both["doc_id"] % 2 == 0),
+             "correct"] = False
+    assert verdicts(both, rem.iloc[0:0], opts).iloc[0]["verdict"] != "not testable"

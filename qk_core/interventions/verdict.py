@@ -4,9 +4,11 @@ H1 "low-plasticity heads matter more for distant retrieval than random heads": t
 drop(lowest) - drop(random) pooled over the distant depths (needle in the first half of the prompt, far
 from the question), per intervention and k. Supported when its 95% interval lies above 0, contradicted
 when below, inconclusive otherwise; not testable when the baseline is not above chance there (a drop
-cannot be seen) or when every random set is the `lowest` set itself (a matched layer distribution leaves
-no other choice; the contrast is then zero by construction). How many heads the random sets share with
-`lowest` is stated with every H1 verdict (shared heads pull the contrast towards zero).
+cannot be seen), when it is at the ceiling there and no intervention changed a trial (the contrast is 0 by
+construction; the study's own trials can sit at the ceiling where its calibration did not), or when every
+random set is the `lowest` set itself (a matched layer distribution leaves no other choice; the contrast is
+then zero by construction). How many heads the random sets share with `lowest` is stated with every H1
+verdict (shared heads pull the contrast towards zero).
 With the probe's calibration (:mod:`qk_core.interventions.calibrate`), H1 is not testable when no setting
 within the calibration's budget left the ceiling (or the floor): the statement then says so plainly, with
 the baseline accuracy and its Wilson interval at the hardest (easiest) setting tried, instead of a contrast
@@ -99,6 +101,10 @@ def verdicts(trials: pd.DataFrame, remeasured: pd.DataFrame, opts: InterventionO
                 call = "not testable"
                 why = ("the baseline is not above chance at distant depths" if blo <= 1.0 / opts.candidates
                        else "one document only (no interval)")
+            if acc == 1.0 and r.drop == 0 and r.drop_random == 0:  # the ceiling, and no condition left it
+                call = "not testable"
+                why = (f"the baseline is at the ceiling at distant depths ({n}/{n} correct) and neither head set "
+                       "moved a trial: a contrast there is 0 by construction")
             if ov is not None and ov[1] == ov[0]:  # every random set is `lowest`: contrast 0 by construction
                 call, why = "not testable", note
             if stuck:  # the probe never left the ceiling (floor): a contrast there is 0 by construction
