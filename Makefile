@@ -26,7 +26,7 @@ demo: setup
 # Every test (what CI runs). Under CI=true a missing Chromium or PostgreSQL fails the run (tests/prereq.py).
 test: setup browser postgres
 	$(BIN)/ruff check qk_core qk_assets tests bench
-	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest --durations=30
 
 # The fast lane: lint and the unit tests, without the `slow` ones (servers, Chromium, subprocess pipelines, real
 # weights, anything over a few seconds: tests/conftest.py); under 3 minutes. Its slowest tests are listed at the end.

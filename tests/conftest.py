@@ -2,15 +2,12 @@
 
 Servers shared by the whole session (each started on first use, stopped at the end): ``moto_s3``
 (tests/s3.py; each test takes its own ``s3://`` prefix) and ``ray_cluster`` (tests/ray_cluster.py). They are
-defined here once: a fixture imported into several test modules would be one server per module. Under xdist a
-session is a worker's; every test of the Ray cluster is one work unit, so one cluster still serves them all.
+defined here once: a fixture imported into several test modules would be one server per module.
 
-Lanes: ``make test`` runs every test, on three pytest-xdist workers (one module per work unit; most slow tests
-wait on a daemon tick or a child process, so they overlap well on two cores); ``make test-fast``
-(``pytest -m "not slow"``) the unit tests. A test is ``slow`` when it starts ``dagster dev``, a webserver, a Ray
-cluster, PostgreSQL, Chromium or a subprocess pipeline, loads real weights, or takes more than a few seconds on
-its own; modules mark it with ``pytestmark = pytest.mark.slow`` or per test, and any test using ``ray_cluster``
-is marked here.
+Lanes: ``make test`` runs every test; ``make test-fast`` (``pytest -m "not slow"``) the unit tests. A test
+is ``slow`` when it starts ``dagster dev``, a webserver, a Ray cluster, PostgreSQL, Chromium or a subprocess
+pipeline, loads real weights, or takes more than a few seconds on its own; modules mark it with
+``pytestmark = pytest.mark.slow`` or per test, and any test using ``ray_cluster`` is marked here.
 
 Under ``CI=true`` a run with any skipped test fails (tests/prereq.py makes a missing prerequisite fail
 there already; this also catches any other skip), so a skip is never counted as a pass in CI.
@@ -33,29 +30,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_FIXTURES = {"ray_cluster"}  # a test using one of these is in the slow lane whatever its module says
-# Work units that take a minute or more (`make test` prints the slowest tests), handed to the workers first so
-# that none of them starts last and holds up the end of the run; longest first.
-LONGEST_FIRST = ["test_demo", "test_demo_e2e", "ray", "test_registry_e2e", "test_ui", "test_automation_e2e",
-                 "test_capture_real", "test_trajectory_e2e", "test_joins_assets"]
 _skipped: list[str] = []
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that uses a slow-lane server fixture (directly or through another fixture) ``slow``;
-    give each test its xdist work unit (:func:`work_unit`) and run the longest units first."""
+    """Mark every test that uses a slow-lane server fixture (directly or through another fixture) ``slow``."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
-    items.sort(key=lambda item: LONGEST_FIRST.index(work_unit(item)) if work_unit(item) in LONGEST_FIRST
-               else len(LONGEST_FIRST))  # stable: collection order within a unit and among the rest
-
-
-def work_unit(item: pytest.Item) -> str:
-    """What one xdist worker runs together (``make test``: ``-n 3 --dist loadgroup``): a module, so that its
-    module-scoped servers start once; every test of the session Ray cluster together, so that it starts once."""
-    return "ray" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.module.__name__
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
