@@ -202,12 +202,15 @@ def main() -> None:
     cmd = "python bench/capture_cpu.py" + "".join(
         f" --{k} {v}" for k, v in (("tokens", a.tokens), ("docs", a.docs), ("repeats", a.repeats),
                                    ("threads", a.threads)) if v != ap.get_default(k))
-    meta = {"command": cmd, "started": started, "model": MODEL, "tokens": a.tokens, "docs": a.docs,
-            "threads": a.threads, "cpus": os.cpu_count(), "load_avg_start": load0, "load_avg_end": load1,
-            "python": platform.python_version(), "gpu": "not available in this task: GPU timings not measured"}
+    cmd += " --moments" if a.moments else ""
+    name = f"capture_cpu_moments_{a.tokens}" if a.moments else "capture_cpu"
+    meta = {"command": cmd, "moments": a.moments, "started": started, "model": MODEL, "tokens": a.tokens,
+            "docs": a.docs, "threads": a.threads, "cpus": os.cpu_count(), "load_avg_start": load0,
+            "load_avg_end": load1, "python": platform.python_version(),
+            "gpu": "not available in this task: GPU timings not measured"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "capture_cpu.json").write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing,
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing,
                                                       "memory": mem}, indent=2))
     extra = timing["pairs"][0]["capture_extra"]
     pair_rows = "\n".join(
@@ -218,7 +221,14 @@ def main() -> None:
     mem_rows = "\n".join(
         f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
         f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
-    md = f"""# Q/K capture vs plain backbone forward, CPU (SPEC 1.3)
+    moments = "" if not a.moments else f"""
+Every-head moments (SPEC 12.1, `capture.moments = true`): accumulated in float64 on CPU over every position of
+every eligible head during the same forwards; per-document moment files {extra.get('moments_doc_mb', 0):.1f} MB
+for {a.docs} documents (the per-document row files {extra.get('doc_files_mb', 0):.1f} MB; both removed after the
+verified finalize), merged moments kept {extra['moments_merged_mb']:.1f} MB.
+"""
+    title = "Q/K capture with every-head moments" if a.moments else "Q/K capture"
+    md = f"""# {title} vs plain backbone forward, CPU (SPEC 1.3{', 12' if a.moments else ''})
 
 Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {started}.
 Machine: {os.cpu_count()} CPUs, torch threads {a.threads}; load average {[round(x, 2) for x in load0]} at start,
@@ -227,7 +237,7 @@ Model: {MODEL} (GGUF dequantised, fp32 on CPU, sdpa attention), {a.docs} SOTU do
 Capture: all {extra['heads']} heads, bucket {a.tokens // 16}, 8 positions per bucket, {extra['rows']} rows
 ({extra['disk_mb']:.1f} MB on disk with the per-head fan-out).
 Target: capture <= 1.05x the plain forward in wall time and in peak memory.
-
+{moments}
 ## Wall time (one process, plain and capture passes alternated)
 
 | pair | order | plain s | plain per doc s | capture s | capture per doc s | finalize s | wall ratio | CPU ratio |
@@ -256,9 +266,9 @@ Capture / plain: phase peak RSS **{summary['peak_rss_phase_ratio']:.3f}x**, life
 No GPU was available in this task, so the GPU part (bf16 capture vs plain forward) was not measured.
 On GPU the same code gathers the sampled rows on the device and moves them to host once per document.
 
-Raw numbers: `capture_cpu.json` beside this file.
+Raw numbers: `{name}.json` beside this file.
 """
-    (out / "capture_cpu.md").write_text(md)
+    (out / f"{name}.md").write_text(md)
     print(md)
 
 
