@@ -117,7 +117,9 @@ def test_real_captured_qk_reproduces_attention_logits(captured: dict) -> None:
     assert compared > 0.95 * total
 
 
-@pytest.mark.parametrize("key", ["smollm2-135m", "gemma3-270m"])
+# SmolLM2 only: 43 s (Gemma 3, 93 s, takes the same path; its captures above load through the cache, and a load
+# missing a tensor is an error there)
+@pytest.mark.parametrize("key", ["smollm2-135m"])
 def test_cached_gguf_weights_equal_the_gguf_file(key: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dequantised weights kept as safetensors (qk_core.models.loading.gguf_weights) are the GGUF file's own:
     the backbone and the model with its LM head equal, tensor for tensor, what transformers loads from the GGUF
