@@ -224,8 +224,8 @@ def main() -> None:
     moments = "" if not a.moments else f"""
 Every-head moments (SPEC 12.1, `capture.moments = true`): accumulated in float64 on CPU over every position of
 every eligible head during the same forwards; per-document moment files {extra.get('moments_doc_mb', 0):.1f} MB
-for {a.docs} documents (the per-document row files {extra.get('doc_files_mb', 0):.1f} MB; both removed after the
-verified finalize), merged moments kept {extra['moments_merged_mb']:.1f} MB.
+for {a.docs} documents (all per-document files, rows and moments, {extra.get('doc_files_mb', 0):.1f} MB at the last
+commit; removed after the verified finalize), merged moments kept {extra['moments_merged_mb']:.1f} MB.
 """
     title = "Q/K capture with every-head moments" if a.moments else "Q/K capture"
     md = f"""# {title} vs plain backbone forward, CPU (SPEC 1.3{', 12' if a.moments else ''})
