@@ -114,6 +114,14 @@ def _gguf_cached(src: Source, kind: str, convert: Any, load: Any) -> Any:
     return obj
 
 
+def _gguf_config(src: Source) -> Any:
+    """A GGUF source's own config (no overrides), converted once (:func:`_gguf_cached`)."""
+    from transformers import AutoConfig
+
+    name, kwargs = _pretrained_args("", src)
+    return _gguf_cached(src, "config", lambda: AutoConfig.from_pretrained(name, **kwargs), AutoConfig.from_pretrained)
+
+
 def gguf_weights(key: str, src: Source, head_class: Any) -> Path:
     """A folder holding a GGUF source's weights dequantised to float32 as safetensors, converted once.
 
@@ -125,15 +133,13 @@ def gguf_weights(key: str, src: Source, head_class: Any) -> Path:
     """
     import safetensors.torch
     import torch
-    from transformers import AutoConfig
 
     folder = gguf_cache_dir(src) / "weights"
     done, weights = folder / ".complete", folder / SAFETENSORS_FILE
     if done.exists() and weights.exists() and done.read_text().strip() == str(weights.stat().st_size):
         return folder
     gguf = resolve_gguf(src)
-    config = _gguf_cached(src, "config", lambda: AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
-                          AutoConfig.from_pretrained)  # the file's own config, without the entry's overrides
+    config = _gguf_config(src)  # the file's own config, without the entry's overrides
     try:
         model = head_class.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
                                            dtype=torch.float32)
@@ -334,8 +340,7 @@ def load_config(entry: ModelEntry) -> Any:
         check_weight_files(entry.key, entry.source)
     try:
         if entry.source.kind == "gguf_package":
-            config = _gguf_cached(entry.source, "config", lambda: AutoConfig.from_pretrained(name, **kwargs),
-                                  AutoConfig.from_pretrained)
+            config = _gguf_config(entry.source)
         else:
             config = AutoConfig.from_pretrained(name, trust_remote_code=entry.trust_remote_code, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
@@ -414,18 +419,17 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     device = resolve_device(device)
     dtype = resolve_dtype(entry.dtype, device)
     config = config if config is not None else load_config(entry)
-    name, kwargs = _pretrained_args(entry.key, entry.source)
-    check_weight_files(entry.key, entry.source)  # hub sources: after the config, so a bad revision says so
-    if entry.source.kind != "gguf_package":
-        kwargs["use_safetensors"] = True
+    head = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    if entry.source.kind == "gguf_package":  # the dequantised weights, converted once (gguf_weights)
+        name, kwargs = str(gguf_weights(entry.key, entry.source, head)), {}
+    else:
+        name, kwargs = _pretrained_args(entry.key, entry.source)
+        check_weight_files(entry.key, entry.source)  # hub sources: after the config, so a bad revision says so
+    kwargs["use_safetensors"] = True
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     if device != "cpu":
         kwargs["device_map"] = {"": device}
-    head = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    if entry.source.kind == "gguf_package":  # the dequantised weights, converted once (gguf_weights)
-        name, kwargs = str(gguf_weights(entry.key, entry.source, head)), {**kwargs, "use_safetensors": True}
-        kwargs.pop("gguf_file", None)
     try:
         auto = head if with_head else AutoModel
         model, info = auto.from_pretrained(name, config=config, dtype=getattr(torch, dtype), output_loading_info=True,
