@@ -29,6 +29,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 REPO = Path(__file__).resolve().parent.parent
+# Every `dagster dev` the tests start ticks its backfill daemon every 3 s instead of Dagster's 30 s
+# (tests/daemon_tick/sitecustomize.py); `make demo` and `make ui` keep Dagster's own tick.
+os.environ.setdefault("QK_TEST_BACKFILL_TICK_S", "3")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO / "tests" / "daemon_tick"), os.environ.get("PYTHONPATH")) if p)
 SLOW_FIXTURES = {"ray_cluster"}  # a test using one of these is in the slow lane whatever its module says
 _skipped: list[str] = []
 
