@@ -11,6 +11,7 @@
 """
 
 import warnings
+from collections.abc import Sequence
 
 from dagster import (
     AssetKey,
@@ -20,6 +21,7 @@ from dagster import (
     AutomationContext,
     AutomationResult,
     BetaWarning,
+    DagsterEventType,
     DefaultSensorStatus,
     PartitionsDefinition,
 )
@@ -119,6 +121,53 @@ class CheckpointPair(RegistryKeys):
 
     def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
         return checkpoint_pair_keys(reg) if partitions_def == model_corpus_partitions() else None
+
+
+class SeriesInputsNewer(AutomationCondition):
+    """True for the series partitions (of a trajectory asset) where one of ``inputs`` holds a checkpoint
+    partition of that series (each checkpoint on its first corpus, SPEC 6) materialised after the series' own
+    latest materialisation of the asset being evaluated, or where that asset was never materialised.
+
+    The trajectory depends on every (model, corpus) partition (``AllPartitionMapping``: a series' checkpoints
+    are registry data), so to Dagster's own conditions one series' checkpoint update is an update of every
+    series; this compares each series with its own checkpoints only. It reads the instance's latest
+    materialisation storage ids per partition, which only grow, so a series caught up stays false."""
+
+    def __init__(self, inputs: Sequence[str]) -> None:
+        self.inputs = tuple(AssetKey(name) for name in inputs)
+
+    @property
+    def name(self) -> str:
+        return "series_inputs_newer"
+
+    @property
+    def description(self) -> str:
+        return "one of this series' checkpoints was analysed after the series' last materialisation"
+
+    @property
+    def requires_cursor(self) -> bool:
+        return False
+
+    def evaluate(self, context: AutomationContext) -> AutomationResult:
+        subset = context.candidate_subset
+        if subset.is_empty or not subset.is_partitioned:  # on the right of `&`: only what the rest selected
+            return AutomationResult(context, subset)
+        try:
+            reg = load_registry()
+        except RegistryError:
+            return AutomationResult(context, context.get_empty_subset())
+        instance = context.asset_graph_view.instance
+        candidates = [s for s in subset.expensively_compute_partition_keys() if s in reg.series]
+        own = instance.get_latest_storage_id_by_partition(
+            context.key, DagsterEventType.ASSET_MATERIALIZATION, set(candidates)) if candidates else {}
+        newer = set()
+        for series in candidates:
+            pairs = checkpoint_pair_keys(reg, [series])
+            if pairs and any(instance.get_latest_storage_id_by_partition(
+                    key, DagsterEventType.ASSET_MATERIALIZATION, pairs, after_cursor=own.get(series))
+                    for key in self.inputs):
+                newer.add(series)
+        return AutomationResult(context, subset.compute_intersection_with_partition_keys(newer))
 
 
 def deps_updated(where: AutomationCondition, ignore: AssetSelection | None = None) -> AutomationCondition:

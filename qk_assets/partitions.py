@@ -20,6 +20,7 @@ fails naming the registry field to edit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cache
 
 from dagster import (
@@ -91,10 +92,12 @@ def multi_corpus_models(reg: Registry) -> list[str]:
     return [key for key, entry in reg.models.items() if len(entry.corpora) >= 2]
 
 
-def checkpoint_pair_keys(reg: Registry) -> set[str]:
-    """The (model, corpus) partition keys the trajectories read: every checkpoint of every series on the
-    checkpoint's first corpus (SPEC 6)."""
-    return {str(pair_key(k, reg.model(k).corpus)) for s in reg.series.values() for k in s.checkpoint_keys}
+def checkpoint_pair_keys(reg: Registry, series: Iterable[str] | None = None) -> set[str]:
+    """The (model, corpus) partition keys the trajectories read: every checkpoint of every series (of
+    ``series`` only, when given; names the registry does not list have none) on the checkpoint's first
+    corpus (SPEC 6)."""
+    chosen = reg.series.values() if series is None else [reg.series[s] for s in series if s in reg.series]
+    return {str(pair_key(k, reg.model(k).corpus)) for s in chosen for k in s.checkpoint_keys}
 
 
 def primary_pairs(reg: Registry) -> list[tuple[str, str]]:

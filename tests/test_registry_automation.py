@@ -132,16 +132,17 @@ def test_the_partitions_sensor_reports_a_removal_once(tmp_path: Path, monkeypatc
         partitions.registry.cache_clear()
 
 
-SERIES = ('\n[series.s]\nfamily = "llama"\nsource = { local = "ck/{revision}" }\ncorpus = "c"\n'
-          'checkpoints = [{ revision = "r1", window = 64 }, { revision = "r2", window = 64 }]\n')
+SERIES = "".join(f'\n[series.{name}]\nfamily = "llama"\nsource = {{ local = "ck/{{revision}}" }}\ncorpus = "c"\n'
+                 'checkpoints = [{ revision = "r1", window = 64 }, { revision = "r2", window = 64 }]\n'
+                 for name in ("s", "t"))
 TWO_CORPORA = (CORPUS + '[corpora.d]\nkind = "local_file"\npath = "code.jsonl"\n' + model("m1")
                + model("m2").replace('corpus = "c"', 'corpora = ["c", "d"]') + SERIES)
 
 
 def test_automation_requests_only_what_an_update_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What ``automation_sensor`` requests after one model's analyses update: the cross-model tables, but no
-    trajectory unless a series checkpoint changed, and a cross-corpus comparison only for a model that lists two
-    corpora (issue 26, item 5)."""
+    """What ``automation_sensor`` requests after one model's analyses update: the cross-model tables, but a
+    series' trajectory only when one of its own checkpoints changed, and a cross-corpus comparison only for a
+    model that lists two corpora (issue 26, item 5)."""
     from qk_assets import partitions
     from qk_assets.definitions import defs, derived_keys, per_model_keys  # the conditions read the file at each tick
 
@@ -169,10 +170,11 @@ def test_automation_requests_only_what_an_update_changes(tmp_path: Path, monkeyp
 
             update(partitions.registry_pairs(reg))  # everything analysed, then every derived asset built
             for key in derived:
-                part = {"trajectory": "s", "trajectory_profiles": "s"}.get(key.path[0])
+                parts = {"trajectory": ["s", "t"], "trajectory_profiles": ["s", "t"]}.get(key.path[0], [None])
                 if key.path[0].startswith("cross_corpus"):
-                    part = "m2"
-                instance.report_runless_asset_event(AssetMaterialization(key, partition=part))
+                    parts = ["m2"]
+                for part in parts:
+                    instance.report_runless_asset_event(AssetMaterialization(key, partition=part))
             first = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target)
             assert requested(first, trajectory) == set() and requested(first, compared) == set()
 
@@ -199,11 +201,18 @@ def test_automation_requests_only_what_an_update_changes(tmp_path: Path, monkeyp
                                                     cursor=third.cursor)
             assert requested(fourth, compared) == set() and requested(fourth, trajectory) == set()
 
-            update([("s@r2", "c")])  # a checkpoint's analyses: its series' trajectory, no comparison
+            update([("s@r2", "c")])  # a checkpoint's analyses: its own series' trajectory (not t's), no comparison
             fifth = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
                                                    cursor=fourth.cursor)
             assert requested(fifth, trajectory) == {"s"}
             assert requested(fifth, AssetKey("trajectory_profiles")) == {"s"}
             assert requested(fifth, compared) == set()
+            for key in (trajectory, AssetKey("trajectory_profiles")):  # s's trajectory is built
+                instance.report_runless_asset_event(AssetMaterialization(key, partition="s"))
+
+            update([("t@r1", "c")])  # later, a checkpoint of t: t's trajectory only
+            sixth = evaluate_automation_conditions(defs=defs, instance=instance, asset_selection=target,
+                                                   cursor=fifth.cursor)
+            assert requested(sixth, trajectory) == {"t"}
     finally:
         partitions.registry.cache_clear()

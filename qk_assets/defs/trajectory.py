@@ -6,7 +6,8 @@ depend on the per-model assets with ``AllPartitionMapping`` (a series' checkpoin
 grows without a reload). They read each checkpoint on the series' first corpus from the storage root
 themselves (the IO manager's layout), so a checkpoint that is not (yet) materialised is reported as
 missing — in the metadata and in the ``missing`` column — instead of failing the run. They re-materialise
-automatically whenever a checkpoint's metrics or profiles change, and only then (:data:`TRAJECTORY_CONDITION`).
+automatically whenever one of the series' own checkpoints' metrics or profiles change, and only then
+(:data:`TRAJECTORY_CONDITION`).
 """
 
 import pandas as pd
@@ -22,7 +23,7 @@ from dagster import (
     multi_asset,
 )
 
-from qk_assets.automation import CheckpointPair, RegistryListed, deps_updated
+from qk_assets.automation import CheckpointPair, RegistryListed, SeriesInputsNewer, deps_updated
 from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import table_value
@@ -50,10 +51,12 @@ UPSTREAM = (CAPTURE, *METRIC_INPUTS, PROFILES)
 # Eager, except that missing checkpoints do not block it (AutomationCondition.eager() waits until no
 # dependency partition is missing; a series with an unfinished checkpoint must still update), and only a
 # checkpoint's update counts: the dependency is on every (model, corpus) partition (AllPartitionMapping), so
-# plain any_deps_updated() would re-run every series after any model's analysis. A new capture alone does not
-# trigger it: its analyses will.
+# plain any_deps_updated() would re-run every series after any model's analysis, and even deps_updated over
+# checkpoint pairs re-runs every series after one series' checkpoint: SeriesInputsNewer keeps the series whose
+# own checkpoints changed. A new capture alone does not trigger it: its analyses will.
 TRAJECTORY_CONDITION = (
     deps_updated(CheckpointPair(), ignore=AssetSelection.assets(CAPTURE)).since_last_handled()
+    & SeriesInputsNewer((*METRIC_INPUTS, PROFILES))
     & RegistryListed()
     & ~AutomationCondition.any_deps_in_progress()
     & ~AutomationCondition.in_progress()
