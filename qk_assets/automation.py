@@ -23,7 +23,6 @@ from dagster import (
     BetaWarning,
     DagsterEventType,
     DefaultSensorStatus,
-    PartitionsDefinition,
 )
 
 from qk_assets.partitions import (
@@ -45,7 +44,8 @@ class RegistryKeys(AutomationCondition):
     nothing (``registry_partitions_sensor`` names the error). A Python condition runs in the code server:
     the sensors evaluating one set ``use_user_code_server``."""
 
-    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
+    def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
+        """The partition keys to keep of ``context.partitions_def`` (None: that definition is not filtered)."""
         raise NotImplementedError
 
     @property
@@ -57,7 +57,7 @@ class RegistryKeys(AutomationCondition):
         if subset.is_empty or not subset.is_partitioned:  # on the right of `&`: only what the rest selected
             return AutomationResult(context, subset)
         try:
-            wanted = self.keys(load_registry(), context.partitions_def)
+            wanted = self.keys(load_registry(), context)
         except RegistryError:
             return AutomationResult(context, context.get_empty_subset())
         if wanted is None:
@@ -87,8 +87,8 @@ class RegistryListed(RegistryKeys):
     def description(self) -> str:
         return "the registry file lists this partition now"
 
-    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
-        return listed_keys(reg, partitions_def)
+    def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
+        return listed_keys(reg, context.partitions_def)
 
 
 class ComparedModel(RegistryKeys):
@@ -103,8 +103,8 @@ class ComparedModel(RegistryKeys):
     def description(self) -> str:
         return "the registry lists two or more corpora for this model"
 
-    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
-        return set(multi_corpus_models(reg)) if partitions_def == model_partitions() else None
+    def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
+        return set(multi_corpus_models(reg)) if context.partitions_def == model_partitions() else None
 
 
 class CheckpointPair(RegistryKeys):
@@ -119,11 +119,11 @@ class CheckpointPair(RegistryKeys):
     def description(self) -> str:
         return "a checkpoint of a listed series, on its first corpus"
 
-    def keys(self, reg: Registry, partitions_def: PartitionsDefinition) -> set[str] | None:
-        return checkpoint_pair_keys(reg) if partitions_def == model_corpus_partitions() else None
+    def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
+        return checkpoint_pair_keys(reg) if context.partitions_def == model_corpus_partitions() else None
 
 
-class SeriesInputsNewer(AutomationCondition):
+class SeriesInputsNewer(RegistryKeys):
     """True for the series partitions (of a trajectory asset) where one of ``inputs`` holds a checkpoint
     partition of that series (each checkpoint on its first corpus, SPEC 6) materialised after the series' own
     latest materialisation of the asset being evaluated, or where that asset was never materialised.
@@ -144,30 +144,21 @@ class SeriesInputsNewer(AutomationCondition):
     def description(self) -> str:
         return "one of this series' checkpoints was analysed after the series' last materialisation"
 
-    @property
-    def requires_cursor(self) -> bool:
-        return False
-
-    def evaluate(self, context: AutomationContext) -> AutomationResult:
-        subset = context.candidate_subset
-        if subset.is_empty or not subset.is_partitioned:  # on the right of `&`: only what the rest selected
-            return AutomationResult(context, subset)
-        try:
-            reg = load_registry()
-        except RegistryError:
-            return AutomationResult(context, context.get_empty_subset())
+    def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
         instance = context.asset_graph_view.instance
-        candidates = [s for s in subset.expensively_compute_partition_keys() if s in reg.series]
-        own = instance.get_latest_storage_id_by_partition(
-            context.key, DagsterEventType.ASSET_MATERIALIZATION, set(candidates)) if candidates else {}
-        newer = set()
-        for series in candidates:
-            pairs = checkpoint_pair_keys(reg, [series])
-            if pairs and any(instance.get_latest_storage_id_by_partition(
-                    key, DagsterEventType.ASSET_MATERIALIZATION, pairs, after_cursor=own.get(series))
-                    for key in self.inputs):
-                newer.add(series)
-        return AutomationResult(context, subset.compute_intersection_with_partition_keys(newer))
+        candidates = {s for s in context.candidate_subset.expensively_compute_partition_keys() if s in reg.series}
+        if not candidates:
+            return set()
+        own = instance.get_latest_storage_id_by_partition(context.key, DagsterEventType.ASSET_MATERIALIZATION,
+                                                          candidates)
+
+        def newer(series: str) -> bool:
+            pairs = checkpoint_pair_keys(reg, [series])  # never empty: Dagster reads an empty set as "all"
+            return bool(pairs) and any(instance.get_latest_storage_id_by_partition(
+                key, DagsterEventType.ASSET_MATERIALIZATION, pairs, after_cursor=own.get(series))
+                for key in self.inputs)
+
+        return {s for s in candidates if newer(s)}
 
 
 def deps_updated(where: AutomationCondition, ignore: AssetSelection | None = None) -> AutomationCondition:
