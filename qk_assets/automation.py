@@ -147,18 +147,16 @@ class SeriesInputsNewer(RegistryKeys):
     def keys(self, reg: Registry, context: AutomationContext) -> set[str] | None:
         instance = context.asset_graph_view.instance
         candidates = {s for s in context.candidate_subset.expensively_compute_partition_keys() if s in reg.series}
-        if not candidates:
+        pairs = {s: checkpoint_pair_keys(reg, [s]) for s in candidates}
+        every_pair = set().union(*pairs.values())
+        if not every_pair:  # Dagster reads an empty partition set as "every partition"
             return set()
         own = instance.get_latest_storage_id_by_partition(context.key, DagsterEventType.ASSET_MATERIALIZATION,
                                                           candidates)
-
-        def newer(series: str) -> bool:
-            pairs = checkpoint_pair_keys(reg, [series])  # never empty: Dagster reads an empty set as "all"
-            return bool(pairs) and any(instance.get_latest_storage_id_by_partition(
-                key, DagsterEventType.ASSET_MATERIALIZATION, pairs, after_cursor=own.get(series))
-                for key in self.inputs)
-
-        return {s for s in candidates if newer(s)}
+        latest = [instance.get_latest_storage_id_by_partition(key, DagsterEventType.ASSET_MATERIALIZATION,
+                                                              every_pair) for key in self.inputs]
+        return {s for s in candidates
+                if any(ids.get(p, -1) > own.get(s, -1) for ids in latest for p in pairs[s])}
 
 
 def deps_updated(where: AutomationCondition, ignore: AssetSelection | None = None) -> AutomationCondition:
