@@ -75,7 +75,6 @@ from qk_core.benchmarks.scores import (
     scan_files,
 )
 from qk_core.io.storage import Storage
-from qk_core.plots.benchmarks import fig_length, fig_scores_vs_metrics, slug
 from qk_core.stats.correlation import MIN_N
 
 GROUP = "benchmarks"
@@ -137,6 +136,8 @@ class BenchmarkStatsConfig(Config):
 
 def _stem(kind: str, bench: str, suite: str, *parts: str) -> str:
     """A readable figure name: kind, benchmark, suite (when it differs from the benchmark), mode, ..."""
+    from qk_core.plots.benchmarks import slug  # matplotlib only when the figures are drawn
+
     words = [kind, slug(bench)] + ([slug(suite, 32)] if slug(suite) != slug(bench) else []) + [slug(p) for p in parts]
     return "_".join(words)
 
@@ -150,6 +151,8 @@ def _unique(figs: dict[str, object], name: str) -> str:
 
 
 def _figures(jm: pd.DataFrame, jl: pd.DataFrame, stats: pd.DataFrame, cfg: BenchmarkStatsConfig) -> dict:
+    from qk_core.plots.benchmarks import fig_length, fig_scores_vs_metrics  # matplotlib only when the asset runs
+
     figs: dict[str, object] = {}
     pref = stats[stats["value_basis"] == "preferred"]
     across = pref[pref["analysis"] == "across_models"]

@@ -17,7 +17,6 @@ import numpy as np
 import pandas as pd
 import scipy.linalg
 import scipy.sparse
-import scipy.stats
 
 from qk_core.capture.store import HeadData
 from qk_core.config.options import RotationOptions
@@ -265,6 +264,8 @@ def analytic_noise_floor(m: PooledMoments, quantile: float = 0.99) -> float:
         return float("nan")
     if n - d - 2 <= 0:
         return 1.0  # as many regressors as rows: any t is fitted exactly
+    import scipy.stats  # here, not at import: it is 0.4 s of every process that loads the code location
+
     between = max(m.stt - m.stt_within, 0.0)
     partial = float(scipy.stats.beta.ppf(quantile, d / 2, (n - d - 2) / 2))
     return (between + partial * m.stt_within) / m.stt

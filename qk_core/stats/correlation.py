@@ -25,7 +25,6 @@ import warnings
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 MIN_N = 3
 EXACT_MAX_N = 9
@@ -68,6 +67,8 @@ def permutation_p(x: np.ndarray, y: np.ndarray, statistic: str, *, exact_max_n: 
     enumeration of all n! arrangements when n <= ``exact_max_n``, else ``permutations`` seeded random ones.
     scipy's ``permutation_test`` draws the arrangements and returns the null distribution.
     """
+    from scipy import stats  # here, not at import: it is 0.4 s of every process that loads the code location
+
     if statistic == "spearman":
         a, b, fn = stats.rankdata(x), stats.rankdata(y), _pearson_rows
     elif statistic == "kendall":
@@ -91,6 +92,8 @@ def permutation_p(x: np.ndarray, y: np.ndarray, statistic: str, *, exact_max_n: 
 def correlations(x: Any, y: Any, *, exact_max_n: int = EXACT_MAX_N,
                  permutations: int = MC_PERMUTATIONS) -> dict[str, Any]:
     """Pearson, Spearman and Kendall correlation of paired samples with p-values, methods and n (SPEC 5 c)."""
+    from scipy import stats  # here, not at import (as in permutation_p)
+
     xa = np.asarray(x, dtype=float)
     ya = np.asarray(y, dtype=float)
     if xa.shape != ya.shape:

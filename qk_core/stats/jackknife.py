@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.stats
 
 #: The interval rule's name as options and tables record it.
 JACKKNIFE_T = "jackknife_t"
@@ -64,6 +63,8 @@ def jackknife(point: np.ndarray | float, loo: np.ndarray, axis: int = 0) -> Jack
 
 def t_quantile(ci: float, df: np.ndarray | float) -> np.ndarray:
     """Student's t quantile (1 + ci) / 2 with ``df`` degrees of freedom (NaN where df < 1)."""
+    import scipy.stats  # here, not at import: it is 0.4 s of every process that loads the code location
+
     df = np.asarray(df, dtype=np.float64)
     with np.errstate(invalid="ignore"):
         return np.where(df >= 1, scipy.stats.t.ppf((1.0 + ci) / 2.0, np.maximum(df, 1.0)), np.nan)
@@ -99,6 +100,8 @@ class Difference:
 def difference(first: JackknifeEstimate, second: JackknifeEstimate, ci: float = 0.95,
                inflation: float = 1.0) -> Difference:
     """SPEC 10: the between-corpus difference with its interval and the test of equality (module docstring)."""
+    import scipy.stats  # as in t_quantile
+
     v1, v2 = first.se**2, second.se**2
     with np.errstate(invalid="ignore", divide="ignore"):
         se = np.sqrt(v1 + v2)
