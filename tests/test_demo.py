@@ -15,7 +15,7 @@ import demo_toy
 import pytest
 from dagster import AssetKey, DagsterInstance, partition_loading_context
 
-from qk_assets.cli.dagster_api import dagster_dev, partitions_of, wait_for
+from qk_assets.cli.dagster_api import cancel_and_wait, dagster_dev, partitions_of, wait_for
 from qk_assets.cli.demo import REPORT_KEY, run_demo, select_nodes
 from qk_assets.partitions import sync_instance
 from qk_core.config.registry import load_registry
@@ -249,6 +249,40 @@ def test_a_signal_cancels_the_backfill(env, signum: int) -> None:
                    and r.tags.get("dagster/partition") == "c|m1")
     assert cap_run.status.value == "CANCELED", cap_run.status
     assert "ana[c|m1]" not in calls(server) and "rep" not in calls(server)  # nothing after the canceled run
+    assert instance.event_log_storage.get_concurrency_info("gpu").claimed_slots == []
+
+
+@pytest.mark.slow
+def test_a_cancel_lost_to_a_daemon_iteration_is_asked_again(env) -> None:
+    """Dagster's backfill daemon updates the backfill row by read-modify-write, so a cancel that lands inside one
+    of its iterations can be written over (the backfill reads REQUESTED again and runs on). The demo's cancel
+    asks again until Dagster cancels: here the lost update is made to happen on the first cancel."""
+    instance, _, _, server = env
+    toy_file(server, "sleep.json", ["cap[c|m1]"])
+    api = server["api"]
+    backfill_id = api.launch_backfill({AssetKey("corpus_t"): ["c"], AssetKey("cap"): ["c|m1"]},
+                                      run_config={"execution": {"config": {"in_process": {}}}})  # as the demo's
+    wait_for(lambda: "cap[c|m1]" in calls(server), 240, 0.5, what="the capture to start",
+             on_timeout=lambda: str(api.backfill(backfill_id)))
+    cancels: list[str] = []
+    real_cancel = api.cancel_backfill
+
+    def cancel_then_lose_it(bid: str) -> None:
+        before = instance.get_backfill(bid)  # what a daemon iteration read before the cancel
+        real_cancel(bid)
+        cancels.append(instance.get_backfill(bid).status.value)
+        if len(cancels) == 1:
+            instance.update_backfill(before)  # ... and writes back after it
+
+    api.cancel_backfill = cancel_then_lose_it
+    said: list[str] = []
+    try:
+        outcome = cancel_and_wait(api, backfill_id, said.append, timeout=90)
+    finally:
+        api.cancel_backfill = real_cancel
+    assert cancels[:2] == ["CANCELING", "CANCELING"] and any("canceling it again" in m for m in said), said
+    assert outcome.startswith(f"backfill {backfill_id} canceled"), (outcome, said)
+    assert instance.get_backfill(backfill_id).status.value == "CANCELED"
     assert instance.event_log_storage.get_concurrency_info("gpu").claimed_slots == []
 
 

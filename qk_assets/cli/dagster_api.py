@@ -42,6 +42,7 @@ FINISHED_RUN = ("SUCCESS", "FAILURE", "CANCELED")
 # what `make demo` needs of the daemon: the run queue and the asset backfill daemon
 BACKFILL_DAEMONS = ("QUEUED_RUN_COORDINATOR", "BACKFILL")
 CANCEL_TIMEOUT_S = 180  # the daemon cancels on its next tick (30 s apart), then the runs end
+RECANCEL_S = 5.0  # a backfill still REQUESTED this long after its cancel lost it to a daemon iteration
 
 _LOCATIONS = """{ workspaceOrError { __typename ... on Workspace { locationEntries { name loadStatus
   locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
@@ -543,9 +544,16 @@ def cancel_and_wait(api: DagsterAPI, backfill_id: str, say: Callable[[str], None
     api.cancel_backfill(backfill_id)
     say(f"canceling backfill {backfill_id} (Dagster terminates its runs in progress)")
     deadline = time.monotonic() + timeout
+    last_cancel = time.monotonic()
     while not (b := api.backfill(backfill_id)).finished or any(r.status not in FINISHED_RUN for r in b.runs):
         if time.monotonic() > deadline:
             return f"backfill {backfill_id} still {b.status.lower()} after {timeout:.0f} s; see {api.url}"
+        if b.status == "REQUESTED" and time.monotonic() - last_cancel > RECANCEL_S:
+            # the daemon's iteration read the backfill before the cancel and wrote it back after it (Dagster
+            # 1.13 updates the backfill row by read-modify-write): the cancel was lost, so ask again
+            api.cancel_backfill(backfill_id)
+            last_cancel = time.monotonic()
+            say(f"backfill {backfill_id} still requested; canceling it again")
         time.sleep(1.0)
     ended = [r for r in b.runs if r.status == "CANCELED"]
     return f"backfill {backfill_id} {b.status.lower()}" + (f", {len(ended)} run(s) canceled" if ended else "")
