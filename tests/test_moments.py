@@ -295,3 +295,53 @@ def test_permutation_floor_from_moments_matches_the_row_permutation() -> None:
         by_moments = moment_permutation_floor(layer_pooled(lm)[h], lm.sums["pm_mean"][h], lm.sums["pm_cov"][h], opts)
         assert abs(by_moments - by_rows) < 0.1 * by_rows, (by_moments, by_rows)
         assert analytic_noise_floor(m) < 0.5 * by_rows
+
+
+@pytest.mark.slow
+def test_every_head_is_in_the_tables_the_depth_maps_and_the_report(capture: Any) -> None:
+    """SPEC 12.3 as users see it: coverage "all" gives a row for every eligible head (more than were sampled),
+    the depth maps have no blank cell, the plane figure still gets the sampled rows (projected on the axes of
+    every position), and the report's basis table counts heads and positions."""
+    from qk_core.geometry.driver import geometry_of_capture
+    from qk_core.plots.geometry import fig_depth_heatmaps
+    from qk_core.report.tables import basis_table
+
+    storage, res, _ = capture
+    reader = CaptureReader(storage, res.prefix)
+    eligible = {(lay, int(h)) for lay in reader.moment_layers() for h in reader.read_moments(lay).q_heads}
+    out = geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"),
+                              RotationOptions(coverage="all", capture_floor="beta"), keep_points=50)
+    pca, rot, points = out["pca"][0], out["rotation"][0], out["rotation"][3]
+    assert len(eligible) > len(res.heads) == 13
+    for table in (pca, rot):
+        assert set(zip(table["layer"], table["q_head"], strict=True)) == eligible
+        assert set(table["coverage"]) == {"all"} and (table["status"] == "ok").all()
+    # every position of every document: the query rows of the corpus (not the 2 sampled per bucket)
+    n_tokens = int(reader.doc_tokens()["n_tokens"].sum())
+    assert set(rot["n_q"]) == {n_tokens} and set(rot["n_docs"]) == {N_DOCS}
+
+    sampled = set(zip(res.heads["layer"], res.heads["q_head"], strict=True))
+    assert 0 < len(points) <= 6 and set(points) <= sampled
+    for key, pts in points.items():
+        head = reader.read_head(*key)
+        row = rot.set_index(["layer", "q_head"]).loc[key]
+        idx = np.unique(np.linspace(0, len(head.q) - 1, min(len(head.q), 50)).astype(int))
+        np.testing.assert_allclose(pts["q_a"], head.q[idx].astype(np.float64) @ np.asarray(row["a"]), rtol=1e-12)
+        np.testing.assert_array_equal(pts["q_t"], head.q_pos[idx])
+
+    panels = [("bias_strength", "bias", "signed")]
+    every = fig_depth_heatmaps(rot, panels, "m")
+    assert not np.isnan(np.asarray(every.axes[0].images[0].get_array(), float)).any()
+    assert every.axes[0].get_xlabel() == "layer" and "every eligible head" in every._suptitle.get_text()
+    few = fig_depth_heatmaps(out_sampled := geometry_of_capture(
+        "m", storage, res.heads, None, RotationOptions(capture_floor="beta"))["rotation"][0], panels, "m")
+    assert len(out_sampled) == 13 and "not sampled" in few._suptitle.get_text()
+    assert np.isnan(np.asarray(few.axes[0].images[0].get_array(), float)).sum() == len(eligible) - 13
+
+    table = basis_table({"pca_heads": {"m": pca}, "rotation_heads": {"m": out_sampled}}, ["m"])
+    cells = [[c.text for c in row] for row in table.rows]
+    assert cells == [["m", "PCA (SPEC 2)", "all", f"{len(eligible)} of {len(eligible)}", str(N_DOCS),
+                      str(n_tokens), str(n_tokens)],
+                     ["m", "rotation (SPEC 3)", "sampled", "13 of 13", str(N_DOCS),
+                      cells[1][5], cells[1][6]]]
+    assert cells[1][5] != str(n_tokens)  # the sampled rows: fewer positions than every one

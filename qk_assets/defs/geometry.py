@@ -114,7 +114,9 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
 @multi_asset(
     outs={
         "pca_heads": AssetOut(**OUT, description=(
-            "One row per sampled head: EVR, r_q, r_k per component (sign rule applied), PC0 taxonomy, "
+            "One row per head (every eligible head with coverage `all`, the sampled ones with `sampled`; "
+            "`coverage`, `n_q`, `n_k`, `n_docs` say what each row rests on, SPEC 12.3): EVR, r_q, r_k per "
+            "component (sign rule applied), PC0 taxonomy, "
             "positional budgets, the pooled mean and the components (row-major, n_components x d), counts, "
             "status/reason for heads that could not be analysed, options (SPEC 2).")),
         "pca_layers": AssetOut(**OUT, description=(
@@ -124,7 +126,8 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
             "Per-model PCA values in the long metrics format: `pca_share_<class>`, pos_budget_q/k, "
             "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key `pc<j>`).")),
         "rotation_heads": AssetOut(**OUT, description=(
-            "One row per sampled head: drift axis a, separation axis b, alpha_Q/alpha_K (per token and x L), "
+            "One row per head (as pca_heads: `coverage`, `n_q`, `n_k`, `n_docs`): drift axis a, separation axis "
+            "b, alpha_Q/alpha_K (per token and x L), "
             "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "
             "separation_strength, split-half axis stability and position capture with pass/fail flags "
             "(thresholds in options), optional complement pairs, status/reason/notes, options (SPEC 3).")),
@@ -143,7 +146,8 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
 )
 def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: StorageResource,
              ray: RayClusterResource, qk_capture: pd.DataFrame):
-    """Combined Q+K PCA and planar rotation of every sampled head of one model, with figures (SPEC 2, 3, 7)."""
+    """Combined Q+K PCA and planar rotation of one model's heads (every eligible head from the capture's moments
+    with coverage "all", the sampled heads' rows with "sampled"; SPEC 2, 3, 12), with figures (SPEC 7)."""
     model, corpus = split_key(context.partition_key)
     selected = set(context.selected_output_names)
     pca_opts, rot_opts = resolve_options(model, config)

@@ -3,10 +3,11 @@
 ``plasticity`` (a multi-asset, partitioned like the capture) reads the capture one head at a time and
 calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
 
-- ``plasticity_heads``: one row per sampled head: AP_overall / first20 / last20 / drop with 95% document
-  bootstrap intervals, the empirical counterparts, the closed-form vs empirical gap, diagnostics (|beta|
-  per token and x L, mean R^2, skew / excess kurtosis of the coordinate-1 residual), counts, bucket
-  status counts, status / reason, options;
+- ``plasticity_heads``: one row per sampled head (its queries' model from every position with coverage
+  ``all``, SPEC 12.2; ``coverage``, ``n_queries_model``, ``n_docs``): AP_overall / first20 / last20 / drop
+  with 95% document bootstrap intervals, the empirical counterparts, the closed-form vs empirical gap,
+  diagnostics (|beta| per token and x L, mean R^2, skew / excess kurtosis of the coordinate-1 residual),
+  counts, bucket status counts, status / reason, options;
 - ``plasticity_profiles``: per head and bucket: tau (raw tokens and / L), AP closed form with interval,
   AP empirical, gap, pairs drawn / valid / eligible, queries, keys, Ledoit-Wolf shrinkage, status;
 - ``plasticity_bins``: per head and bin (quintiles, deciles, length bins, RULER bins, absolute position

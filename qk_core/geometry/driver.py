@@ -42,6 +42,39 @@ def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca
             out.update(run_geometry(model, items, *sampled, keep_points=keep_points))
         if any(o is not None for o in every):
             out.update(geometry_of_moments(model, capture_moments(storage, capture), *every))
+            if every[1] is not None:  # the plane figure's points: sampled rows on the every-position axes
+                rot = out["rotation"]
+                out["rotation"] = (*rot[:3], plane_points(storage, capture, rot[0], keep_points))
+    return out
+
+
+def plane_points(storage: Storage, capture: pd.DataFrame, rotation_heads: pd.DataFrame, keep_points: int = 400,
+                 n_heads: int = 6) -> dict[tuple[int, int], dict[str, np.ndarray]]:
+    """Up to ``keep_points`` evenly spaced sampled Q and K rows of ``n_heads`` analysed heads (spread over
+    depth) projected on each head's {a, b} from ``rotation_heads`` (coverage "all": the axes of every
+    position; SPEC 12.1 keeps the sampled rows for such figures). Keys (layer, q_head), as in
+    :func:`run_geometry`."""
+    if not keep_points or not len(capture) or not len(rotation_heads):
+        return {}
+    sampled = {(int(la), int(h)): str(p) for la, h, p in
+               zip(capture["layer"], capture["q_head"], capture["capture_prefix"], strict=True)}
+    ok = rotation_heads[rotation_heads["status"].astype(str) == "ok"].sort_values(["layer", "q_head"])
+    rows = [r for r in ok.itertuples(index=False) if (int(r.layer), int(r.q_head)) in sampled]
+    pick = np.unique(np.linspace(0, len(rows) - 1, min(len(rows), n_heads)).round().astype(int)) if rows else []
+    readers: dict[str, CaptureReader] = {}
+    out: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    for i in pick:
+        r = rows[int(i)]
+        key = (int(r.layer), int(r.q_head))
+        reader = readers.setdefault(sampled[key], CaptureReader(storage, sampled[key]))
+        head = reader.read_head(*key)
+        a = np.asarray(r.a, np.float64)
+        b = np.nan_to_num(np.asarray(r.b, np.float64)) if r.b is not None else np.zeros_like(a)
+        iq = np.unique(np.linspace(0, len(head.q) - 1, min(len(head.q), keep_points)).astype(np.int64))
+        ik = np.unique(np.linspace(0, len(head.k) - 1, min(len(head.k), keep_points)).astype(np.int64))
+        qs, ks = np.asarray(head.q[iq], np.float64), np.asarray(head.k[ik], np.float64)
+        out[key] = {"q_a": qs @ a, "q_b": qs @ b, "q_t": np.asarray(head.q_pos[iq]),
+                    "k_a": ks @ a, "k_b": ks @ b, "k_t": np.asarray(head.k_pos[ik])}
     return out
 
 
@@ -64,8 +97,9 @@ def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], 
                         rotation_options: RotationOptions | None) -> dict[str, tuple]:
     """SPEC 2 and/or 3 of every head of every layer from merged moments (SPEC 12.2): tables as
     :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs. The rotation's
-    plane points are empty (they need rows); its noise floor is the within-document permutation floor from the
-    moments (:func:`qk_core.geometry.rotation.moment_permutation_floor`), or the analytic one by option."""
+    plane points are empty (they need rows: :func:`plane_points`); its noise floor is the within-document
+    permutation floor from the moments (:func:`qk_core.geometry.rotation.moment_permutation_floor`), or the
+    analytic one by option."""
     pca_rows: list[dict[str, Any]] = []
     rot_rows: list[dict[str, Any]] = []
     for window, lm in layers:

@@ -145,8 +145,10 @@ def fig_depth_heatmaps(heads: pd.DataFrame, panels: Sequence[tuple[str, str, str
     """Layer (x) by query head (y) maps; ``panels`` = [(column, label, scale)], scale one of
     ``"corr"`` (-1..1, diverging), ``"abs"`` (0..1, sequential), ``"signed"`` (symmetric robust range).
 
-    Cells of heads that were not sampled are blank; skipped heads are hatched grey.
+    Cells of heads without a row are grey (with coverage "sampled": heads not sampled; with "all" every
+    eligible head has one, SPEC 12.1); heads that could not be analysed are crossed.
     """
+    every = len(heads) > 0 and "coverage" in heads and bool((heads["coverage"].astype(str) == "all").all())
     layers = np.sort(heads["layer"].unique()) if len(heads) else np.zeros(0, int)
     n_heads_axis = int(heads["q_head"].max()) + 1 if len(heads) else 1
     lay_idx = {int(v): i for i, v in enumerate(layers)}
@@ -180,13 +182,14 @@ def fig_depth_heatmaps(heads: pd.DataFrame, panels: Sequence[tuple[str, str, str
         ax.set_xticklabels([str(int(v)) for v in layers[::step]], fontsize=7)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(axis="y", labelsize=7)
-        ax.set_xlabel("layer (sampled)")
+        ax.set_xlabel("layer" if every else "layer (sampled)")
         if p == 0:
             ax.set_ylabel("query head")
         ax.set_title(label, fontsize=9)
         cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
         cb.ax.tick_params(labelsize=7)
-    note = "grey: head not sampled" + ("; x: head skipped" if (~ok).any() else "")
+    note = ("every eligible head, every position" if every else "grey: head not sampled") + (
+        "; x: head skipped" if (~ok).any() else "")
     fig.suptitle(f"{title or model + ': per-head values by depth'} ({_skip_note(heads)}; {note})", fontsize=10)
     return fig
 

@@ -25,9 +25,11 @@ import pandas as pd
 
 from qk_core.report.findings import build_findings
 from qk_core.report.tables import (
+    HEAD_TABLES,
     Cell,
     Entries,
     Table,
+    basis_table,
     calibration_table,
     cross_corpus_tables,
     fmt_time,
@@ -424,6 +426,11 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
         view.missing += _partition_missing(asset, inputs, parts)
     if sec.id == "models" and inputs.models:
         view.lead.append(("Registry entries", models_table(inputs.models)))
+    if sec.id == "models":
+        parts = {p for a in HEAD_TABLES for p in inputs.tables.get(a, {})}
+        basis = basis_table(inputs.tables, _part_order(parts, model_order))
+        if basis is not None:
+            view.lead.append(("What each value rests on", basis))
     own = [f for f in figs if not is_paper_figure(f)]
     for part in _part_order((f.partition for f in own), model_order):
         shown = sorted((f for f in own if f.partition == part), key=_figure_rank)

@@ -565,3 +565,45 @@ def _as_frame(text: str) -> pd.DataFrame | None:
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         return pd.DataFrame(value)
     return None
+
+
+# ---- what each value rests on (SPEC 12.3) ------------------------------------------------------
+#: per-head tables and their (Q positions, K positions) columns: the positions a head's value rests on
+HEAD_TABLES = {"pca_heads": ("PCA (SPEC 2)", "n_q", "n_k"),
+               "rotation_heads": ("rotation (SPEC 3)", "n_q", "n_k"),
+               "plasticity_heads": ("plasticity (SPEC 4)", "n_queries_model", "n_keys")}
+
+
+def _median_count(df: pd.DataFrame, col: str) -> str:
+    vals = pd.to_numeric(df[col], errors="coerce").dropna() if col in df else pd.Series(dtype=float)
+    if vals.empty:
+        return "–"
+    lo, med, hi = vals.min(), vals.median(), vals.max()
+    return fmt_num(med) if lo == hi else f"{fmt_num(med)} ({fmt_num(lo)}–{fmt_num(hi)})"
+
+
+def basis_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str | None]) -> Table | None:
+    """Per (model, corpus) and analysis: the coverage, how many heads were analysed of those listed, the
+    documents, and the query / key positions per head (median, range) each per-head value rests on
+    (SPEC 12.3). ``order``: the partitions (the page's labels of them), in page order."""
+    rows = []
+    for part in order:
+        for asset, (name, q_col, k_col) in HEAD_TABLES.items():
+            df = tables.get(asset, {}).get(part)
+            if df is None or not len(df):
+                continue
+            listed = int(df.attrs.get("total_rows", len(df)))
+            ok = df[df["status"].astype(str) == "ok"] if "status" in df else df
+            coverage = ", ".join(sorted(df["coverage"].astype(str).unique())) if "coverage" in df else "sampled"
+            shown = "" if listed == len(df) else f" (of the first {len(df)} rows)"
+            docs = pd.to_numeric(ok["n_docs"], errors="coerce").max() if "n_docs" in ok and len(ok) else None
+            rows.append([Cell(str(part)), Cell(name), Cell(coverage),
+                         Cell(f"{len(ok)} of {listed}{shown}", num=True), Cell(fmt_num(docs), num=True),
+                         Cell(_median_count(ok, q_col), num=True), Cell(_median_count(ok, k_col), num=True)])
+    if not rows:
+        return None
+    return Table(["model", "analysis", "coverage", "heads analysed", "documents", "Q positions per head",
+                  "K positions per head"], rows,
+                 caption="What each per-head value rests on (SPEC 12.3): coverage \"all\" = every eligible head "
+                         "at every position (the capture's moments), \"sampled\" = the sampled heads' sampled "
+                         "positions (the thesis); positions are the median over analysed heads (range)")
