@@ -4,8 +4,9 @@
 different families in the ``demo`` group, each on two local corpora), storage root and Dagster instance; it
 starts ``dagster dev`` and launches one asset backfill that the daemon runs: every stage (corpora, captures, PCA,
 rotation, plasticity, the cross-corpus comparison, benchmarks, model report, joins, cross-model figures)
-materialises in dependency order, the report is built with every figure resolving in Chromium, and a second
-run computes nothing and launches nothing.
+materialises in dependency order, the report is built with every figure resolving in Chromium. Then one
+`dagster dev` serves the rest: a second run (``--dagster-url``) computes nothing and launches nothing, and a
+registry edit is stale in Dagster and in the plan.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -21,6 +23,8 @@ import pytest
 from chromium import probe_images
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 from tiny_models import build_tiny_model, sample_texts, write_corpus_jsonl, write_registry
+
+from qk_assets.cli.dagster_api import dagster_dev
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +44,7 @@ def demo(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("demo_e2e")
     models = {}
     for i, (key, family) in enumerate(MODELS.items()):
@@ -69,9 +73,12 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (home / "dagster.yaml").write_text((REPO / "dagster_home" / "dagster.yaml").read_text())
     env = {**os.environ, "QK_REGISTRY": str(tmp / "registry.toml"), "QK_STORAGE_ROOT": str(tmp / "storage"),
            "QK_DEVICE": "cpu", "DAGSTER_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    first = demo(env)
-    second = demo(env)
-    return {"storage": tmp / "storage", "home": home, "first": first.stdout, "second": second.stdout, "env": env}
+    first = demo(env)  # as a newcomer runs it: the demo starts `dagster dev` for its duration
+    # then one `dagster dev` for the rest of the module: the second demo and the registry-edit test use it
+    with dagster_dev(home=home, env=env) as server:
+        second = demo(env, "--dagster-url", server.url)
+        yield {"storage": tmp / "storage", "home": home, "first": first.stdout, "second": second.stdout, "env": env,
+               "server": server}
 
 
 def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,13 +140,11 @@ def test_second_demo_computes_nothing(demo_run: dict) -> None:
 
 
 def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> None:
-    """Editing entries: Dagster (the UI's status, asked here through a webserver of our own) marks what the
-    edit configures stale, through the data versions of ``registry_entry`` (a capture option of tiny-qwen: its
-    captures) and ``registry_analysis`` (an analysis option of tiny-llama: its analyses, not its captures),
-    and the demo plans exactly that plus what depends on it."""
-    from qk_assets.cli.dagster_api import dagster_dev
-
-    env = demo_run["env"]
+    """Editing entries: Dagster (the UI's status, asked through the running webserver, with no reload) marks
+    what the edit configures stale, through the data versions of ``registry_entry`` (a capture option of
+    tiny-qwen: its captures) and ``registry_analysis`` (an analysis option of tiny-llama: its analyses, not its
+    captures), and the demo plans exactly that plus what depends on it."""
+    env, server = demo_run["env"], demo_run["server"]
     reg = Path(env["QK_REGISTRY"])
     text = reg.read_text()
     llama, qwen = text.split('[models."tiny-qwen"]')
@@ -147,7 +152,7 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
     reg.write_text(llama.replace("bootstrap = 20", "bootstrap = 21", 1) + '[models."tiny-qwen"]'
                    + qwen.replace("per_bucket = 2 }", "per_bucket = 3 }", 1))
     try:
-        plan = demo(env, "--dry-run").stdout
+        plan = demo(env, "--dry-run", "--dagster-url", server.url).stdout
         runs = {ln.split()[1]: ln.split(None, 2)[2] for ln in plan.splitlines() if ln.startswith("  run ")}
         stale = {k for k, r in runs.items() if r.startswith(("stale", "missing"))}
         analyses = ("pca_heads", "pca_metrics", "rotation_heads", "rotation_metrics", "plasticity_heads",
@@ -164,8 +169,7 @@ def test_a_registry_edit_is_stale_in_dagster_and_in_the_plan(demo_run: dict) -> 
         keys: dict = {}  # asset -> every partition the plan lists (an asset has one per corpus)
         for k in runs:
             keys.setdefault(AssetKey(k.split("[")[0]), []).append(k.split("[")[1].rstrip("]") if "[" in k else None)
-        with dagster_dev(home=Path(env["DAGSTER_HOME"]), env=env, daemon=False) as web:
-            status = web.stale_status(keys)
+        status = server.stale_status(keys)
         ui_stale = {key.to_user_string() + (f"[{p}]" if p else "") for (key, p), s in status.items()
                     if s.status != "FRESH"}
         assert ui_stale == stale
