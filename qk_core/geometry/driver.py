@@ -17,7 +17,7 @@ from qk_core.geometry.from_moments import layer_geometry
 from qk_core.geometry.heads import HeadInputError, HeadItem, head_columns, iter_capture_heads, validate_head
 from qk_core.geometry.moments import KindMoments, kind_moments, pooled_moments
 from qk_core.geometry.pca import pca_head, pca_tables
-from qk_core.geometry.rotation import rotation_head, rotation_tables
+from qk_core.geometry.rotation import even_indices, rotation_head, rotation_tables
 from qk_core.io.storage import Storage
 from qk_core.runtime.blas import blas_threads
 
@@ -70,8 +70,7 @@ def plane_points(storage: Storage, capture: pd.DataFrame, rotation_heads: pd.Dat
         head = reader.read_head(*key)
         a = np.asarray(r.a, np.float64)
         b = np.nan_to_num(np.asarray(r.b, np.float64)) if r.b is not None else np.zeros_like(a)
-        iq = np.unique(np.linspace(0, len(head.q) - 1, min(len(head.q), keep_points)).astype(np.int64))
-        ik = np.unique(np.linspace(0, len(head.k) - 1, min(len(head.k), keep_points)).astype(np.int64))
+        iq, ik = even_indices(len(head.q), keep_points), even_indices(len(head.k), keep_points)
         qs, ks = np.asarray(head.q[iq], np.float64), np.asarray(head.k[ik], np.float64)
         out[key] = {"q_a": qs @ a, "q_b": qs @ b, "q_t": np.asarray(head.q_pos[iq]),
                     "k_a": ks @ a, "k_b": ks @ b, "k_t": np.asarray(head.k_pos[ik])}

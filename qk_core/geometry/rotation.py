@@ -301,7 +301,8 @@ def capture_status(r2_full: float, r2_floor: float, ratio: float, capture_min: f
     return CAPTURE_PASS if ratio >= capture_min else CAPTURE_FAIL
 
 
-def _even_indices(n: int, m: int) -> np.ndarray:
+def even_indices(n: int, m: int) -> np.ndarray:
+    """Up to ``m`` evenly spaced indices of ``n`` rows (the plane figure's points)."""
     return np.unique(np.linspace(0, n - 1, min(n, m)).astype(np.int64)) if n else np.zeros(0, np.int64)
 
 
@@ -408,7 +409,7 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
             q, q_pos, k, k_pos, m, a, b if b_ok else None, options.complement_pairs)
     if keep_points:
         bb = b if b_ok else np.zeros(m.d)
-        iqp, ikp = _even_indices(m.n_q, keep_points), _even_indices(m.n_k, keep_points)
+        iqp, ikp = even_indices(m.n_q, keep_points), even_indices(m.n_k, keep_points)
         qs, ks = np.asarray(q[iqp], np.float64), np.asarray(k[ikp], np.float64)
         res.points = {"q_a": qs @ a, "q_b": qs @ bb, "q_t": np.asarray(q_pos[iqp]),
                       "k_a": ks @ a, "k_b": ks @ bb, "k_t": np.asarray(k_pos[ikp])}
