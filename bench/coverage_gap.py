@@ -1,0 +1,241 @@
+"""How far the thesis's sampled estimates are from every head at every position (issue 22 item 3, SPEC 12.3).
+
+For each demo model (the registry's ``demo`` group) on its first corpus, with the registry entry's own capture
+settings (window, bucket, documents, sampled heads and positions) plus ``capture.moments = true``, one capture
+is analysed twice: ``coverage = "sampled"`` (the sampled heads' sampled rows, the thesis's protocol) and
+``coverage = "all"`` (every eligible head over every position, from the capture's moments; SPEC 12.2).
+
+Per-head quantities of PCA (SPEC 2), rotation (SPEC 3) and the plasticity query model (SPEC 4.1) are compared
+per metric: the model mean over heads under each coverage, their difference, the spread over heads (IQR of
+each), the median and 90th percentile over heads of the per-head |difference|, and the heads and positions
+each rests on. Model-level plasticity metrics (SPEC 4.5) are compared with their intervals (the document
+bootstrap percentile rule for both: the jackknife-t rule refits the query model without each document, which
+the merged moments cannot).
+
+    .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
+
+writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: one capture per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qk_core.geometry.pca import PCA_UNITS
+from qk_core.geometry.rotation import ROTATION_UNITS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KEYS = ["layer", "q_head"]
+# per-head columns compared (SPEC 2, 3, 4.1, 4.5), with their units
+PCA_COLS = {c: u for c, u in PCA_UNITS.items() if c in ("pc0_evr", "pc0_r_q", "pc0_r_k", "pc1_evr", "evr_kept",
+                                                       "pos_budget_q", "pos_budget_k")}
+ROT_COLS = {c: u for c, u in ROTATION_UNITS.items() if c in (
+    "alpha_k", "alpha_k_window", "mu_q_a", "bias_strength", "bias_strength_window", "r_q_a", "r_k_a",
+    "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
+PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP",
+              "beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)"}
+
+
+def _capture(entry: Any, docs: pd.DataFrame, storage: Any) -> tuple[pd.DataFrame, dict[str, float]]:
+    from qk_core.capture import capture_model
+
+    t = time.perf_counter()
+    result = capture_model(entry, docs, storage)
+    return result.heads, {"capture_s": time.perf_counter() - t}
+
+
+def _geometry(model: str, storage: Any, heads: pd.DataFrame, coverage: str) -> dict[str, pd.DataFrame]:
+    from qk_core.config.options import PCAOptions, RotationOptions
+    from qk_core.geometry.driver import geometry_of_capture
+
+    out = geometry_of_capture(model, storage, heads, PCAOptions(coverage=coverage),
+                              RotationOptions(coverage=coverage, capture_floor="beta"))
+    return {"pca": out["pca"][0], "rotation": out["rotation"][0]}
+
+
+def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, coverage: str) -> Any:
+    from qk_core.config.options import resolve_options
+    from qk_core.plasticity.analysis import analyse_capture
+
+    # one interval rule for both: coverage "all" takes the percentile one (qk_core.config.options.PlasticityOptions)
+    opts = resolve_options("plasticity", entry.analysis, {"coverage": coverage, "interval": "percentile"})
+    prefix = str(heads["capture_prefix"].iloc[0])
+    pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
+    return analyse_capture(model, storage, prefix, pairs, opts)
+
+
+def _iqr(v: np.ndarray) -> float:
+    return float(np.subtract(*np.percentile(v, [75, 25]))) if len(v) else float("nan")
+
+
+def _median_count(df: pd.DataFrame) -> int | None:
+    """Median query positions per head: ``n_q`` (geometry) or ``n_queries_model`` (the query model)."""
+    col = "n_q" if "n_q" in df else "n_queries_model"
+    return int(np.median(df[col])) if col in df and len(df) else None
+
+
+def compare(sampled: pd.DataFrame, every: pd.DataFrame, cols: dict[str, str], analysis: str) -> list[dict]:
+    """One row per column: model means under each coverage, spread over heads and per-head differences."""
+    s = sampled[sampled["status"] == "ok"] if "status" in sampled else sampled
+    a = every[every["status"] == "ok"] if "status" in every else every
+    joined = s.merge(a, on=KEYS, suffixes=("_s", "_a"))
+    rows = []
+    for col, unit in cols.items():
+        if col not in s or col not in a:
+            continue
+        vs, va = (pd.to_numeric(df[col], errors="coerce").to_numpy(float) for df in (s, a))
+        vs, va = vs[np.isfinite(vs)], va[np.isfinite(va)]
+        diff = (pd.to_numeric(joined[f"{col}_a"], errors="coerce")
+                - pd.to_numeric(joined[f"{col}_s"], errors="coerce")).abs().to_numpy(float)
+        diff = diff[np.isfinite(diff)]
+        rows.append({
+            "analysis": analysis, "metric": col, "unit": unit,
+            "mean_sampled": float(vs.mean()) if len(vs) else float("nan"),
+            "mean_all": float(va.mean()) if len(va) else float("nan"),
+            "iqr_sampled": _iqr(vs), "iqr_all": _iqr(va),
+            "median_abs_diff": float(np.median(diff)) if len(diff) else float("nan"),
+            "p90_abs_diff": float(np.percentile(diff, 90)) if len(diff) else float("nan"),
+            "heads_sampled": len(vs), "heads_all": len(va), "heads_both": len(diff),
+            "q_positions_sampled": _median_count(s), "q_positions_all": _median_count(a),
+        })
+    return rows
+
+
+def measure(model: str, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    from qk_core.config.registry import load_registry
+    from qk_core.corpus.build import build_corpus
+    from qk_core.io.storage import Storage
+
+    reg = load_registry()
+    entry = reg.model(model)
+    entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True))
+    corpus_name = entry.corpora[0]
+    docs, _ = build_corpus(reg.corpus(corpus_name))
+    if entry.capture.max_docs:
+        docs = docs.head(entry.capture.max_docs)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = Storage(tmp)
+        heads, cost = _capture(entry, docs, storage)
+        for coverage in ("sampled", "all"):
+            t = time.perf_counter()
+            geo = _geometry(model, storage, heads, coverage)
+            cost[f"geometry_{coverage}_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            plast = _plasticity(model, storage, heads, entry, coverage)
+            cost[f"plasticity_{coverage}_s"] = time.perf_counter() - t
+            if coverage == "sampled":
+                sampled = (geo, plast)
+            else:
+                every = (geo, plast)
+        for analysis, cols in (("pca", PCA_COLS), ("rotation", ROT_COLS)):
+            rows += compare(sampled[0][analysis], every[0][analysis], cols, analysis)
+        rows += compare(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity")
+        metric_cols = ["metric", "key", "value", "lo", "hi"]
+        ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
+        ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
+        model_metrics = ms.merge(ma, on=[c for c in ("metric", "key") if c in ms], suffixes=("_sampled", "_all"))
+    eligible = len(every[0]["pca"])
+    return {"model": model, "corpus": corpus_name, "window": entry.window, "bucket": entry.bucket,
+            "documents": len(docs), "sampled_heads": len(heads), "eligible_heads": eligible,
+            "per_bucket": entry.capture.per_bucket, "cost_s": cost, "heads": rows,
+            "model_metrics": json.loads(model_metrics.to_json(orient="records"))}
+
+
+def _f(x: Any, digits: int = 4) -> str:
+    return "" if x is None or (isinstance(x, float) and not np.isfinite(x)) else f"{x:.{digits}g}"
+
+
+def _reading(run: dict[str, Any]) -> list[str]:
+    """What the table says, computed: which model means move by more than 1% (relative), and which model-level
+    plasticity metrics of every position fall outside the sampled estimate's 95% interval."""
+    moved = [f"{r['analysis']} {r['metric']} ({(r['mean_all'] - r['mean_sampled']) / abs(r['mean_sampled']):+.1%})"
+             for r in run["heads"] if r["mean_sampled"] and abs(r["mean_all"] - r["mean_sampled"])
+             > 0.01 * abs(r["mean_sampled"])]
+    outside = [f"{m['metric']}{' ' + m['key'] if m.get('key') else ''}" for m in run["model_metrics"]
+               if m.get("lo_sampled") is not None and m.get("value_all") is not None
+               and not m["lo_sampled"] <= m["value_all"] <= m["hi_sampled"]]
+    heads = ("every eligible head was sampled (the 300-head cap does not bind), so the difference is the positions "
+             "alone" if run["sampled_heads"] == run["eligible_heads"] else
+             f"{run['sampled_heads']} of {run['eligible_heads']} heads sampled")
+    return [f"Reading: {heads}. Model means that move by more than 1%: {', '.join(moved) or 'none'}. "
+            f"Model-level plasticity values of every position outside the sampled 95% interval: "
+            f"{', '.join(outside) or 'none'} (of {len(run['model_metrics'])}).", ""]
+
+
+def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"command": "python bench/coverage_gap.py " + " ".join(sys.argv[1:]), "threads": args.threads,
+            "load_before": os.getloadavg()[0], "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "wall_s": wall_s}
+    (RESULTS / "coverage_gap.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=float))
+    lines = ["# Sampled heads and positions against every head at every position (SPEC 12.3, issue 22 item 3)", "",
+             f"`{meta['command']}` ({args.threads} threads, load {meta['load_before']:.2f} before, "
+             f"{wall_s:.0f} s wall). One capture per model with the registry entry's own sampling plus "
+             "`capture.moments = true`, analysed with `coverage = \"sampled\"` (the thesis's protocol: the "
+             "sampled heads' sampled positions) and `coverage = \"all\"` (every eligible head, every position, "
+             "from the moments). Per metric: the model mean over heads under each coverage, the spread over "
+             "heads (IQR), and the per-head |all - sampled| (median and 90th percentile over the heads in both).",
+             ""]
+    for run in runs:
+        lines += [f"## {run['model']} on {run['corpus']}", "",
+                  f"Window {run['window']} tokens, bucket {run['bucket']}, {run['documents']} documents; "
+                  f"{run['sampled_heads']} sampled heads of {run['eligible_heads']} eligible, "
+                  f"{run['per_bucket']} sampled positions per bucket and document. Capture "
+                  f"{run['cost_s']['capture_s']:.0f} s; analysis all / sampled: geometry "
+                  f"{run['cost_s']['geometry_all_s']:.1f} / {run['cost_s']['geometry_sampled_s']:.1f} s, plasticity "
+                  f"{run['cost_s']['plasticity_all_s']:.1f} / {run['cost_s']['plasticity_sampled_s']:.1f} s.", "",
+                  *_reading(run),
+                  "| analysis | metric | unit | mean sampled | mean all | IQR sampled | IQR all | median abs diff "
+                  "| p90 abs diff | heads (sampled / all / both) | Q positions per head (sampled / all) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in run["heads"]:
+            lines.append(f"| {r['analysis']} | {r['metric']} | {r['unit']} | {_f(r['mean_sampled'])} | "
+                         f"{_f(r['mean_all'])} | {_f(r['iqr_sampled'])} | {_f(r['iqr_all'])} | "
+                         f"{_f(r['median_abs_diff'])} | {_f(r['p90_abs_diff'])} | {r['heads_sampled']} / "
+                         f"{r['heads_all']} / {r['heads_both']} | {r['q_positions_sampled']} / "
+                         f"{r['q_positions_all']} |")
+        lines += ["", "Model-level plasticity metrics (SPEC 4.5; 95% document bootstrap percentile intervals):", "",
+                  "| metric | key | sampled [lo, hi] | all [lo, hi] | all inside sampled interval |",
+                  "|---|---|---|---|---|"]
+        for m in run["model_metrics"]:
+            lo, hi, v = m.get("lo_sampled"), m.get("hi_sampled"), m.get("value_all")
+            inside = "–" if lo is None or hi is None or v is None else "yes" if lo <= v <= hi else "no"
+            lines.append(f"| {m['metric']} | {m.get('key') or ''} | {_f(m['value_sampled'])} "
+                         f"[{_f(m.get('lo_sampled'))}, {_f(m.get('hi_sampled'))}] | {_f(m['value_all'])} "
+                         f"[{_f(m.get('lo_all'))}, {_f(m.get('hi_all'))}] | {inside} |")
+        lines.append("")
+    (RESULTS / "coverage_gap.md").write_text("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=None, help="model keys (default: the registry's demo group)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    from qk_core.config.registry import load_registry
+
+    models = args.models or load_registry().in_group("demo")
+    t = time.perf_counter()
+    runs = [measure(m, args.threads) for m in models]
+    write(runs, args, time.perf_counter() - t)
+    print((RESULTS / "coverage_gap.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
