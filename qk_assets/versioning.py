@@ -32,7 +32,7 @@ def _module_file(name: str) -> Path | None:
 # An import statement starts a logical line (the project's style has no ``;``): ``import a.b as c, d`` or
 # ``from .x import (y, z)`` with the names possibly in parentheses over several lines. Matched on the source
 # text instead of an AST: every process that loads the code location computes the closures, and parsing
-# ~90 files took about a second of each run's start (tests/test_demo.py checks the two agree on every module).
+# ~90 files took about a second of each run's start (tests/test_versioning.py checks the two agree on every module).
 _IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+(?:[ \t]+as[ \t]+\w+)?(?:[ \t]*,[ \t]*[\w.]+(?:[ \t]+as[ \t]+\w+)?)*)",
                      re.MULTILINE)
 _FROM = re.compile(r"^[ \t]*from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)", re.MULTILINE)
@@ -54,8 +54,7 @@ def _imported_names(path: Path, module_name: str) -> frozenset[str]:
             base = ".".join(parts[: len(parts) - dots + 1] + ([base] if base else []))
         names.add(base)
         # ``from qk_core.io import metrics`` imports the submodule qk_core.io.metrics
-        imported = m.group(2).split("#")[0] if not m.group(2).startswith("(") else m.group(2)
-        for part in re.sub(r"#[^\n]*", "", imported).strip("()").split(","):
+        for part in re.sub(r"#[^\n]*", "", m.group(2)).strip().strip("()").split(","):
             if part.split():
                 names.add(f"{base}.{part.split()[0]}")
     return frozenset(n for n in names if n.split(".")[0] in OWN_PACKAGES)
