@@ -222,8 +222,9 @@ def main() -> None:
         f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
         f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
     moments = "" if not a.moments else f"""
-Every-head moments (SPEC 12.1, `capture.moments = true`): accumulated in float64 on CPU over every position of
-every eligible head during the same forwards; per-document moment files {extra.get('moments_doc_mb', 0):.1f} MB
+Every-head moments (SPEC 12.1, `capture.moments = true` with the default `moment_dtype = "float32"` and
+`lw_intensity = "gaussian"`): per-bucket sums in float32 (float64 above) over every position of every eligible
+head during the same forwards; per-document moment files {extra.get('moments_doc_mb', 0):.1f} MB
 for {a.docs} documents (all per-document files, rows and moments, {extra.get('doc_files_mb', 0):.1f} MB at the last
 commit; removed after the verified finalize), merged moments kept {extra['moments_merged_mb']:.1f} MB.
 """

@@ -5,9 +5,10 @@ every head of every eligible layer at every position is captured (the capture's 
 per-position rows), then
 
 - ``float64``: a numpy float64 brute force of the sums (per bucket: x x^T, x t, x; pooled K; pairs);
-- ``float32``: :func:`qk_core.capture.moments.accumulate` with ``dtype=float32`` (a GPU capture's setting:
-  each sum over at most one bucket of one document in float32, everything above in float64);
-- ``float64 accumulate``: the same function in float64 (the CPU capture's setting).
+- ``float32``: :func:`qk_core.capture.moments.accumulate` with ``dtype=float32`` (the capture's default,
+  ``capture.moment_dtype``: each sum over at most one bucket of one document in float32, everything above in
+  float64), with the exact Ledoit-Wolf terms (``q_xxs``, ``q_xxs2``, ``q_r4``: ``lw_intensity = "exact"``);
+- ``float64 accumulate``: the same function in float64 (``capture.moment_dtype = "float64"``).
 
 It reports, per key, the largest error relative to the largest element of that head's sum, and the
 largest relative difference of the per-head PCA / rotation values (SPEC 12.2) computed from the float32
@@ -158,9 +159,10 @@ def write(out: Path, runs: list[dict]) -> None:
     result = {"model": MODEL, "machine": platform.platform(), "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Moments in float32 vs a float64 brute force ({MODEL}, every head and position of one document)", "",
-             "Per key: the largest error relative to the largest element of the same head's sum. float64 is the "
-             "CPU capture's accumulation, float32 a GPU capture's (each sum over at most one bucket in float32, "
-             "then float64).", "",
+             "Per key: the largest error relative to the largest element of the same head's sum. float32 is the "
+             "capture's default accumulation (`capture.moment_dtype`; each sum over at most one bucket in float32, "
+             "then float64), float64 its option; q_xxs, q_xxs2 and q_r4 are summed only with "
+             "`capture.lw_intensity = \"exact\"`.", "",
              "| tokens | heads | key | float64 | float32 |", "|---|---|---|---|---|"]
     for r in runs:
         for key in KEYS:

@@ -14,6 +14,7 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
+from qk_core.capture.moments import LW_KEYS
 from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moments_file
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
@@ -28,10 +29,12 @@ torch.set_num_threads(1)
 N_DOCS = 5
 
 
-def _registry(tmp: Path, per_bucket: int, heads: int) -> Any:
-    return load_registry(tm.write_registry(tmp / f"registry-{per_bucket}-{heads}.toml", {"m": {
+def _registry(tmp: Path, per_bucket: int, heads: int, exact: bool = True) -> Any:
+    """float64 sums with the exact Ledoit-Wolf terms (compared to a brute force), or the defaults."""
+    moments = {"moments": True, "moment_dtype": "float64", "lw_intensity": "exact"} if exact else {"moments": True}
+    return load_registry(tm.write_registry(tmp / f"registry-{per_bucket}-{heads}-{exact}.toml", {"m": {
         "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
-        "capture": {"per_bucket": per_bucket, "heads": heads, "moments": True}}}, tmp / "corpus.jsonl"))
+        "capture": {"per_bucket": per_bucket, "heads": heads, **moments}}}, tmp / "corpus.jsonl"))
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,40 @@ def test_moments_of_every_head_equal_a_float64_brute_force_over_every_row(setup:
             odd = np.isin(h.q_doc, ids[1::2])
             np.testing.assert_allclose(lm.sums["qh_xt"][1, i], t[odd] @ q[odd], rtol=1e-12,
                                        atol=1e-12 * np.abs(t[odd] @ q[odd]).max())
+
+
+def test_default_moments_are_float32_gaussian_within_their_bound_and_a_third_of_the_bytes(
+        setup: dict[str, Any]) -> None:
+    """The capture's defaults (SPEC 12.1, issue 22.4): per-bucket sums accumulated in float32 and stored as such
+    (exactly those numbers), no exact Ledoit-Wolf terms; every sum within the float32 bound of the float64
+    capture's, in the fingerprint's place (the same capture prefix), and the per-document files far smaller."""
+    reg = _registry(setup["tmp"], 2, 5, exact=False)
+    entry = reg.model("m")
+    assert (entry.capture.moment_dtype, entry.capture.lw_intensity) == ("float32", "gaussian")
+    storage = Storage(setup["tmp"] / "defaults")
+    ids = [int(e) for e in setup["corpus"]["example_id"]]
+    res = capture_model(entry, setup["corpus"], storage, device="cpu", only_docs=ids[:1], finalize=False)
+    assert res.prefix == setup["sampled"].prefix
+    with np.load(Path(storage.full(f"{res.prefix}/moments/docs/doc-{ids[0]}.npz"))) as z:
+        stored = {name.split(".", 1)[1]: z[name].dtype for name in z.files}
+    assert stored["q_xx"] == stored["q_x"] == np.float32 and stored["k_xx"] == stored["q_n"] == np.float64
+    assert not set(LW_KEYS) & set(stored)
+    exact = setup["tmp"] / "exact-docs"
+    capture_model(setup["sampled_reg"].model("m"), setup["corpus"], Storage(exact), device="cpu",
+                  only_docs=ids[:1], finalize=False)
+    size = {name: Path(root / res.prefix / "moments/docs" / f"doc-{ids[0]}.npz").stat().st_size
+            for name, root in (("default", Path(storage.full(""))), ("exact", exact))}
+    assert size["default"] < size["exact"] / 3
+    res = capture_model(entry, setup["corpus"], storage, device="cpu")
+    reader, want = CaptureReader(storage, res.prefix), CaptureReader(setup["storage"], setup["sampled"].prefix)
+    assert reader.manifest["moments"]["dtype"] == "float32"
+    assert reader.manifest["moments"]["lw_intensity"] == "gaussian"
+    for layer in reader.moment_layers():
+        got, ref = reader.read_moments(layer), want.read_moments(layer)
+        assert set(ref.sums) - set(got.sums) == set(LW_KEYS)
+        for key, arr in got.sums.items():
+            bound = 32 * np.sqrt(got.bucket) * 2.0**-24 * max(np.abs(ref.sums[key]).max(), 1e-30)
+            assert arr.dtype == np.float64 and np.abs(arr - ref.sums[key]).max() <= bound, (layer, key)
 
 
 def test_every_head_geometry_from_capture_moments_equals_the_rows_of_every_position(setup: dict[str, Any]) -> None:

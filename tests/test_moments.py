@@ -12,7 +12,7 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
-from qk_core.capture.moments import DOC_KEYS, LayerMoments, document_moments, merge_documents
+from qk_core.capture.moments import DOC_KEYS, LW_KEYS, LayerMoments, document_moments, merge_documents
 from qk_core.capture.store import CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
@@ -179,14 +179,21 @@ def test_merge_is_exact_and_independent_of_document_order() -> None:
         merge_documents([docs[0], docs[0]])
 
 
-def test_accumulate_matches_a_float64_brute_force_and_bounds_float32() -> None:
-    """Every key of :func:`accumulate` against a numpy float64 brute force over every position (SPEC 12.1),
-    and the float32 accumulation within its stated bound (sums over at most one bucket in float32)."""
+@pytest.mark.parametrize("layout", ["every position", "sampled, empty buckets"])
+def test_accumulate_matches_a_float64_brute_force_and_bounds_float32(layout: str) -> None:
+    """Every key of :func:`accumulate` against a numpy float64 brute force (SPEC 12.1): over every position of
+    a document (the capture's case: a reshape) and over a sorted-out subset that leaves buckets empty; the
+    Gaussian form is the same sums without the exact Ledoit-Wolf terms; float32 within its stated bound
+    (sums over at most one bucket in float32)."""
     rng = np.random.default_rng(3)
     Hq, Hk, n, d, B, J = 4, 2, 200, 8, 32, 8
     q = rng.normal(size=(Hq, n, d)) + rng.normal(size=d) * 3 + np.arange(n)[None, :, None] * 0.01
     k = rng.normal(size=(Hk, n, d))
     pos = np.arange(n)
+    if layout != "every position":  # buckets 2 and 7 empty, the others partly filled, rows out of order
+        keep = rng.permutation(np.flatnonzero((pos // B != 2) & (rng.random(n) < 0.6)))
+        q, k, pos = q[:, keep], k[:, keep], pos[keep]
+        assert 0 < len(pos) < n and 2 not in pos // B
     kv_index = np.array([0, 0, 1, 1])
     got = document_moments(0, range(Hq), range(Hk), kv_index, q, pos, k, pos, B, J, 7, dtype=torch.float64).sums
     t = pos.astype(float)
@@ -194,6 +201,7 @@ def test_accumulate_matches_a_float64_brute_force_and_bounds_float32() -> None:
     s = t - (b + 0.5) * B
     onehot = np.eye(J)[b]  # (n, J)
     r2 = (q * q).sum(-1)
+    n = len(pos)
     want = {
         "q_n": np.tile(onehot.sum(0), (Hq, 1)), "q_t": np.tile(t @ onehot, (Hq, 1)),
         "q_tt": np.tile((t * t) @ onehot, (Hq, 1)),
@@ -212,15 +220,50 @@ def test_accumulate_matches_a_float64_brute_force_and_bounds_float32() -> None:
         "p_n": np.full(Hq, n), "p_x": (q - k[kv_index]).sum(1),
         "p_xx": np.einsum("hnd,hne->hde", q - k[kv_index], q - k[kv_index]),
     }
-    assert set(got) == set(want) == set(DOC_KEYS)
+    assert set(got) == set(want) == set(DOC_KEYS) | set(LW_KEYS)
     for key, w in want.items():
         np.testing.assert_allclose(got[key], w, rtol=1e-12, atol=1e-12 * np.abs(w).max(), err_msg=key)
+    gauss = document_moments(0, range(Hq), range(Hk), kv_index, q, pos, k, pos, B, J, 7, dtype=torch.float64,
+                             lw_intensity="gaussian").sums
+    assert set(gauss) == set(DOC_KEYS)
+    for key in DOC_KEYS:
+        assert np.array_equal(gauss[key], got[key]), key
     # float32 accumulation: each bucket sum in float32 (<= B terms), everything above in float64
     got32 = document_moments(0, range(Hq), range(Hk), kv_index, q.astype(np.float32), pos, k.astype(np.float32),
                              pos, B, J, 7, dtype=torch.float32).sums
     for key, w in want.items():
+        assert got32[key].dtype == np.float64, key
         bound = 32 * np.sqrt(B) * 2.0**-24 * np.abs(w).max()  # float32 inputs (to the 4th power) and sums
         assert np.abs(got32[key] - w).max() <= bound, key
+
+
+@pytest.mark.parametrize("tails", ["gaussian", "heavy"])
+def test_gaussian_ledoit_wolf_intensity_tracks_the_exact_one_where_queries_are_gaussian(tails: str) -> None:
+    """SPEC 4.1 / 12.1: the Gaussian intensity (the capture's default: no d x d sums beyond x x^T) against the
+    exact one from the same sums. On planted Gaussian queries (a trend on position, a mean, a covariance with
+    one large direction) they agree to sampling error, and so do the closed-form PP values; on heavy-tailed
+    queries (Student t, 5 degrees of freedom) the exact intensity is larger, so the comparison can fail."""
+    rng = np.random.default_rng(11)
+    d, B, J, n = 8, 400, 4, 1600
+    scale = np.diag(np.linspace(0.3, 3.0, d))
+    z = rng.normal(size=(n, d)) if tails == "gaussian" else rng.standard_t(5, size=(n, d)) / np.sqrt(5 / 3)
+    t = np.arange(n)
+    q = (z @ scale + rng.normal(size=d) * 2 + np.outer(t, rng.normal(size=d)) * 1e-3)[None]
+    k = rng.normal(size=(1, n, d))
+    lm = document_moments(0, [0], [0], [0], q, t, k, t, B, J, 1, dtype=torch.float64)
+    sums = {key[2:]: v[0] for key, v in lm.sums.items() if key.startswith("q_")}
+    exact = fit_query_model_from_moments(sums, n, B)
+    gauss = fit_query_model_from_moments({key: v for key, v in sums.items() if f"q_{key}" not in LW_KEYS}, n, B)
+    assert (exact.lw_intensity, gauss.lw_intensity) == ("exact", "gaussian")
+    assert np.array_equal(exact.mean, gauss.mean) and np.all(exact.shrinkage > 0)
+    ratio = exact.shrinkage / gauss.shrinkage
+    delta = rng.normal(size=(256, d))
+    pp = [np.array([closed_form(m, b, delta).pp for b in range(1, J)]) for m in (exact, gauss)]
+    if tails == "gaussian":
+        assert np.all(np.abs(ratio - 1) < 0.25), ratio
+        assert np.abs(pp[0] - pp[1]).max() < 1e-3
+    else:
+        assert np.all(ratio > 1.1) and np.median(ratio) > 1.2, ratio
 
 
 @pytest.mark.slow

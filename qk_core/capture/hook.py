@@ -36,12 +36,13 @@ class CaptureSession(AttentionHook):
 
     ``moments`` maps layer -> (query heads, KV heads, row of each query head's KV head): the layers whose
     SPEC 12.1 moments are accumulated over every position, with bucket width ``bucket``, ``n_buckets``
-    buckets and accumulation dtype ``moment_dtype`` (None: float64 on CPU, float32 elsewhere).
+    buckets, accumulation dtype ``moment_dtype`` and Ledoit-Wolf terms ``lw_intensity``
+    (:mod:`qk_core.capture.moments`; the defaults are the capture options' defaults).
     """
 
     def __init__(self, backbone: torch.nn.Module, heads: dict[int, tuple[list[int], list[int]]] | None = None,
                  moments: dict[int, tuple[list[int], list[int], list[int]]] | None = None, bucket: int = 0,
-                 n_buckets: int = 0, moment_dtype: torch.dtype | None = None):
+                 n_buckets: int = 0, moment_dtype: torch.dtype = torch.float32, lw_intensity: str = "gaussian"):
         self.backbone = backbone
         self.device = next(backbone.parameters()).device
         self.heads = heads
@@ -55,10 +56,11 @@ class CaptureSession(AttentionHook):
         self.bucket, self.n_buckets = int(bucket), int(n_buckets)
         if self.moments and not (self.bucket > 0 and self.n_buckets > 0):
             raise ValueError("moments need the bucket width and the number of buckets")
-        self.moment_dtype = moment_dtype or (torch.float64 if self.device.type == "cpu" else torch.float32)
+        self.moment_dtype, self.lw_intensity = moment_dtype, lw_intensity
         self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device),
                                  np.asarray(ki, dtype=np.int64)) for layer, (q, kv, ki) in self.moments.items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
+        self._m_store: dict[int, dict[str, torch.Tensor]] = {}  # every document's sums, reused (_moment_store)
         self._stack = contextlib.ExitStack()
         self.backend: str | None = None
 
@@ -135,8 +137,27 @@ class CaptureSession(AttentionHook):
         q_idx, kv_idx, kv_index = self._m_index[layer]
         pos = np.arange(int(query.shape[-2]))
         sums = accumulate(query[0].index_select(0, q_idx.to(dev)), pos, key[0].index_select(0, kv_idx.to(dev)), pos,
-                          kv_index, self.bucket, self.n_buckets, self.moment_dtype)
-        self._moments[layer] = {k: v.to(self.device) for k, v in sums.items()}
+                          kv_index, self.bucket, self.n_buckets, self.moment_dtype, self.lw_intensity)
+        store = self._moment_store(layer, sums)
+        for k, v in sums.items():
+            store[k].copy_(v)
+        self._moments[layer] = store
+
+    def _moment_store(self, layer: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The buffers of ``layer``'s sums on the session's device, reused by every document. The first layer's
+        call allocates them for every planned layer at once: allocated one layer at a time, between the
+        accumulation's transient blocks, they fragmented the CPU heap (glibc kept ~1 GB more resident over the
+        30 layers of an 8K-token SmolLM2 forward)."""
+        if not self._m_store:
+            for other, (q_idx, kv_idx, _) in self._m_index.items():
+                self._m_store[other] = {k: torch.empty((len(kv_idx) if k.startswith("k_") else len(q_idx),
+                                                        *v.shape[1:]), dtype=v.dtype, device=self.device)
+                                        for k, v in sums.items()}
+        store = self._m_store[layer]
+        if set(store) != set(sums) or any(store[k].shape != v.shape or store[k].dtype != v.dtype
+                                          for k, v in sums.items()):
+            store = self._m_store[layer] = {k: torch.empty_like(v, device=self.device) for k, v in sums.items()}
+        return store
 
     # ---- after the forward -------------------------------------------------------------------
     def missing_layers(self) -> list[int]:
@@ -144,7 +165,8 @@ class CaptureSession(AttentionHook):
         return sorted((set(self._index) - set(self._buffers)) | (set(self._m_index) - set(self._moments)))
 
     def collect_moments(self) -> dict[int, dict[str, np.ndarray]]:
-        """Every moment layer's float64 sums of the last forward, moved to host in one transfer (SPEC 12.1)."""
+        """Every moment layer's sums of the last forward, moved to host in one transfer (SPEC 12.1): per-bucket
+        query sums in the accumulation dtype, the others float64."""
         missing = sorted(set(self._m_index) - set(self._moments))
         if missing:
             raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "

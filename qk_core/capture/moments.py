@@ -7,51 +7,61 @@ float64 sums over the positions of one document (:func:`accumulate`) or of many 
 ``Hk``); J = number of buckets, d = head dimension.
 
 Query head, per bucket b (SPEC 12.1: n_b and the sums of t, t^2, x, x t, x x^T), shape (Hq, J, ...):
-``q_n, q_t, q_tt, q_x, q_xt, q_xx``. The pooled query sums are their sum over b.
-What the exact Ledoit-Wolf intensity of a bucket needs (SPEC 4.1 / 12.1): the fourth moment sum |y|^4 of
-the bucket's detrended, centred queries y = q - beta t - a (beta and a known only after the merge) expands
-into sums of ``q_xxs = sum s x x^T``, ``q_xxs2 = sum s^2 x x^T``, ``q_xs2 = sum s^2 x``, ``q_xs3 = sum s^3 x``,
-``q_r2x = sum |x|^2 x``, ``q_r2xs = sum s |x|^2 x``, ``q_r4 = sum |x|^4``, ``q_r2 = sum |x|^2``,
-``q_r2s = sum s |x|^2``, ``q_r2s2 = sum s^2 |x|^2``, ``q_s = sum s``, ``q_ss = sum s^2``, ``q_s3``, ``q_s4``
-(:func:`qk_core.plasticity.query_model.fit_query_model_from_moments`); relative positions keep the
-expansion well conditioned.
+``q_n, q_t, q_tt, q_x, q_xt, q_xx``, and ``q_s = sum s``, ``q_ss = sum s^2``. The pooled query sums are their
+sum over b.
+The Ledoit-Wolf intensity of a bucket (SPEC 4.1, 12.1) comes in one of two forms (``lw_intensity``):
+``"gaussian"`` (the capture's default) needs nothing more: the bucket's fourth moment is taken as a Gaussian's,
+sum |y|^4 = n_b ((tr S)^2 + 2 |S|_F^2), S the bucket's detrended covariance; ``"exact"`` adds what the exact
+fourth moment sum |y|^4 of the bucket's detrended, centred queries y = q - beta t - a (beta and a known only after
+the merge) expands into: ``q_xxs = sum s x x^T``, ``q_xxs2 = sum s^2 x x^T``, ``q_xs2 = sum s^2 x``,
+``q_xs3 = sum s^3 x``, ``q_r2x = sum |x|^2 x``, ``q_r2xs = sum s |x|^2 x``, ``q_r4 = sum |x|^4``,
+``q_r2 = sum |x|^2``, ``q_r2s = sum s |x|^2``, ``q_r2s2 = sum s^2 |x|^2``, ``q_s3``, ``q_s4``
+(:func:`qk_core.plasticity.query_model.fit_query_model_from_moments`; relative positions keep the expansion
+well conditioned). The exact form costs two more d x d products per bucket and triples the stored bytes.
 KV head, pooled over positions (SPEC 12.1), shape (Hk, ...): ``k_n, k_t, k_tt, k_x, k_xt, k_xx``.
 Same-position pairs delta = q - k of each query head with its KV head (SPEC 3, 12.1), shape (Hq, ...):
 ``p_n, p_x = sum delta, p_xx = sum delta delta^T``.
 Split-half parity sums (SPEC 3 (i), 12.1), formed by the merge, shape (2, H, ...) with parity 0 = 1st, 3rd,
 ... document in sorted id order: ``qh_n, qh_t, qh_tt, qh_x, qh_xt`` (query heads) and ``kh_*`` (KV heads).
 
-Accumulation dtype (SPEC 12.1, issue 22): position-only sums (n, t, t^2, s^k) are formed on the host in
-float64 (exact for integers below 2^53). Sums involving vectors are formed on the capture's device in
-``dtype`` over one bucket of one document at a time (at most B positions), then converted to float64;
-buckets, documents and shards are added in float64. float64 (the default, and the CPU capture's) is
-exact to rounding; float32 (for a GPU capture) has a relative error of order sqrt(B) 2^-24 per bucket sum.
+Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-only sums (n, t, t^2, s^k) are
+formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
+capture's device in ``dtype`` over the positions of one bucket of one document (at most B terms); buckets,
+documents and shards are added in float64. float32 (the default) has a relative error of order sqrt(B) 2^-24
+per bucket sum (bench/results/moments_accuracy.md: below 1e-6 of each head's largest sum on SmolLM2 at 2K and
+8K); float64 is exact to rounding. A document's per-bucket query sums stay in the accumulation dtype up to its
+file (they are exactly those numbers); every sum read back, and every merged sum, is float64.
 Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 import numpy as np
 
-#: sums over query positions, per bucket (SPEC 12.1; the Ledoit-Wolf terms after ``q_xx``)
-Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_xxs", "q_xxs2", "q_xs2", "q_xs3", "q_r2x", "q_r2xs",
-          "q_r4", "q_r2", "q_r2s", "q_r2s2", "q_s", "q_ss", "q_s3", "q_s4")
+#: sums over query positions, per bucket (SPEC 12.1)
+Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_s", "q_ss")
+#: what the exact Ledoit-Wolf intensity adds, per bucket (``lw_intensity = "exact"``)
+LW_KEYS = ("q_xxs", "q_xxs2", "q_xs2", "q_xs3", "q_r2x", "q_r2xs", "q_r4", "q_r2", "q_r2s", "q_r2s2", "q_s3", "q_s4")
+#: the two forms of a bucket's Ledoit-Wolf intensity (module doc)
+LW_INTENSITIES = ("gaussian", "exact")
 #: sums over key positions, pooled (SPEC 12.1)
 K_KEYS = ("k_n", "k_t", "k_tt", "k_x", "k_xt", "k_xx")
 #: sums over same-position pairs delta = q - k (SPEC 3 separation, 12.1)
 P_KEYS = ("p_n", "p_x", "p_xx")
-#: the per-document keys; the merge adds the parity sums below
+#: the per-document keys of every capture (``LW_KEYS`` besides, when exact); the merge adds the parity sums below
 DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
 HALF_KEYS = ("n", "t", "tt", "x", "xt")
 
 
 @dataclass
 class LayerMoments:
-    """Float64 moment sums of one layer's heads over one or more documents (SPEC 12.1; keys: module doc).
+    """Moment sums of one layer's heads over one or more documents (SPEC 12.1; keys: module doc): float64, except
+    a document's per-bucket query sums on their way from the capture to its file (in the accumulation dtype).
 
     ``q_heads`` (Hq,) query heads, ``kv_heads`` (Hk,) KV heads, ``kv_index`` (Hq,) the position in
     ``kv_heads`` of each query head's KV head (SPEC 1.1), ``bucket`` B, ``n_buckets`` J.
@@ -99,38 +109,42 @@ def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
             (("n", np.ones_like(t)), ("t", t), ("tt", t * t), ("s", s), ("ss", s * s), ("s3", s**3), ("s4", s**4))}
 
 
-def _segments(pos: np.ndarray, B: int, J: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    """(row order sorting positions by bucket, [(bucket, start, end)] of the sorted rows)."""
-    b = np.clip(np.floor_divide(np.asarray(pos, dtype=np.int64), B), 0, J - 1)
-    order = np.argsort(b, kind="stable")
-    counts = np.bincount(b, minlength=J)
-    ends = np.cumsum(counts)
-    return order, [(j, int(ends[j] - counts[j]), int(ends[j])) for j in range(J) if counts[j]]
-
-
-def _padded(x: Any, pos: np.ndarray, B: int, J: int, dtype: Any) -> tuple[Any, Any, Any]:
-    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, J, M, d) in ``dtype``, zero rows as padding (M = the
-    largest bucket count), with their positions t and s = t - tau_b as (J, M) (0 at the padding)."""
+def _padded(x: Any, pos: np.ndarray, B: int, J: int, dtype: Any) -> tuple[Any, Any, Any, np.ndarray]:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d) in ``dtype`` for the U buckets that hold a
+    position (zero rows as padding, M = the largest bucket count), their positions t and s = t - tau_b as
+    (U, M) (0 at the padding), and the U bucket numbers. Every position of a document (0..n-1, the capture's
+    case) is a zero-padded reshape; any other set is sorted by bucket first."""
     import torch
 
-    order, segs = _segments(pos, B, J)
-    counts = np.zeros(J, dtype=np.int64)
-    for j, a, e in segs:
-        counts[j] = e - a
-    M = max(int(counts.max()) if J else 0, 1)
-    b_sorted = np.repeat(np.arange(J), counts)
-    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
-    flat = b_sorted * M + slot
-    dev = x.device
+    pos = np.asarray(pos, dtype=np.int64)
+    n = len(pos)
     H, _, d = x.shape
-    t = np.zeros(J * M)
-    t[flat] = np.asarray(pos, dtype=np.float64)[order]
-    s = np.where(np.isin(np.arange(J * M), flat), t - (np.repeat(np.arange(J), M) + 0.5) * B, 0.0)
-    out = torch.zeros((H, J * M, d), dtype=dtype, device=dev)
-    out[:, torch.as_tensor(flat, device=dev)] = x.index_select(1, torch.as_tensor(order, device=dev)).to(dtype)
-    to = torch.as_tensor(t.reshape(J, M), device=dev).to(dtype)
-    so = torch.as_tensor(s.reshape(J, M), device=dev).to(dtype)
-    return out.reshape(H, J, M, d), to, so
+    dev = x.device
+    b = np.clip(np.floor_divide(pos, B), 0, J - 1)
+    counts = np.bincount(b, minlength=J)
+    used = np.flatnonzero(counts)
+    U, M = len(used), max(int(counts.max()) if n else 0, 1)
+    if n and n <= J * B and pos[0] == 0 and pos[-1] == n - 1 and bool(np.all(np.diff(pos) == 1)):
+        flat = np.arange(n)  # bucket u holds rows u B .. u B + B - 1: already in order
+        X = x.to(dtype)
+        if n < U * M:
+            X = torch.nn.functional.pad(X, (0, 0, 0, U * M - n))
+    else:
+        order = np.argsort(b, kind="stable")
+        rank = np.zeros(J, dtype=np.int64)
+        rank[used] = np.arange(len(used))
+        slot = np.arange(n) - np.repeat(np.cumsum(counts[used]) - counts[used], counts[used])
+        flat = rank[b[order]] * M + slot
+        X = torch.zeros((H, U * M, d), dtype=dtype, device=dev)
+        X[:, torch.as_tensor(flat, device=dev)] = x.index_select(1, torch.as_tensor(order, device=dev)).to(dtype)
+        pos = pos[order]
+    t = np.zeros(U * M)
+    t[flat] = pos
+    s = np.zeros(U * M)
+    s[flat] = pos - (np.repeat(used, counts[used]) + 0.5) * B
+    to = torch.as_tensor(t.reshape(U, M), device=dev).to(dtype)
+    so = torch.as_tensor(s.reshape(U, M), device=dev).to(dtype)
+    return X.reshape(H, U, M, d), to, so, used
 
 
 def _weighted(w: Any, X: Any) -> Any:
@@ -140,54 +154,63 @@ def _weighted(w: Any, X: Any) -> Any:
 
 
 def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: np.ndarray, bucket: int,
-               n_buckets: int, dtype: Any = None) -> dict[str, Any]:
-    """SPEC 12.1 sums of one document: float64 torch tensors on the device of ``q`` (keys: module doc).
+               n_buckets: int, dtype: Any = None, lw_intensity: str = "exact") -> dict[str, Any]:
+    """SPEC 12.1 sums of one document: torch tensors on the device of ``q`` (keys: module doc).
 
     ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
     ``k_pos`` (n_k,), torch tensors (a numpy array is taken as a CPU tensor); positions are distinct within
     a document. ``kv_index`` (Hq,): the row of ``k`` of each query head's KV head. Vector sums are formed
-    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows of one bucket,
-    then converted to float64; heads and buckets are batched (no Python loop over either, nor over positions).
+    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows of one bucket;
+    the per-bucket query sums are returned in ``dtype``, the pooled and position-only sums in float64. Heads
+    and buckets are batched (no Python loop over either, nor over positions). ``lw_intensity = "exact"`` adds
+    the ``LW_KEYS`` sums.
     """
     import torch
 
+    if lw_intensity not in LW_INTENSITIES:
+        raise ValueError(f"lw_intensity must be one of {LW_INTENSITIES}, got {lw_intensity!r}")
     q, k = torch.as_tensor(q), torch.as_tensor(k)
     dev = q.device
     acc = dtype or torch.promote_types(q.dtype, torch.float32)
     f64 = torch.float64
     B, J = int(bucket), int(n_buckets)
-    Hq = q.shape[0]
-    Hk = k.shape[0]
+    Hq, Hk, d = q.shape[0], k.shape[0], q.shape[-1]
+    exact = lw_intensity == "exact"
     kv = torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev)
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     out: dict[str, Any] = {}
 
     # position-only sums, host float64 (broadcast over heads)
     ps = _pos_sums(q_pos, B, J)
-    for name, key in (("n", "q_n"), ("t", "q_t"), ("tt", "q_tt"), ("s", "q_s"), ("ss", "q_ss"), ("s3", "q_s3"),
-                      ("s4", "q_s4")):
-        out[key] = torch.as_tensor(ps[name], device=dev).expand(Hq, J).clone()
+    for name in ("n", "t", "tt", "s", "ss", *(("s3", "s4") if exact else ())):
+        out[f"q_{name}"] = torch.as_tensor(ps[name], device=dev).expand(Hq, J).clone()
     kp = _pos_sums(k_pos, B, 1)
     for name in ("n", "t", "tt"):
         out[f"k_{name}"] = torch.full((Hk,), float(kp[name][0]), dtype=f64, device=dev)
 
-    # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, J, M, d), M = the largest
-    # bucket count, so every bucket's sums come from one batched product per quantity
-    X, tp, sp = _padded(q, q_pos, B, J, acc)
-    r2 = (X * X).sum(-1)  # (Hq, J, M)
+    # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, U, M, d) over the U buckets
+    # that hold a position, so every bucket's sums come from one batched product per quantity
+    X, tp, sp, used = _padded(q, q_pos, B, J, acc)
     Xt = X.transpose(-1, -2)
-    vals = {
-        "q_x": X.sum(2), "q_xt": _weighted(tp, X), "q_xx": Xt @ X,
-        "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
-        "q_xs2": _weighted(sp * sp, X), "q_xs3": _weighted(sp * sp * sp, X),
-        "q_r2x": _weighted(r2, X), "q_r2xs": _weighted(r2 * sp, X),
-        "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2),
-    }
-    out.update({key: v.to(f64) for key, v in vals.items()})
-    del X, Xt, r2, vals
+    vals = {"q_x": X.sum(2), "q_xt": _weighted(tp, X), "q_xx": Xt @ X}
+    if exact:
+        r2 = (X * X).sum(-1)  # (Hq, U, M)
+        vals.update({
+            "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
+            "q_xs2": _weighted(sp * sp, X), "q_xs3": _weighted(sp * sp * sp, X),
+            "q_r2x": _weighted(r2, X), "q_r2xs": _weighted(r2 * sp, X),
+            "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2)})
+    idx = torch.as_tensor(used, device=dev)
+    for key, v in vals.items():
+        if len(used) == J:
+            out[key] = v
+        else:  # buckets without a position sum to 0
+            out[key] = torch.zeros((Hq, J, *v.shape[2:]), dtype=v.dtype, device=dev)
+            out[key][:, idx] = v
+    del X, Xt, vals
 
     # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
-    X, tp, _ = _padded(k, k_pos, B, J, acc)
+    X, tp, _, _ = _padded(k, k_pos, B, J, acc)
     out["k_x"] = X.sum(2).to(f64).sum(1)
     out["k_xt"] = _weighted(tp, X).to(f64).sum(1)
     out["k_xx"] = (X.transpose(-1, -2) @ X).to(f64).sum(1)
@@ -196,38 +219,49 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
     # same-position pairs delta = q - k(kv head), per bucket
     common, iq, ik = np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True)
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
-    D = q.index_select(1, torch.as_tensor(iq, device=dev)).to(acc) \
-        - k.index_select(0, kv).index_select(1, torch.as_tensor(ik, device=dev)).to(acc)
-    D, _, _ = _padded(D, common, B, J, acc)
-    out["p_x"] = D.sum(2).to(f64).sum(1)
-    out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
+    if len(common):
+        if np.array_equal(q_pos, k_pos):  # the capture's case: rows already paired, none to select
+            Qp, Kp, p_pos = q, k, q_pos
+        else:
+            Qp, Kp, p_pos = (q.index_select(1, torch.as_tensor(iq, device=dev)),
+                             k.index_select(1, torch.as_tensor(ik, device=dev)), common)
+        D, _, _, _ = _padded(Qp.to(acc) - Kp.index_select(0, kv).to(acc), p_pos, B, J, acc)
+        out["p_x"] = D.sum(2).to(f64).sum(1)
+        out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
+    else:
+        out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
+        out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)
     return out
 
 
 def to_host(per_layer: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
-    """Every layer's float64 device sums to host numpy in one transfer (SPEC 1.3, 12.1)."""
+    """Every layer's device sums to host numpy in one transfer (SPEC 1.3, 12.1), each in its own dtype."""
     import torch
 
-    items = [(layer, key, t) for layer, sums in sorted(per_layer.items()) for key, t in sums.items()]
+    items = [(layer, key, t.contiguous()) for layer, sums in sorted(per_layer.items()) for key, t in sums.items()]
     if not items:
         return {}
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in items]).cpu().numpy()
+    raw = torch.cat([t.reshape(-1).view(torch.uint8) for _, _, t in items]).cpu().numpy()
     out: dict[int, dict[str, np.ndarray]] = {}
     offset = 0
     for layer, key, t in items:
-        size = t.numel()
-        out.setdefault(layer, {})[key] = flat[offset: offset + size].reshape(tuple(t.shape))
+        size = t.numel() * t.element_size()
+        dtype = np.dtype(str(t.dtype).removeprefix("torch."))
+        out.setdefault(layer, {})[key] = raw[offset: offset + size].view(dtype).reshape(tuple(t.shape))
         offset += size
     return out
 
 
 def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int], kv_index: Sequence[int],
                      q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, bucket: int, n_buckets: int,
-                     example_id: int, dtype: Any = None) -> LayerMoments:
-    """:func:`accumulate` of one document and layer as a host :class:`LayerMoments` (rows from numpy or torch)."""
-    host = to_host({layer: accumulate(q, q_pos, k, k_pos, np.asarray(kv_index), bucket, n_buckets, dtype)})
+                     example_id: int, dtype: Any = None, lw_intensity: str = "exact") -> LayerMoments:
+    """:func:`accumulate` of one document and layer as a host float64 :class:`LayerMoments` (rows from numpy or
+    torch)."""
+    host = to_host({layer: accumulate(q, q_pos, k, k_pos, np.asarray(kv_index), bucket, n_buckets, dtype,
+                                      lw_intensity)})
     return LayerMoments(int(layer), np.asarray(q_heads, np.int64), np.asarray(kv_heads, np.int64),
-                        np.asarray(kv_index, np.int64), int(bucket), int(n_buckets), host[layer], [int(example_id)])
+                        np.asarray(kv_index, np.int64), int(bucket), int(n_buckets),
+                        {key: a.astype(np.float64) for key, a in host[layer].items()}, [int(example_id)])
 
 
 # ---- merge -----------------------------------------------------------------------------------------
@@ -245,9 +279,10 @@ class MomentMerger:
         """Add one document's moments (its rank in the order of the calls decides its parity)."""
         if len(m.docs) != 1:
             raise ValueError("MomentMerger takes per-document moments (one example id each)")
+        m = replace(m, sums={key: np.asarray(v, dtype=np.float64) for key, v in m.sums.items()})
         if self.merged is None:
             s = m.sums
-            sums = {key: np.zeros_like(s[key]) for key in DOC_KEYS}
+            sums = {key: np.zeros(s[key].shape) for key in (*DOC_KEYS, *(k for k in LW_KEYS if k in s))}
             sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
             sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
             Hq, d = s["q_x"].shape[0], s["q_x"].shape[-1]
@@ -260,7 +295,9 @@ class MomentMerger:
             raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
         if m.docs[0] in out.docs:
             raise ValueError(f"document {m.docs[0]} is given twice")
-        for key in DOC_KEYS:
+        for key in [k for k in LW_KEYS if k in out.sums and k not in m.sums]:
+            del out.sums[key]  # exact Ledoit-Wolf terms only where every document has them (else Gaussian)
+        for key in (*DOC_KEYS, *(k for k in LW_KEYS if k in out.sums)):
             out.sums[key] += m.sums[key]
         parity = self._rank % 2
         for k in HALF_KEYS:
@@ -323,23 +360,29 @@ def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
 SYMMETRIC = ("q_xx", "q_xxs", "q_xxs2", "k_xx", "p_xx")
 
 
+@cache
+def _triangle(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the flat d x d index of each upper-triangle entry, the upper-triangle column of each of the d x d)."""
+    iu = np.triu_indices(d)
+    col = np.zeros((d, d), dtype=np.int64)
+    col[iu] = col[iu[1], iu[0]] = np.arange(len(iu[0]))
+    return iu[0] * d + iu[1], col
+
+
 def _pack(a: np.ndarray) -> np.ndarray:
     d = a.shape[-1]
-    iu = np.triu_indices(d)
-    return a[..., iu[0], iu[1]]
+    return np.take(a.reshape(*a.shape[:-2], d * d), _triangle(d)[0], axis=-1)
 
 
 def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
-    iu = np.triu_indices(d)
-    out = np.zeros((*packed.shape[:-1], d, d))
-    out[..., iu[0], iu[1]] = packed
-    out[..., iu[1], iu[0]] = packed
-    return out
+    """float64 (..., d, d) from the upper triangles (..., d (d + 1) / 2)."""
+    return np.asarray(np.take(packed, _triangle(d)[1], axis=-1), dtype=np.float64)
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
-    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout; the
-    symmetric d x d sums as upper triangles (half the bytes; the lower triangle is its mirror)."""
+    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout, each sum in
+    its own float dtype (a document's per-bucket query sums in the accumulation dtype: exactly their values);
+    the symmetric d x d sums as upper triangles (half the bytes; the lower triangle is its mirror)."""
     import io
 
     arrays: dict[str, np.ndarray] = {}
@@ -348,15 +391,18 @@ def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
         arrays.update({f"{p}.q_heads": m.q_heads, f"{p}.kv_heads": m.kv_heads, f"{p}.kv_index": m.kv_index,
                        f"{p}.layout": np.array([m.bucket, m.n_buckets], np.int64),
                        f"{p}.docs": np.asarray(m.docs, np.int64)})
-        arrays.update({f"{p}.{k}": _pack(np.asarray(v, np.float64)) if k in SYMMETRIC else np.asarray(v, np.float64)
-                       for k, v in m.sums.items()})
+        for k, v in m.sums.items():
+            v = np.asarray(v)
+            if v.dtype not in (np.float32, np.float64):
+                raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
+            arrays[f"{p}.{k}"] = _pack(v) if k in SYMMETRIC else v
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
 
 
 def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
-    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`."""
+    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`, every sum float64."""
     import io
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -368,7 +414,8 @@ def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
         own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
         bucket, n_buckets = (int(v) for v in own.pop("layout"))
         d = int(own["k_x"].shape[-1])
-        own.update({k: _unpack(own[k], d) for k in SYMMETRIC if k in own})
+        own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
+                    for k in list(own) if k not in ("q_heads", "kv_heads", "kv_index", "docs")})
         out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
                                   n_buckets, own, [int(e) for e in own.pop("docs")])
     return out

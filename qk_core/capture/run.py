@@ -91,10 +91,10 @@ def dataset_identity(corpus: pd.DataFrame, corpus_name: str | None) -> dict[str,
 
 
 def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
-    """The capture options that determine captured values (``keep_doc_files``, ``moments``, ``shards`` and
-    ``num_gpus`` only decide what is kept and where it runs)."""
+    """The capture options that determine captured rows (``keep_doc_files``, ``shards`` and ``num_gpus`` only
+    decide what is kept and where it runs; the ``moments`` options add files beside the rows, SPEC 12.1)."""
     opts = asdict(entry.capture)
-    for key in ("keep_doc_files", "moments", "shards", "num_gpus"):
+    for key in ("keep_doc_files", "moments", "moment_dtype", "lw_intensity", "shards", "num_gpus"):
         opts.pop(key, None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
@@ -341,7 +341,6 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     # whose kernel may get one key head per query head)
     moment_plan = plan_moments(entry, infos) if explicit is None and entry.capture.moments else {}
     n_buckets = -(-int(entry.window) // int(entry.bucket))
-    moment_dtype = "float64" if str(loaded.device).startswith("cpu") else "float32"
     manifest = {
         "schema_version": SCHEMA_VERSION, "fingerprint": fp, "model_key": entry.key,
         "window": entry.window, "bucket": entry.bucket, "heads": heads,
@@ -351,7 +350,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
         "dtype": dtype, "device": dev, "sampler": ident["sampler"], "dataset": ident["dataset"],
         "tokenization": ident["tokenization"], "software": _software(),
         "moments": {"layers": {str(layer): [q, kv, ki] for layer, (q, kv, ki) in moment_plan.items()},
-                    "bucket": int(entry.bucket), "n_buckets": n_buckets, "dtype": moment_dtype,
+                    "bucket": int(entry.bucket), "n_buckets": n_buckets, "dtype": entry.capture.moment_dtype,
+                    "lw_intensity": entry.capture.lw_intensity,
                     "positions": "every token position of every document"},
     }
     if entry.variant is not None:  # SPEC 13.1 (only variants carry the key: other manifests are unchanged)
@@ -381,8 +381,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     tokens = 0
     seconds = 0.0
     total = len(mine)
-    with hook.CaptureSession(loaded.backbone, plan, moment_plan, int(entry.bucket), n_buckets,
-                             getattr(torch, moment_dtype)) as session, _under(loaded, intervention):
+    moment_dtype = getattr(torch, entry.capture.moment_dtype)
+    with hook.CaptureSession(loaded.backbone, plan, moment_plan, int(entry.bucket), n_buckets, moment_dtype,
+                             entry.capture.lw_intensity) as session, _under(loaded, intervention):
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])

@@ -450,9 +450,14 @@ class CaptureOptions:
     layers: tuple[IntIn(0, MAX_HEADS), ...] | None = None
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
     # SPEC 12.1: accumulate the moments of every eligible head over every position (coverage "all" of the analyses);
-    # adds files, not captured rows, so it is not in the fingerprint. Opt-in until its cost is measured within
-    # target and its per-document files shrink (issue 22; bench/results/moments_accuracy.md)
+    # adds files, not captured rows, so neither it nor the two options after it is in the fingerprint. Opt-in
+    # until its cost is within target (issue 22; bench/results/capture_cpu_moments_*.md)
     moments: Bool = False
+    # the dtype of the per-bucket sums (buckets, documents and shards are added in float64; float32's error:
+    # bench/results/moments_accuracy.md) and the bucket's Ledoit-Wolf intensity: "gaussian" (the fourth moment
+    # of a Gaussian with the bucket's covariance) or "exact" (two more d x d sums per bucket; qk_core.capture.moments)
+    moment_dtype: Literal["float32", "float64"] = "float32"
+    lw_intensity: Literal["gaussian", "exact"] = "gaussian"
     # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
     # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
     shards: IntIn(1, MAX_COUNT) = 1

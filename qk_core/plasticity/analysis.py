@@ -131,6 +131,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
             model.resid1 = (np.asarray(q_sorted, np.float64) - model.alpha - np.multiply.outer(t_sorted, model.beta)) \
                 @ model.H[0]
             base["n_queries_model"] = int(model.n_queries.sum())
+        base["lw_intensity"] = model.lw_intensity if opts.covariance == "full" else "none"
     except QueryModelError as exc:
         return failed_head(base, "query_model_failed", str(exc), J, W.shape[0])
 

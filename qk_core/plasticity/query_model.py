@@ -116,6 +116,8 @@ class QueryModel:
     mean: np.ndarray  # (J, d) rotated model mean at tau_b (NaN where status != ok)
     cov: np.ndarray  # (J, d, d) rotated covariance (full) or (J, d) variances (diagonal)
     shrinkage: np.ndarray  # (J,) Ledoit-Wolf intensity (NaN for diagonal)
+    # how the intensity's fourth moment was had: "exact" (rows, or moments with the exact terms) or "gaussian"
+    lw_intensity: str = "exact"
     _orig: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
@@ -250,7 +252,7 @@ def fit_sorted_queries(q: np.ndarray, t: np.ndarray, counts: np.ndarray, L: int,
         elif not level[b] > floor:  # NaN (non-finite covariance) is degenerate too
             status[b] = DEGENERATE_COVARIANCE
     return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2, resid1,
-                      r2, counts, status, mean, cov, shrink, orig)
+                      r2, counts, status, mean, cov, shrink, "exact", orig)
 
 
 def _bucket_fourth_moment(s: dict[str, np.ndarray], b: int, a: np.ndarray, beta: np.ndarray, tau: float) -> float:
@@ -279,8 +281,10 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     ``sums`` maps the query keys of :mod:`qk_core.capture.moments` without their ``q_`` prefix (n, t, tt, x,
     xt, xx and the Ledoit-Wolf terms) to that head's (J, ...) arrays. Equals :func:`fit_query_model` of the
     same rows (``resid1`` is empty: the coordinate-1 residuals are rows, SPEC 4.9 diagnostics read the
-    sampled ones). The Ledoit-Wolf intensity is exact, from the bucket's fourth moment
-    (:func:`_bucket_fourth_moment`); its expansion loses about 4 log10(|mean| / spread) digits.
+    sampled ones). The Ledoit-Wolf intensity is exact when the sums hold the exact terms (``xxs`` ...), from the
+    bucket's fourth moment (:func:`_bucket_fourth_moment`; its expansion loses about 4 log10(|mean| / spread)
+    digits); otherwise the fourth moment is a Gaussian's with the bucket's covariance S (SPEC 12.1),
+    sum |y|^4 = n_b ((tr S)^2 + 2 |S|_F^2), so the intensity's numerator is ((tr S)^2 + |S|_F^2) / (d n_b).
     """
     if covariance not in COVARIANCES:
         raise ValueError(f"covariance must be one of {COVARIANCES}")
@@ -289,6 +293,7 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     counts = np.rint(nb).astype(np.int64)
     n = float(nb.sum())
     d = int(sums["x"].shape[-1])
+    exact_lw = "xxs" in sums
     if n < 3:
         raise QueryModelError(f"{int(n)} queries: a per-coordinate regression on position needs at least 3")
     st, stt_raw = float(sums["t"].sum()), float(sums["tt"].sum())
@@ -338,9 +343,12 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
             stt_b = float(sums["ss"][b] - sums["s"][b] ** 2 / m_b)
             Syy = Sb - np.outer(beta, sxt_b) - np.outer(sxt_b, beta) + stt_b * np.outer(beta, beta)
             S_o = 0.5 * (Syy + Syy.T) / m_b
-            a = xb - beta * (sums["s"][b] / m_b)  # bucket mean of q - beta s
-            fourth = _bucket_fourth_moment(sums, b, a, beta, float(tau[b]))
+            a = xb - beta * (sums["s"][b] / m_b) if exact_lw else None  # bucket mean of q - beta s
             mu_lw = float(np.trace(S_o)) / d
+            if exact_lw:
+                fourth = _bucket_fourth_moment(sums, b, a, beta, float(tau[b]))
+            else:
+                fourth = m_b * ((d * mu_lw) ** 2 + 2.0 * float((S_o * S_o).sum()))
             delta = float(((S_o - mu_lw * np.eye(d)) ** 2).sum()) / d
             beta_bar = float((fourth / m_b - (S_o * S_o).sum()) / (d * m_b))
             shrink[b] = 0.0 if delta <= 0.0 else min(max(beta_bar, 0.0), delta) / delta
@@ -361,4 +369,4 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
         elif not level[b] > floor:
             status[b] = DEGENERATE_COVARIANCE
     return QueryModel(covariance, int(L), int(B), alpha, beta, H, u, h, alpha_pos, beta_pos, sigma_pos2,
-                      np.zeros(0), r2, counts, status, mean, cov, shrink, orig)
+                      np.zeros(0), r2, counts, status, mean, cov, shrink, "exact" if exact_lw else "gaussian", orig)
