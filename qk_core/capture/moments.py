@@ -28,9 +28,10 @@ Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-onl
 formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
 capture's device in ``dtype`` over the positions of one bucket of one document (at most B terms); buckets,
 documents and shards are added in float64. float32 (the default) has a relative error of order sqrt(B) 2^-24
-per bucket sum (bench/results/moments_accuracy.md: below 1e-6 of each head's largest sum on SmolLM2 at 2K and
-8K); float64 is exact to rounding. A document's per-bucket query sums stay in the accumulation dtype up to its
-file (they are exactly those numbers); every sum read back, and every merged sum, is float64.
+per bucket sum (bench/results/moments_accuracy.md, SmolLM2 at 2K and 8K: below 1e-6 of each head's largest sum
+for every sum the Gaussian form keeps, 5e-6 for the exact term q_xxs); float64 is exact to rounding. A
+document's per-bucket query sums stay in the accumulation dtype up to its file (they are exactly those
+numbers); every sum read back, and every merged sum, is float64.
 Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
 """
 
