@@ -92,8 +92,10 @@ def run_demo(group: str) -> dict[str, Any]:
             load.append(round(os.getloadavg()[0], 2))
 
     threading.Thread(target=sample, daemon=True).start()
+    env = dict(os.environ)
+    env.setdefault("DAGSTER_HOME", str(Path(__file__).resolve().parent.parent / "dagster_home"))  # as the Makefile
     t0 = time.time()
-    rc = subprocess.call(cmd)
+    rc = subprocess.call(cmd, env=env)
     done.set()
     return {"command": " ".join(["python", *cmd[1:]]), "rc": rc, "wall_s": time.time() - t0,
             "load": [round(os.getloadavg()[0], 2), *load], "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC",

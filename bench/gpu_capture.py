@@ -17,6 +17,8 @@ Speed and memory (target: capture <= 1.05x the plain forward in wall time and pe
   ``plain``: the backbone forward alone (batch 1, no LM head, no KV cache), warm-up then ``--repeats``
   timed passes; ``capture``: :func:`qk_core.capture.capture_model` of the same document into a temporary
   storage root (probe, forward under the capture function, host transfer, Parquet commit, finalize).
+  ``moments``: the same capture with ``capture.moments`` on (SPEC 12.1: every eligible head's sums over every
+  position, accumulated on the device in the same forward; issue 22 item 4, target <= 1.02x on the GPU).
   Peak memory is ``torch.cuda.max_memory_allocated`` on GPU, the peak RSS of the phase on CPU. Tokens/s
   and model FLOP utilisation (MFU = useful FLOPs / (wall x the device's dense bf16 peak); useful FLOPs
   = 2 x non-embedding parameters x L + 4 x head_dim x n_q x (attended (query, key) pairs) per layer).
@@ -33,6 +35,10 @@ Correctness on the device (thresholds in ``TOL``)
     captured / pre-RoPE is the RoPE attention factor (YaRN: 0.1 ln s + 1) times the query temperature
     (Ministral 3), exactly 1 for llama3 / default / linear RoPE; NoPE layers (SmolLM3) give the raw
     projection itself; with unit q/k-norm weights every row norm is sqrt(d) x that factor;
+  - moments: the device-accumulated per-bucket sums n, x, x x^T of the first and last moment layer's first
+    and last query head against a float64 brute force over that head's whole query tensor (tapped in a
+    forward), max |error| / max |sum| within 32 sqrt(B) 2^-24 (float32 accumulation of B rows; TF32 or a
+    lost position would exceed it);
   - the layer metadata in the manifest (RoPE type and factor, NoPE layers, sliding layers, q/k norm,
     query scaling); which attention mask each layer was handed: ``None`` (the kernel's ``is_causal``, no
     L x L matrix) or the shape of what was materialised.
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -401,6 +408,55 @@ def available_backends(device: str) -> list[str]:
     return out
 
 
+@dataclass
+class QueryTap:
+    """A read hook keeping whole query tensors (float64, host) of chosen (layer, head)s of one forward."""
+
+    want: dict[int, list[int]]
+    rows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    writes: ClassVar[bool] = False
+
+    def read(self, module: Any, layer: int, query: Any, key: Any, value: Any, mask: Any,
+             kwargs: dict[str, Any]) -> None:
+        for h in self.want.get(layer, []):
+            self.rows[(layer, h)] = query[0, h].double().cpu().numpy()
+
+
+def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict[str, Any]]:
+    """The stored per-bucket query sums n, x, x x^T (SPEC 12.1) of the first and last moment layer's first and last
+    head against float64 sums over the head's whole query tensor, tapped in one forward (module docstring)."""
+    import torch
+
+    from qk_core.capture.attention import attach
+    from qk_core.capture.store import CaptureReader
+
+    reader = CaptureReader(store, prefix)
+    layers = reader.moment_layers()
+    moments = {layer: reader.read_moments(layer) for layer in sorted({layers[0], layers[-1]})}
+    tap = QueryTap({layer: sorted({int(m.q_heads[0]), int(m.q_heads[-1])}) for layer, m in moments.items()})
+    with attach(backbone, tap), torch.inference_mode():
+        backbone(input_ids=ids, use_cache=False)
+    out = []
+    for (layer, head), x in sorted(tap.rows.items()):
+        m = moments[layer]
+        i, B, J = m.head_index(head), m.bucket, m.n_buckets
+        b = np.minimum(np.arange(len(x)) // B, J - 1)
+        ref = {"n": np.bincount(b, minlength=J).astype(np.float64), "x": np.zeros((J, x.shape[1])),
+               "xx": np.zeros((J, x.shape[1], x.shape[1]))}
+        for j in range(J):
+            xb = x[b == j]
+            ref["x"][j], ref["xx"][j] = xb.sum(axis=0), xb.T @ xb
+        bound = 32 * math.sqrt(B) * 2.0**-24
+        row = {"layer": layer, "q_head": head, "bucket": B, "bound": bound}
+        for k, r in ref.items():
+            got = np.asarray(m.sums[f"q_{k}"][i], dtype=np.float64)
+            row[f"{k}_rel_err"] = float(np.abs(got - r).max() / max(np.abs(r).max(), 1e-300))
+        row["ok"] = bool(row["n_rel_err"] == 0 and row["x_rel_err"] <= bound and row["xx_rel_err"] <= bound)
+        out.append(row)
+    return out
+
+
 def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str, tiny: bool, repeats: int,
              check_heads: int) -> dict[str, Any]:
     """Speed, memory and correctness of one shape x backend x length; returns one result record."""
@@ -477,6 +533,30 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
     })
     # relative to the memory held before the phase (weights), so the ratio compares what the phases add
     rec["peak_ratio_above_baseline"] = (max(cap_peak) - base_mb) / max(1e-9, max(plain_peak) - base_mb)
+
+    # ---- every-head moments (SPEC 12.1): the same capture, moments accumulated in the same forward
+    m_entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True))
+    mom_s, mom_fwd_s, mom_peak, mres = [], [], [], None
+    for r in range(repeats):
+        meter.reset()
+        store = Storage(tmp / f"moments-{r}")
+        t = time.perf_counter()
+        mres = capture_model(m_entry, corpus, store, loaded=loaded)
+        meter.sync()
+        mom_s.append(time.perf_counter() - t)
+        mom_fwd_s.append(mres.seconds)
+        mom_peak.append(meter.peak())
+    rec.update({
+        "moments_s": mom_s, "moments_forward_s": mom_fwd_s, "moments_peak_mb": mom_peak,
+        "moments_wall_ratio": min(mom_s) / min(plain_s), "moments_forward_ratio": min(mom_fwd_s) / min(plain_s),
+        "moments_peak_ratio": max(mom_peak) / max(plain_peak),
+        "moments_peak_ratio_above_baseline": (max(mom_peak) - base_mb) / max(1e-9, max(plain_peak) - base_mb),
+        "moment_layers": len(mres.manifest["moments"]["layers"]),
+    })
+    rec["moments_check"] = moments_check(backbone, ids, Storage(tmp / "moments-0"), mres.prefix)
+    bad = [c for c in rec["moments_check"] if not c["ok"]]
+    if bad:
+        rec["failures"].append(f"moments differ from the float64 brute force: {bad}")
 
     # ---- (a) outputs unchanged by capture
     manifest = result.manifest
@@ -655,6 +735,12 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"{', '.join(r['full_layer_masks'])} | {', '.join(r['sliding_layer_masks']) or '–'} | "
         f"{'; '.join(k for k, ok in r['layer_checks'].items() if ok)} |"
         for r in results if "head_checks" in r)
+    moments = "\n".join(
+        f"| {r['shape']} | {r['backend']} | {r['tokens']} | {r['moment_layers']} | {f(min(r['moments_s']), 2)} | "
+        f"{f(r['moments_wall_ratio'])} | {f(r['moments_forward_ratio'])} | {f(max(r['moments_peak_mb']), 0)} | "
+        f"{f(r['moments_peak_ratio'])} | {f(r['moments_peak_ratio_above_baseline'])} | "
+        f"{max(c['xx_rel_err'] for c in r['moments_check']):.1e} / {r['moments_check'][0]['bound']:.1e} |"
+        for r in results if "moments_check" in r)
     scaling = memory_scaling(results)
     scaling_md = "" if not scaling else "\n## Peak memory against L (is there a quadratic term?)\n\n" + "\n".join(
         f"- {x['shape']} / {x['backend']}, L = {x['lengths'][0]} -> {x['lengths'][1]}: peak above the pre-phase "
@@ -685,6 +771,18 @@ Target: capture <= 1.05x the plain backbone forward in wall time and peak memory
 *capture s* is the whole `capture_model` call (probe, forward under the capture function, host transfer,
 Parquet commit, finalize); *forward ratio* compares only its forward + collect with the plain forward.
 Peak memory: {meta['memory_note']}
+
+## Every-head moments (SPEC 12.1; target <= 1.02x the plain forward on the GPU)
+
+| shape | backend | L | moment layers | capture + moments s | wall ratio | forward ratio | peak MB | peak ratio \
+| peak ratio above weights | x x^T max rel. error / bound |
+|---|---|---|---|---|---|---|---|---|---|---|
+{moments}
+
+The same `capture_model` call with `capture.moments = true`: every eligible head's SPEC 12.1 sums over every
+position, accumulated on the device inside the same attention call (float32 per-bucket sums, the default), moved
+to host once per document, merged in float64. Ratios against the plain forward as above. The error column
+compares the stored per-bucket x x^T of four heads with float64 sums over the heads' whole query tensors.
 
 ## Correctness
 

@@ -42,6 +42,10 @@ def test_every_shape_runs_and_passes_its_checks(smoke: dict) -> None:
         assert all(r["layer_checks"].values()), (name, r["layer_checks"])
         assert r["full_layer_masks"] == ["None (is_causal)"], name  # no L x L mask for full attention
         assert r["tokens_per_s_plain"] > 0 and r["capture_peak_mb"] and r["forward_tflop"] > 0
+        # every-head moments (issue 22 item 4): timed beside the plain forward, equal to a float64 brute force
+        assert r["moments_wall_ratio"] > 0 and r["moments_peak_mb"] and r["moment_layers"] >= 1, name
+        assert r["moments_check"] and all(c["ok"] and 0 <= c["xx_rel_err"] <= c["bound"]
+                                          for c in r["moments_check"]), (name, r["moments_check"])
     assert smoke["rc"] == 0
     assert "| qwen3-8b | sdpa | 192 | ok |" in smoke["md"]
 
@@ -56,6 +60,20 @@ def test_family_factors_are_the_expected_ones(smoke: dict) -> None:
     assert lo == 1.0 and hi == pytest.approx(1 + 0.1 * math.log(1 + 191 // 64))  # original context 64 (tiny)
     assert any("nope_ok" in c for c in r["smollm3-3b"]["head_checks"])
     assert r["gemma3-4b"]["sliding_layer_masks"] == ["Tensor(1, 1, 192, 192)"]  # sdpa materialises sliding masks
+
+
+def test_moments_check_fails_for_shifted_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the brute force over query rows shifted by one position disagrees with the stored sums."""
+    real = gpu_capture.QueryTap.read
+
+    def shifted(self: gpu_capture.QueryTap, *args: object) -> None:
+        real(self, *args)
+        self.rows = {k: np.roll(v, 1, axis=0) for k, v in self.rows.items()}
+
+    monkeypatch.setattr(gpu_capture.QueryTap, "read", shifted)
+    rec = gpu_capture.run_case(gpu_capture.SHAPES["llama-3.2-1b"], "sdpa", 128, "cpu", "float32", True, 1, 2)
+    assert rec["status"] == "failed" and any("moments differ" in f for f in rec["failures"])
+    assert all(not c["ok"] and c["xx_rel_err"] > 100 * c["bound"] for c in rec["moments_check"])
 
 
 def test_logit_check_fails_for_wrong_rows() -> None:
