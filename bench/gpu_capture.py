@@ -510,16 +510,21 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
         s, out_plain = plain()
         plain_s.append(s)
         plain_peak.append(meter.peak())
-    cap_s, cap_fwd_s, cap_peak, result = [], [], [], None
-    for r in range(repeats):  # the last plain output stays alive in both phases (kept for the check below)
-        meter.reset()
-        store = Storage(tmp / f"store-{r}")
-        t = time.perf_counter()
-        result = capture_model(entry, corpus, store, loaded=loaded)
-        meter.sync()
-        cap_s.append(time.perf_counter() - t)
-        cap_fwd_s.append(result.seconds)
-        cap_peak.append(meter.peak())
+
+    def captures(entry: Any, name: str, loaded: Any = loaded) -> tuple[list[float], list[float], list[float], Any]:
+        """``repeats`` timed ``capture_model`` calls into ``tmp/<name>-<r>``: wall s, forward s, peak MB, result."""
+        wall, fwd, peak, result = [], [], [], None
+        for r in range(repeats):  # the last plain output stays alive in every phase (kept for the check below)
+            meter.reset()
+            t = time.perf_counter()
+            result = capture_model(entry, corpus, Storage(tmp / f"{name}-{r}"), loaded=loaded)
+            meter.sync()
+            wall.append(time.perf_counter() - t)
+            fwd.append(result.seconds)
+            peak.append(meter.peak())
+        return wall, fwd, peak, result
+
+    cap_s, cap_fwd_s, cap_peak, result = captures(entry, "store")
     rec.update({
         "baseline_mb": base_mb, "plain_s": plain_s, "capture_s": cap_s, "capture_forward_s": cap_fwd_s,
         "plain_peak_mb": plain_peak, "capture_peak_mb": cap_peak,
@@ -536,16 +541,7 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
 
     # ---- every-head moments (SPEC 12.1): the same capture, moments accumulated in the same forward
     m_entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True))
-    mom_s, mom_fwd_s, mom_peak, mres = [], [], [], None
-    for r in range(repeats):
-        meter.reset()
-        store = Storage(tmp / f"moments-{r}")
-        t = time.perf_counter()
-        mres = capture_model(m_entry, corpus, store, loaded=loaded)
-        meter.sync()
-        mom_s.append(time.perf_counter() - t)
-        mom_fwd_s.append(mres.seconds)
-        mom_peak.append(meter.peak())
+    mom_s, mom_fwd_s, mom_peak, mres = captures(m_entry, "moments")
     rec.update({
         "moments_s": mom_s, "moments_forward_s": mom_fwd_s, "moments_peak_mb": mom_peak,
         "moments_wall_ratio": min(mom_s) / min(plain_s), "moments_forward_ratio": min(mom_fwd_s) / min(plain_s),
