@@ -57,7 +57,7 @@ def _rows(tokens: int, threads: int) -> tuple[dict[int, tuple[np.ndarray, np.nda
     loaded = load_model(entry, "cpu")
     ids = loaded.tokenizer(text, truncation=True, max_length=tokens)["input_ids"]
     plan = plan_moments(entry, probe_layers(loaded, False))
-    heads = {layer: (q, kv) for layer, (q, kv, _) in plan.items()}
+    heads = {layer: (q, kv) for layer, (q, kv, _) in plan.layers.items()}
     t0 = time.perf_counter()
     with hook.CaptureSession(loaded.backbone, heads) as session, torch.inference_mode():
         session.set_positions(np.arange(len(ids)))
@@ -65,7 +65,7 @@ def _rows(tokens: int, threads: int) -> tuple[dict[int, tuple[np.ndarray, np.nda
         rows = session.collect()
     forward_s = time.perf_counter() - t0
     out = {}
-    for layer, (q_heads, kv_heads, kv_index) in plan.items():
+    for layer, (q_heads, kv_heads, kv_index) in plan.layers.items():
         Q = np.stack([r.vectors for r in rows if r.kind == "q" and r.layer == layer and r.head in q_heads])
         K = np.stack([r.vectors for r in rows if r.kind == "k" and r.layer == layer and r.head in kv_heads])
         out[layer] = (Q, K, kv_index)

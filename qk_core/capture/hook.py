@@ -19,7 +19,7 @@ import torch
 
 from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 from qk_core.capture.layers import CallInfo
-from qk_core.capture.moments import accumulate, to_host
+from qk_core.capture.moments import MomentPlan, accumulate, to_host
 from qk_core.capture.store import HeadRows
 
 
@@ -34,15 +34,12 @@ class CaptureSession(AttentionHook):
     forward call :meth:`set_positions`; after it, :meth:`collect`. With ``heads=None`` the session only
     probes: it records what every attention module was handed (:attr:`calls`) and gathers nothing.
 
-    ``moments`` maps layer -> (query heads, KV heads, row of each query head's KV head): the layers whose
-    SPEC 12.1 moments are accumulated over every position, with bucket width ``bucket``, ``n_buckets``
-    buckets, accumulation dtype ``moment_dtype`` and Ledoit-Wolf terms ``lw_intensity``
-    (:mod:`qk_core.capture.moments`; the defaults are the capture options' defaults).
+    ``moments``: the layers and heads whose SPEC 12.1 moments are accumulated over every position, and how
+    (:class:`qk_core.capture.moments.MomentPlan`); None: none.
     """
 
     def __init__(self, backbone: torch.nn.Module, heads: dict[int, tuple[list[int], list[int]]] | None = None,
-                 moments: dict[int, tuple[list[int], list[int], list[int]]] | None = None, bucket: int = 0,
-                 n_buckets: int = 0, moment_dtype: torch.dtype = torch.float32, lw_intensity: str = "gaussian"):
+                 moments: MomentPlan | None = None):
         self.backbone = backbone
         self.device = next(backbone.parameters()).device
         self.heads = heads
@@ -52,13 +49,10 @@ class CaptureSession(AttentionHook):
         self._pos_np: dict[tuple[int, str], np.ndarray] = {}
         self._pos_t: dict[tuple[int, str], torch.Tensor] = {}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.moments = moments or {}
-        self.bucket, self.n_buckets = int(bucket), int(n_buckets)
-        if self.moments and not (self.bucket > 0 and self.n_buckets > 0):
-            raise ValueError("moments need the bucket width and the number of buckets")
-        self.moment_dtype, self.lw_intensity = moment_dtype, lw_intensity
+        self.moments = moments
         self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device),
-                                 np.asarray(ki, dtype=np.int64)) for layer, (q, kv, ki) in self.moments.items()}
+                                 torch.tensor(ki, device=self.device)) for layer, (q, kv, ki) in
+                         (moments.layers if moments else {}).items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
         self._m_store: dict[int, dict[str, torch.Tensor]] = {}  # every document's sums, reused (_moment_store)
         self._stack = contextlib.ExitStack()
@@ -113,8 +107,8 @@ class CaptureSession(AttentionHook):
             k_norm=isinstance(getattr(module, "k_norm", None), torch.nn.Module),
             use_rope=None if use_rope is None else bool(use_rope),
         )
-        if layer in self._m_index:
-            self._accumulate(layer, query, key)
+        if self.moments is not None and layer in self._m_index:
+            self._accumulate(layer, query, key, self.moments)
         idx = self._index.get(layer)
         if idx is None:
             return
@@ -126,7 +120,7 @@ class CaptureSession(AttentionHook):
         k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")].to(dev))
         self._buffers[layer] = (q.to(self.device, torch.float32), k.to(self.device, torch.float32))
 
-    def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+    def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor, m: MomentPlan) -> None:
         """SPEC 12.1 sums of every listed head of ``layer`` over every position, on the layer's device."""
         if query.shape[0] != 1:
             raise CaptureHookError(f"layer {layer}: capture runs with batch size 1, got {query.shape[0]}")
@@ -137,7 +131,7 @@ class CaptureSession(AttentionHook):
         q_idx, kv_idx, kv_index = self._m_index[layer]
         pos = np.arange(int(query.shape[-2]))
         sums = accumulate(query[0].index_select(0, q_idx.to(dev)), pos, key[0].index_select(0, kv_idx.to(dev)), pos,
-                          kv_index, self.bucket, self.n_buckets, self.moment_dtype, self.lw_intensity)
+                          kv_index.to(dev), m.bucket, m.n_buckets, getattr(torch, m.dtype), m.lw_intensity)
         store = self._moment_store(layer, sums)
         for k, v in sums.items():
             store[k].copy_(v)

@@ -37,6 +37,7 @@ Documents are merged in sorted example-id order, so a sharded capture gives bit-
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -57,6 +58,25 @@ P_KEYS = ("p_n", "p_x", "p_xx")
 #: the per-document keys of every capture (``LW_KEYS`` besides, when exact); the merge adds the parity sums below
 DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
 HALF_KEYS = ("n", "t", "tt", "x", "xt")
+
+
+@dataclass(frozen=True)
+class MomentPlan:
+    """What a capture accumulates (SPEC 12.1), from its capture options (``moment_dtype``, ``lw_intensity``):
+    ``layers`` maps layer -> (query heads, KV heads, row in the KV heads of each query head's KV head); bucket
+    width ``bucket``, ``n_buckets`` buckets, per-bucket sums in ``dtype`` ("float32" | "float64")."""
+
+    layers: dict[int, tuple[list[int], list[int], list[int]]]
+    bucket: int
+    n_buckets: int
+    dtype: str
+    lw_intensity: str
+
+    def manifest(self) -> dict[str, Any]:
+        """The capture manifest's ``moments`` entry."""
+        return {"layers": {str(layer): [q, kv, ki] for layer, (q, kv, ki) in self.layers.items()},
+                "bucket": self.bucket, "n_buckets": self.n_buckets, "dtype": self.dtype,
+                "lw_intensity": self.lw_intensity, "positions": "every token position of every document"}
 
 
 @dataclass
@@ -110,42 +130,82 @@ def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
             (("n", np.ones_like(t)), ("t", t), ("tt", t * t), ("s", s), ("ss", s * s), ("s3", s**3), ("s4", s**4))}
 
 
-def _padded(x: Any, pos: np.ndarray, B: int, J: int, dtype: Any) -> tuple[Any, Any, Any, np.ndarray]:
-    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d) in ``dtype`` for the U buckets that hold a
-    position (zero rows as padding, M = the largest bucket count), their positions t and s = t - tau_b as
-    (U, M) (0 at the padding), and the U bucket numbers. Every position of a document (0..n-1, the capture's
-    case) is a zero-padded reshape; any other set is sorted by bucket first."""
+@dataclass(frozen=True)
+class _Buckets:
+    """How a set of positions regroups into buckets (:func:`_padded`), with its device tensors: formed once per
+    document and reused by every layer (no host-to-device copy per layer). ``order`` / ``flat`` are None for
+    every position of a document (0..n-1, the capture's case: a zero-padded reshape)."""
+
+    n: int
+    U: int  # buckets holding a position
+    M: int  # rows per bucket after padding (the largest count)
+    used: np.ndarray  # (U,) their numbers
+    used_t: Any  # the same on the device
+    order: Any  # (n,) rows in bucket order, or None
+    flat: Any  # (n,) slot of each ordered row in the (U M) padded rows, or None
+    t: Any  # (U, M) positions, 0 at the padding, in the accumulation dtype
+    s: Any  # (U, M) t - tau_b
+    sums: dict[str, Any]  # :func:`_pos_sums` as float64 tensors on the device
+
+
+_BUCKETS: dict[tuple[Any, ...], _Buckets] = {}
+_BUCKETS_KEPT = 8
+
+
+def _buckets(pos: np.ndarray, B: int, J: int, dev: Any, dtype: Any) -> _Buckets:
+    """:class:`_Buckets` of ``pos``, cached per (positions, B, J, device, dtype) for the next layers."""
     import torch
 
     pos = np.asarray(pos, dtype=np.int64)
     n = len(pos)
-    H, _, d = x.shape
-    dev = x.device
+    every = bool(n and n <= J * B and pos[0] == 0 and pos[-1] == n - 1 and np.all(np.diff(pos) == 1))
+    key = (("every", n) if every else hashlib.blake2b(pos.tobytes(), digest_size=16).digest(), n, B, J, str(dev),
+           str(dtype))
+    hit = _BUCKETS.get(key)
+    if hit is not None:
+        return hit
     b = np.clip(np.floor_divide(pos, B), 0, J - 1)
     counts = np.bincount(b, minlength=J)
     used = np.flatnonzero(counts)
     U, M = len(used), max(int(counts.max()) if n else 0, 1)
-    if n and n <= J * B and pos[0] == 0 and pos[-1] == n - 1 and bool(np.all(np.diff(pos) == 1)):
-        flat = np.arange(n)  # bucket u holds rows u B .. u B + B - 1: already in order
-        X = x.to(dtype)
-        if n < U * M:
-            X = torch.nn.functional.pad(X, (0, 0, 0, U * M - n))
+    order = flat = None
+    if every:  # bucket u holds rows u B .. u B + B - 1: already in order
+        slots, ordered = np.arange(n), pos
     else:
-        order = np.argsort(b, kind="stable")
+        ordering = np.argsort(b, kind="stable")
         rank = np.zeros(J, dtype=np.int64)
         rank[used] = np.arange(len(used))
-        slot = np.arange(n) - np.repeat(np.cumsum(counts[used]) - counts[used], counts[used])
-        flat = rank[b[order]] * M + slot
-        X = torch.zeros((H, U * M, d), dtype=dtype, device=dev)
-        X[:, torch.as_tensor(flat, device=dev)] = x.index_select(1, torch.as_tensor(order, device=dev)).to(dtype)
-        pos = pos[order]
+        slots = rank[b[ordering]] * M + np.arange(n) - np.repeat(np.cumsum(counts[used]) - counts[used], counts[used])
+        ordered = pos[ordering]
+        order, flat = torch.as_tensor(ordering, device=dev), torch.as_tensor(slots, device=dev)
     t = np.zeros(U * M)
-    t[flat] = pos
+    t[slots] = ordered
     s = np.zeros(U * M)
-    s[flat] = pos - (np.repeat(used, counts[used]) + 0.5) * B
-    to = torch.as_tensor(t.reshape(U, M), device=dev).to(dtype)
-    so = torch.as_tensor(s.reshape(U, M), device=dev).to(dtype)
-    return X.reshape(H, U, M, d), to, so, used
+    s[slots] = ordered - (np.repeat(used, counts[used]) + 0.5) * B
+    out = _Buckets(n, U, M, used, torch.as_tensor(used, device=dev), order, flat,
+                   torch.as_tensor(t.reshape(U, M), device=dev).to(dtype),
+                   torch.as_tensor(s.reshape(U, M), device=dev).to(dtype),
+                   {k: torch.as_tensor(v, device=dev) for k, v in _pos_sums(pos, B, J).items()})
+    if len(_BUCKETS) >= _BUCKETS_KEPT:
+        _BUCKETS.pop(next(iter(_BUCKETS)))
+    _BUCKETS[key] = out
+    return out
+
+
+def _padded(x: Any, bk: _Buckets, dtype: Any) -> Any:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d) in ``dtype`` for the U buckets of ``bk`` that
+    hold a position (zero rows as padding, M = the largest bucket count)."""
+    import torch
+
+    H, _, d = x.shape
+    if bk.order is None:
+        X = x.to(dtype)
+        if bk.n < bk.U * bk.M:
+            X = torch.nn.functional.pad(X, (0, 0, 0, bk.U * bk.M - bk.n))
+    else:
+        X = torch.zeros((H, bk.U * bk.M, d), dtype=dtype, device=x.device)
+        X[:, bk.flat] = x.index_select(1, bk.order).to(dtype)
+    return X.reshape(H, bk.U, bk.M, d)
 
 
 def _weighted(w: Any, X: Any) -> Any:
@@ -154,17 +214,18 @@ def _weighted(w: Any, X: Any) -> Any:
     return (w.unsqueeze(-2) @ X).squeeze(-2)
 
 
-def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: np.ndarray, bucket: int,
+def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: Any, bucket: int,
                n_buckets: int, dtype: Any = None, lw_intensity: str = "exact") -> dict[str, Any]:
     """SPEC 12.1 sums of one document: torch tensors on the device of ``q`` (keys: module doc).
 
     ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
     ``k_pos`` (n_k,), torch tensors (a numpy array is taken as a CPU tensor); positions are distinct within
-    a document. ``kv_index`` (Hq,): the row of ``k`` of each query head's KV head. Vector sums are formed
-    in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows of one bucket;
-    the per-bucket query sums are returned in ``dtype``, the pooled and position-only sums in float64. Heads
-    and buckets are batched (no Python loop over either, nor over positions). ``lw_intensity = "exact"`` adds
-    the ``LW_KEYS`` sums.
+    a document. ``kv_index`` (Hq,), numpy or a tensor: the row of ``k`` of each query head's KV head. Vector
+    sums are formed in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows
+    of one bucket; the per-bucket query sums are returned in ``dtype``, the pooled and position-only sums in
+    float64. Heads and buckets are batched (no Python loop over either, nor over positions); the bucket layout
+    of a set of positions is formed once and reused by the next layers. ``lw_intensity = "exact"`` adds the
+    ``LW_KEYS`` sums.
     """
     import torch
 
@@ -177,21 +238,21 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
     B, J = int(bucket), int(n_buckets)
     Hq, Hk, d = q.shape[0], k.shape[0], q.shape[-1]
     exact = lw_intensity == "exact"
-    kv = torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev)
+    kv = (kv_index.to(dev) if isinstance(kv_index, torch.Tensor)
+          else torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     out: dict[str, Any] = {}
 
     # position-only sums, host float64 (broadcast over heads)
-    ps = _pos_sums(q_pos, B, J)
+    qb, kb = _buckets(q_pos, B, J, dev, acc), _buckets(k_pos, B, J, dev, acc)
     for name in ("n", "t", "tt", "s", "ss", *(("s3", "s4") if exact else ())):
-        out[f"q_{name}"] = torch.as_tensor(ps[name], device=dev).expand(Hq, J).clone()
-    kp = _pos_sums(k_pos, B, 1)
+        out[f"q_{name}"] = qb.sums[name].repeat(Hq, 1)
     for name in ("n", "t", "tt"):
-        out[f"k_{name}"] = torch.full((Hk,), float(kp[name][0]), dtype=f64, device=dev)
+        out[f"k_{name}"] = kb.sums[name].sum().repeat(Hk)
 
     # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, U, M, d) over the U buckets
     # that hold a position, so every bucket's sums come from one batched product per quantity
-    X, tp, sp, used = _padded(q, q_pos, B, J, acc)
+    X, tp, sp, used = _padded(q, qb, acc), qb.t, qb.s, qb.used
     Xt = X.transpose(-1, -2)
     vals = {"q_x": X.sum(2), "q_xt": _weighted(tp, X), "q_xx": Xt @ X}
     if exact:
@@ -201,19 +262,18 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
             "q_xs2": _weighted(sp * sp, X), "q_xs3": _weighted(sp * sp * sp, X),
             "q_r2x": _weighted(r2, X), "q_r2xs": _weighted(r2 * sp, X),
             "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2)})
-    idx = torch.as_tensor(used, device=dev)
     for key, v in vals.items():
         if len(used) == J:
             out[key] = v
         else:  # buckets without a position sum to 0
             out[key] = torch.zeros((Hq, J, *v.shape[2:]), dtype=v.dtype, device=dev)
-            out[key][:, idx] = v
+            out[key][:, qb.used_t] = v
     del X, Xt, vals
 
     # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
-    X, tp, _, _ = _padded(k, k_pos, B, J, acc)
+    X = _padded(k, kb, acc)
     out["k_x"] = X.sum(2).to(f64).sum(1)
-    out["k_xt"] = _weighted(tp, X).to(f64).sum(1)
+    out["k_xt"] = _weighted(kb.t, X).to(f64).sum(1)
     out["k_xx"] = (X.transpose(-1, -2) @ X).to(f64).sum(1)
     del X
 
@@ -226,7 +286,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: n
         else:
             Qp, Kp, p_pos = (q.index_select(1, torch.as_tensor(iq, device=dev)),
                              k.index_select(1, torch.as_tensor(ik, device=dev)), common)
-        D, _, _, _ = _padded(Qp.to(acc) - Kp.index_select(0, kv).to(acc), p_pos, B, J, acc)
+        D = _padded(Qp.to(acc) - Kp.index_select(0, kv).to(acc), _buckets(p_pos, B, J, dev, acc), acc)
         out["p_x"] = D.sum(2).to(f64).sum(1)
         out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
     else:

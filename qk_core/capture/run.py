@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.capture.layers import LayerInfo, LayerSelectionError, describe_layers, select_layers, variant_problems
-from qk_core.capture.moments import LayerMoments
+from qk_core.capture.moments import LayerMoments, MomentPlan
 from qk_core.capture.sampling import bernoulli_positions, kv_head_of, sample_heads, stratified_positions
 from qk_core.capture.store import (
     SCHEMA_VERSION,
@@ -190,21 +190,24 @@ def plan_heads(entry: ModelEntry, infos: list[LayerInfo],
              "d": int(by_layer[layer].head_dim)} for layer, h in heads]
 
 
-def plan_moments(entry: ModelEntry, infos: list[LayerInfo]) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Layer -> (every query head, every KV head, each query head's KV head row): the heads whose SPEC 12.1
-    moments the capture accumulates over every position, in the layers the head sampler draws from (1.4)."""
-    requested = list(getattr(entry.capture, "layers", None) or []) or None
-    try:
-        chosen = select_layers(infos, requested, entry.capture.include_sliding)
-    except LayerSelectionError as exc:
-        raise CaptureError(f"{entry.key}: {exc}") from exc
-    by_layer = {i.layer: i for i in infos}
-    out = {}
-    for layer in sorted(chosen):
-        n_q, n_kv = int(by_layer[layer].n_q or 0), int(by_layer[layer].n_kv or 0)
-        if n_q and n_kv:
-            out[layer] = (list(range(n_q)), list(range(n_kv)), [kv_head_of(h, n_q, n_kv) for h in range(n_q)])
-    return out
+def plan_moments(entry: ModelEntry, infos: list[LayerInfo], enabled: bool = True) -> MomentPlan:
+    """Every query head and KV head (with each query head's KV head row) whose SPEC 12.1 moments the capture
+    accumulates over every position, in the layers the head sampler draws from (1.4), with the entry's bucket
+    and moment options; no layer when not ``enabled``."""
+    out: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    if enabled:
+        requested = list(getattr(entry.capture, "layers", None) or []) or None
+        try:
+            chosen = select_layers(infos, requested, entry.capture.include_sliding)
+        except LayerSelectionError as exc:
+            raise CaptureError(f"{entry.key}: {exc}") from exc
+        by_layer = {i.layer: i for i in infos}
+        for layer in sorted(chosen):
+            n_q, n_kv = int(by_layer[layer].n_q or 0), int(by_layer[layer].n_kv or 0)
+            if n_q and n_kv:
+                out[layer] = (list(range(n_q)), list(range(n_kv)), [kv_head_of(h, n_q, n_kv) for h in range(n_q)])
+    return MomentPlan(out, int(entry.bucket), -(-int(entry.window) // int(entry.bucket)), entry.capture.moment_dtype,
+                      entry.capture.lw_intensity)
 
 
 def _layer_plan(heads: list[dict[str, int]]) -> dict[int, tuple[list[int], list[int]]]:
@@ -339,8 +342,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     sampled = {h["layer"] for h in heads}
     # SPEC 12.1: every eligible head and position (not for a recapture of chosen heads under a write hook,
     # whose kernel may get one key head per query head)
-    moment_plan = plan_moments(entry, infos) if explicit is None and entry.capture.moments else {}
-    n_buckets = -(-int(entry.window) // int(entry.bucket))
+    moment_plan = plan_moments(entry, infos, enabled=explicit is None and entry.capture.moments)
     manifest = {
         "schema_version": SCHEMA_VERSION, "fingerprint": fp, "model_key": entry.key,
         "window": entry.window, "bucket": entry.bucket, "heads": heads,
@@ -349,10 +351,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                                         ("model_class", "backbone_class", "attn_implementation")}},
         "dtype": dtype, "device": dev, "sampler": ident["sampler"], "dataset": ident["dataset"],
         "tokenization": ident["tokenization"], "software": _software(),
-        "moments": {"layers": {str(layer): [q, kv, ki] for layer, (q, kv, ki) in moment_plan.items()},
-                    "bucket": int(entry.bucket), "n_buckets": n_buckets, "dtype": entry.capture.moment_dtype,
-                    "lw_intensity": entry.capture.lw_intensity,
-                    "positions": "every token position of every document"},
+        "moments": moment_plan.manifest(),
     }
     if entry.variant is not None:  # SPEC 13.1 (only variants carry the key: other manifests are unchanged)
         rotary = getattr(loaded.backbone, "rotary_emb", None)
@@ -381,9 +380,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     tokens = 0
     seconds = 0.0
     total = len(mine)
-    moment_dtype = getattr(torch, entry.capture.moment_dtype)
-    with hook.CaptureSession(loaded.backbone, plan, moment_plan, int(entry.bucket), n_buckets, moment_dtype,
-                             entry.capture.lw_intensity) as session, _under(loaded, intervention):
+    with hook.CaptureSession(loaded.backbone, plan, moment_plan) as session, _under(loaded, intervention):
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])
@@ -399,8 +396,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 sums = session.collect_moments()
             except hook.CaptureHookError as exc:
                 raise CaptureError(f"{entry.key}: {exc}") from exc
-            moments = [LayerMoments(layer, np.asarray(q), np.asarray(kv), np.asarray(ki), int(entry.bucket), n_buckets,
-                                    sums[layer], [eid]) for layer, (q, kv, ki) in moment_plan.items()]
+            moments = [LayerMoments(layer, np.asarray(q), np.asarray(kv), np.asarray(ki), moment_plan.bucket,
+                                    moment_plan.n_buckets, sums[layer], [eid])
+                       for layer, (q, kv, ki) in moment_plan.layers.items()]
             dt = time.perf_counter() - t0
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
