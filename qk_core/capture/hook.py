@@ -160,7 +160,8 @@ class CaptureSession(AttentionHook):
 
     def collect_moments(self) -> dict[int, dict[str, np.ndarray]]:
         """Every moment layer's sums of the last forward, moved to host in one transfer (SPEC 12.1): per-bucket
-        query sums in the accumulation dtype, the others float64."""
+        query sums in the accumulation dtype, the others float64. On a CPU capture they are views of the session's
+        buffers, which the next forward overwrites: write them (or copy) before it."""
         missing = sorted(set(self._m_index) - set(self._moments))
         if missing:
             raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "

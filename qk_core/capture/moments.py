@@ -41,7 +41,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -296,12 +296,18 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
 
 
 def to_host(per_layer: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
-    """Every layer's device sums to host numpy in one transfer (SPEC 1.3, 12.1), each in its own dtype."""
+    """Every layer's device sums to host numpy in one transfer (SPEC 1.3, 12.1), each in its own dtype. Sums
+    already on the host come back as views of their tensors (no copy): valid while those hold them."""
     import torch
 
     items = [(layer, key, t.contiguous()) for layer, sums in sorted(per_layer.items()) for key, t in sums.items()]
     if not items:
         return {}
+    if all(t.device.type == "cpu" for _, _, t in items):
+        host: dict[int, dict[str, np.ndarray]] = {}
+        for layer, key, t in items:
+            host.setdefault(layer, {})[key] = t.numpy()
+        return host
     raw = torch.cat([t.reshape(-1).view(torch.uint8) for _, _, t in items]).cpu().numpy()
     out: dict[int, dict[str, np.ndarray]] = {}
     offset = 0
@@ -440,25 +446,37 @@ def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
     return np.asarray(np.take(packed, _triangle(d)[1], axis=-1), dtype=np.float64)
 
 
+def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
+    """One file's worth of moments into ``fh`` (npz: a stored zip of .npy arrays, no pickled objects; read with
+    :func:`moments_from_bytes`): every layer's sums and head layout, each sum in its own float dtype (a document's
+    per-bucket query sums in the accumulation dtype: exactly their values); the symmetric d x d sums as upper
+    triangles (half the bytes; the lower triangle is its mirror). Arrays are packed and written one at a time."""
+    import zipfile
+
+    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def put(name: str, arr: np.ndarray) -> None:
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
+                np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
+
+        for m in layers:
+            p = f"L{m.layer}"
+            layout = {"q_heads": m.q_heads, "kv_heads": m.kv_heads, "kv_index": m.kv_index,
+                      "layout": np.array([m.bucket, m.n_buckets], np.int64), "docs": np.asarray(m.docs, np.int64)}
+            for k, v in layout.items():
+                put(f"{p}.{k}", np.asarray(v))
+            for k, v in m.sums.items():
+                v = np.asarray(v)
+                if v.dtype not in (np.float32, np.float64):
+                    raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
+                put(f"{p}.{k}", _pack(v) if k in SYMMETRIC else v)
+
+
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
-    """One file's worth of moments (npz, no pickled objects): every layer's sums and head layout, each sum in
-    its own float dtype (a document's per-bucket query sums in the accumulation dtype: exactly their values);
-    the symmetric d x d sums as upper triangles (half the bytes; the lower triangle is its mirror)."""
+    """:func:`write_moments` into memory."""
     import io
 
-    arrays: dict[str, np.ndarray] = {}
-    for m in layers:
-        p = f"L{m.layer}"
-        arrays.update({f"{p}.q_heads": m.q_heads, f"{p}.kv_heads": m.kv_heads, f"{p}.kv_index": m.kv_index,
-                       f"{p}.layout": np.array([m.bucket, m.n_buckets], np.int64),
-                       f"{p}.docs": np.asarray(m.docs, np.int64)})
-        for k, v in m.sums.items():
-            v = np.asarray(v)
-            if v.dtype not in (np.float32, np.float64):
-                raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
-            arrays[f"{p}.{k}"] = _pack(v) if k in SYMMETRIC else v
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    write_moments(buf, layers)
     return buf.getvalue()
 
 

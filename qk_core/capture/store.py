@@ -55,7 +55,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qk_core.capture.moments import LayerMoments, MomentMerger, moments_from_bytes, moments_to_bytes
+from qk_core.capture.moments import LayerMoments, MomentMerger, moments_from_bytes, write_moments
 from qk_core.io.storage import Storage, StorageError
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
@@ -247,9 +247,8 @@ class CaptureWriter:
         if layers:
             if any(m.docs != [int(example_id)] for m in layers):
                 raise CaptureError(f"document {example_id}: moments of another document")
-            data = moments_to_bytes(layers)
-            self.storage.write_bytes(self._moments_doc(example_id), data)
-            meta["moments_sha256"] = hashlib.sha256(data).hexdigest()
+            record = self.storage.write_stream(self._moments_doc(example_id), lambda fh: write_moments(fh, layers))
+            meta["moments_sha256"] = record["sha256"]
         schema = row_schema(d).with_metadata(meta)
         rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
         with self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
@@ -488,10 +487,8 @@ class CaptureWriter:
                 mergers.setdefault(layer, MomentMerger()).add(m)
         for layer, merger in sorted(mergers.items()):
             assert merger.merged is not None
-            data = moments_to_bytes([merger.merged])
             rel = moments_file(self.prefix, layer)
-            self.storage.write_bytes(rel, data)
-            files[rel] = file_record(data)
+            files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
         return sorted(mergers), f"{len(shas)} documents merged in sorted example-id order"
 
 

@@ -12,6 +12,7 @@ Credentials are never passed through here: s3fs/botocore read them from the envi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -20,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 import pyarrow as pa
@@ -206,6 +207,17 @@ class Storage:
         with self.atomic_local_file(rel) as tmp:
             tmp.write_bytes(data)
         return self.uri(rel)
+
+    def write_stream(self, rel: str, write: Callable[[BinaryIO], None]) -> dict[str, Any]:
+        """Write ``rel`` atomically through ``write(file)`` (nothing held in memory beyond what it holds); the
+        file's SHA-256 (read back from the local temporary) and size in bytes."""
+        with self.atomic_local_file(rel) as tmp:
+            with open(tmp, "wb") as fh:
+                write(fh)
+            with open(tmp, "rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            size = os.path.getsize(tmp)
+        return {"sha256": digest, "bytes": size}
 
     def write_text(self, rel: str, text: str) -> str:
         return self.write_bytes(rel, text.encode("utf-8"))

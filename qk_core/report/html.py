@@ -198,7 +198,10 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "model, the AP profile of every variant in absolute positions with C marked, and the rank "
                 "correlation of each geometry measure beyond C with accuracy beyond C, with exact p and n "
                 "(n >= 3), stated plainly - including when no measure predicts. Hours on a CPU, so not part of "
-                "`make demo`: `make demo ARGS=\"--group extension\"` runs it.", (r"^extension",), nav="Extension"),
+                "`make demo`: `make demo ARGS=\"--group extension\"` runs it; its committed result on real weights "
+                "(SmolLM2-135M, C = 8K, W = 16K: none, linear, dynamic NTK, YaRN) is "
+                "bench/results/extension_smollm2-135m/README.md in the repository.", (r"^extension",),
+                nav="Extension"),
     SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
                 "What was measured and how: weights, capture window L, bucket width B, head and position "
                 "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),
