@@ -368,10 +368,10 @@ def test_the_registry_pairs_and_which_are_missing_at_a_glance() -> None:
     from qk_assets.partitions import registry_pairs
     from qk_core.config.registry import load_registry
 
-    reg = load_registry()  # the shipped registry: 15 models + 10 checkpoints + 5 variants, 3 corpora, 32 pairs
+    reg = load_registry()  # the shipped registry: 15 models + 10 checkpoints + 4 variants, 3 corpora, 31 pairs
     pairs = registry_pairs(reg)
     meta = listing_metadata(reg)
-    assert meta["pairs_listed"].value == len(pairs) == 32 < len(reg.models) * len(reg.corpora)
+    assert meta["pairs_listed"].value == len(pairs) == 31 < len(reg.models) * len(reg.corpora)
     records = [r.data for r in meta["pairs"].records]
     assert [(r["model"], r["corpus"]) for r in records] == pairs
     demo = [r for r in records if r["model"] == "smollm2-135m"]
