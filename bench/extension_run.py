@@ -70,6 +70,7 @@ def collect(storage: Storage, registry_path: Path | None, base: str, out: Path, 
              f"Command: `{run.get('command', '(collected only)')}`", "",
              f"Wall time: {run.get('wall_s', float('nan')):.0f} s; exit status {run.get('rc', 'n/a')}; load average "
              f"(1 min) sampled every minute: {run.get('load', [])}; {os.cpu_count()} CPUs.", "",
+             *([str(run["note"]), ""] if run.get("note") else []),
              "## Statement", "", statement, "", "## Variants", "", _md(table), "",
              "## Accuracy by prompt length (pooled over depths, Wilson 95%)", "",
              _md(acc_all[acc_cols] if acc_all is not None else None), "",
