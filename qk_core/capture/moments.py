@@ -243,7 +243,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     out: dict[str, Any] = {}
 
-    # position-only sums, host float64 (broadcast over heads)
+    # position-only sums in float64, from the layout of the positions (broadcast over heads)
     qb, kb = _buckets(q_pos, B, J, dev, acc), _buckets(k_pos, B, J, dev, acc)
     for name in ("n", "t", "tt", "s", "ss", *(("s3", "s4") if exact else ())):
         out[f"q_{name}"] = qb.sums[name].repeat(Hq, 1)
