@@ -160,6 +160,11 @@ def expected_rotation(spec: HeadSpec, t_q: np.ndarray, t_k: np.ndarray, d: int, 
     }
 
 
+#: A synthetic capture holds rows only (as one taken with ``capture.moments = false``), so its analyses take the
+#: row path: coverage "sampled" (SPEC 12.1) in every options table a test passes.
+SAMPLED = {"coverage": "sampled"}
+
+
 @dataclass(frozen=True)
 class SyntheticHead:
     """One sampled head of a synthetic capture. K rows come from the first head listed for its KV head.

@@ -18,7 +18,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from synthetic import CloudSpec, HeadSpec, SyntheticHead, pair, partitions_instance, stage_synthetic_models
+from synthetic import (
+    SAMPLED,
+    CloudSpec,
+    HeadSpec,
+    SyntheticHead,
+    pair,
+    partitions_instance,
+    stage_synthetic_models,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"  # a demo partition of the shipped registry
@@ -60,8 +68,9 @@ def _run(root: Path, heads: list[SyntheticHead], *, window: int, bucket: int, do
                                                           per_bucket=4, doc_tokens=docs)
     down = _downstream()
     selection = [AssetKey(k) for k in (*GEOMETRY_OUTS, *PLASTICITY_OUTS, "downstream_of_metrics")]
-    config = {"ops": {"plasticity": {"config": {"options": {"plasticity": {**FAST, **(plasticity or {})}}}},
-                      "geometry": {"config": {"options": geometry or {}}}}}
+    geometry = {name: {**SAMPLED, **(geometry or {}).get(name, {})} for name in ("pca", "rotation")}
+    config = {"ops": {"plasticity": {"config": {"options": {"plasticity": {**FAST, **SAMPLED, **(plasticity or {})}}}},
+                      "geometry": {"config": {"options": geometry}}}}
     result = materialize([stand_in, geometry_asset, plasticity_asset, down], selection=selection,
                          partition_key=pair(MODEL), resources=resources, instance=partitions_instance([MODEL]),
                          run_config=config, raise_on_error=False)

@@ -205,8 +205,9 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
                                     RotationOptions(capture_floor="beta"))}
     for row in every["rotation"][0].itertuples():
         assert row.bias_strength == want[(row.layer, row.q_head)]["rotation"]["bias_strength"]
-    sampled = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions())
-    rows = run_geometry("m", iter_capture_heads(storage, res.heads), PCAOptions(), RotationOptions())
+    pca_s, rot_s = PCAOptions(coverage="sampled"), RotationOptions(coverage="sampled")
+    sampled = geometry_of_capture("m", storage, res.heads, pca_s, rot_s)
+    rows = run_geometry("m", iter_capture_heads(storage, res.heads), pca_s, rot_s)
     for a, b in ((sampled["pca"], rows["pca"]), (sampled["rotation"][:3], rows["rotation"][:3])):
         for x, y in zip(a, b, strict=True):
             pd_testing.assert_frame_equal(x, y)
@@ -215,24 +216,64 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
 
 
 def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: dict[str, Any]) -> None:
-    """SPEC 4.6 / 12.2: with coverage 'all' the query model rests on every position of every document, while
-    key pairs stay the sampled ones; a capture without moments is refused with a message."""
+    """SPEC 4.6 / 12.2: with coverage 'all' (the default) the query model rests on every position of every
+    document, while key pairs stay the sampled ones; the jackknife leaves out one document at a time (5 documents,
+    at most 16 groups kept), its refits from the merged sums less the document's."""
     from qk_core.config.options import PlasticityOptions
     from qk_core.plasticity.analysis import analyse_capture
 
     storage, res = setup["storage"], setup["sampled"]
     heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
-    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5, interval="percentile")
-    with pytest.raises(ValueError, match="coverage 'all' needs interval 'percentile'"):
-        dataclasses.replace(opts, coverage="all", interval="jackknife_t")
-    every = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="all"))
-    sampled = analyse_capture("m", storage, res.prefix, heads, opts)
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5)
+    assert opts.coverage == "all" and opts.interval == "jackknife_t"
+    every = analyse_capture("m", storage, res.prefix, heads, opts)
+    sampled = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
     n_tokens = int(res.doc_tokens["n_tokens"].sum())
     assert set(every.heads["coverage"]) == {"all"} and set(every.heads["n_queries_model"]) == {n_tokens}
     assert set(sampled.heads["coverage"]) == {"sampled"}
     assert (sampled.heads["n_queries_model"] < n_tokens).all()
-    assert np.isfinite(every.heads["ap_overall"]).all()
+    assert set(every.heads["jackknife_units"]) == set(sampled.heads["jackknife_units"]) == {N_DOCS}
+    for name in ("ap_overall", "ap_overall_lo", "ap_overall_hi", "ap_overall_corrected"):
+        assert np.isfinite(every.heads[name]).all(), name
+    assert (every.heads["ap_overall_lo"] <= every.heads["ap_overall"]).all()
+    assert (every.heads["ap_overall"] <= every.heads["ap_overall_hi"]).all()
     assert len(every.pairs) == len(sampled.pairs)  # the same sampled key pairs
+    percentile = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, interval="percentile"))
+    np.testing.assert_array_equal(percentile.heads["ap_overall"], every.heads["ap_overall"])
+
+
+def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dict[str, Any]) -> None:
+    """``capture.moment_groups = 2`` over 5 documents: groups of the sorted ids {3, 5, 7} and {9, 12}; their
+    query sums add up to the merged sums and the plasticity jackknife leaves out 2 groups (SPEC 4.6)."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_capture
+
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-groups.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moment_dtype": "float64", "moment_groups": 2}}},
+        tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "groups")
+    res = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    reader = CaptureReader(storage, res.prefix)
+    assert reader.moment_groups() == 2 and reader.manifest["moments"]["groups"] == 2
+    for layer in reader.moment_layers():
+        merged, groups = reader.read_moments(layer), reader.read_moment_groups(layer)
+        assert groups.docs == [3, 5, 7, 9, 12] and groups.sums["q_n"].shape[0] == 2
+        assert groups.sums["q_n"][0].sum() == sum(res.doc_tokens.set_index("example_id")["n_tokens"][[3, 5, 7]]) \
+            * len(merged.q_heads)
+        assert not any(k.startswith(("k_", "p_", "qh_")) for k in groups.sums)
+        for key, arr in groups.sums.items():
+            np.testing.assert_allclose(arr.sum(axis=0), merged.sums[key], rtol=1e-12, atol=1e-12, err_msg=key)
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    out = analyse_capture("m", storage, res.prefix, heads,
+                          PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5))
+    assert set(out.heads["jackknife_units"]) == {2}
+    assert np.isfinite(out.heads["ap_overall_lo"]).all()
+    with pytest.raises(ValueError, match="moment_groups"):
+        load_registry(tm.write_registry(tmp / "registry-groups1.toml", {"m": {
+            "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+            "capture": {"moment_groups": 1}}}, tmp / "corpus.jsonl"))
 
 
 def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:

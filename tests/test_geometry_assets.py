@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from synthetic import (
+    SAMPLED,
     CloudSpec,
     HeadSpec,
     SyntheticHead,
@@ -33,8 +34,9 @@ PRIMACY = HeadSpec(q=CloudSpec(slope=3e-3, m_a=2.0, m_b=-1.5, sigma=0.4, content
 
 
 # smollm2-135m has a head with NaN vectors and one without files: opting into partial results (issue 14)
-PARTIAL = {"ops": {"geometry": {"config": {"options": {"pca": {"allow_partial": True},
-                                                         "rotation": {"allow_partial": True}}}}}}
+PARTIAL = {"ops": {"geometry": {"config": {"options": {"pca": {"allow_partial": True, **SAMPLED},
+                                                         "rotation": {"allow_partial": True, **SAMPLED}}}}}}
+ROWS = {"ops": {"geometry": {"config": {"options": {"pca": SAMPLED, "rotation": SAMPLED}}}}}
 
 
 def heads_for(model: str) -> list[SyntheticHead]:
@@ -171,7 +173,7 @@ def test_subset_and_run_config_options(tmp_path: Path) -> None:
         tmp_path / "storage", {"smollm2-135m": heads_for("gemma3-270m")[:4]}, d=D, window=WINDOW, bucket=BUCKET,
         per_bucket=PER_BUCKET, doc_tokens=DOCS)
     config = {"ops": {"geometry": {"config": {"options": {"rotation": {
-        "separation": "eigen", "complement": True, "complement_pairs": 2}}}}}}
+        "separation": "eigen", "complement": True, "complement_pairs": 2, **SAMPLED}, "pca": SAMPLED}}}}}
     result = materialize([capture_stand_in, geometry], selection=[AssetKey(k) for k in ("rotation_heads",
                          "rotation_metrics")], partition_key=pair("smollm2-135m"), run_config=config,
                          resources=resources, instance=partitions_instance(["smollm2-135m"]))
@@ -206,7 +208,7 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     assert {m.metadata["heads_missing"].value for m in meta} == {2}
     result = materialize([materialised["capture_stand_in"], geometry], selection=[AssetKey(n) for n in names],
                          partition_key=pair("smollm2-135m"), resources=materialised["resources"], raise_on_error=False,
-                         instance=materialised["instance"])
+                         instance=materialised["instance"], run_config=ROWS)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.to_string()
     assert "smollm2-135m: pca: 2 of 15 heads could not be read or analysed" in failure

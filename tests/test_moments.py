@@ -377,7 +377,8 @@ def test_every_head_is_in_the_tables_the_depth_maps_and_the_report(capture: Any)
     assert not np.isnan(np.asarray(every.axes[0].images[0].get_array(), float)).any()
     assert every.axes[0].get_xlabel() == "layer" and "every eligible head" in every._suptitle.get_text()
     few = fig_depth_heatmaps(out_sampled := geometry_of_capture(
-        "m", storage, res.heads, None, RotationOptions(capture_floor="beta"))["rotation"][0], panels, "m")
+        "m", storage, res.heads, None, RotationOptions(coverage="sampled", capture_floor="beta"))["rotation"][0],
+        panels, "m")
     assert len(out_sampled) == 13 and "not sampled" in few._suptitle.get_text()
     assert np.isnan(np.asarray(few.axes[0].images[0].get_array(), float)).sum() == len(eligible) - 13
 
@@ -388,3 +389,48 @@ def test_every_head_is_in_the_tables_the_depth_maps_and_the_report(capture: Any)
                      ["m", "rotation (SPEC 3)", "sampled", "13 of 13", str(N_DOCS),
                       cells[1][5], cells[1][6]]]
     assert cells[1][5] != str(n_tokens)  # the sampled rows: fewer positions than every one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("covariance", ["full", "diagonal"])
+@pytest.mark.parametrize("n_groups", [N_DOCS, 4])
+def test_leave_one_group_out_from_moments_equals_the_row_refit(capture: Any, covariance: str, n_groups: int) -> None:
+    """SPEC 4.6 with coverage 'all' (12.2): subtracting a document group's query sums from the merged ones and
+    refitting gives the leave-one-out profiles of the rows' refit (:func:`loo_profiles` with ``refit_loop``,
+    every document of the group left out at once), closed form and empirical, to 1e-10; with one document per
+    group that is the delete-one-document jackknife."""
+    from qk_core.capture.moments import document_groups
+    from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments
+
+    _, _, by_layer = capture
+    rng = np.random.default_rng(3)
+    heads = next(iter(by_layer.values()))
+    docs = per_document_moments(heads)
+    doc_ids = np.array([m.docs[0] for m in docs])
+    group_of = document_groups(len(docs), n_groups)
+    assert group_of.max() + 1 == min(n_groups, N_DOCS) and np.all(np.diff(group_of) >= 0)
+    lm = merge_documents(docs)
+    n_compared = 0
+    for i, h in enumerate(heads):
+        J = lm.n_buckets
+        q_bucket = np.minimum(h.q_pos // h.bucket, J - 1)
+        order = np.argsort(q_bucket, kind="stable")
+        counts = np.bincount(q_bucket, minlength=J)
+        qgroup = group_of[np.searchsorted(doc_ids, h.q_doc[order])]
+        n_p = 40 * (J - 1)
+        pair_bucket = np.repeat(np.arange(1, J), 40)
+        pi, pj = rng.integers(0, len(h.k), n_p), rng.integers(0, len(h.k), n_p)
+        delta = np.subtract(h.k[pi], h.k[pj], dtype=np.float64)
+        pair_group = group_of[np.searchsorted(doc_ids, h.k_doc[pi])]
+        rows = loo_profiles(h.q[order], h.q_pos[order].astype(np.float64), qgroup, counts, h.window, h.bucket,
+                            covariance, 10, pair_bucket, delta, pair_group, int(group_of.max()) + 1, refit_loop=True)
+        total = {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")}
+        groups = {key: np.stack([sum(m.sums[f"q_{key}"][i] for m, g in zip(docs, group_of, strict=True) if g == gg)
+                                 for gg in range(int(group_of.max()) + 1)]) for key in total}
+        mom = loo_profiles_from_moments(total, groups, h.window, h.bucket, covariance, 10, pair_bucket, delta,
+                                        pair_group, h.q[order], qgroup, counts)
+        assert np.isfinite(rows.closed).sum() >= 4
+        assert_rel(mom.closed, rows.closed, f"L{h.layer}H{h.q_head} closed")
+        assert_rel(mom.empirical, rows.empirical, f"L{h.layer}H{h.q_head} empirical")
+        n_compared += 1
+    assert n_compared == len(heads)

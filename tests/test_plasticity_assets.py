@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from synthetic import CloudSpec, HeadSpec, SyntheticHead, pair, partitions_instance, stage_synthetic_models
+from synthetic import (
+    SAMPLED,
+    CloudSpec,
+    HeadSpec,
+    SyntheticHead,
+    pair,
+    partitions_instance,
+    stage_synthetic_models,
+)
 
 MODELS = ("smollm2-135m", "gemma3-270m")  # demo partitions of the shipped registry
 D, WINDOW, BUCKET, PER_BUCKET = 16, 2048, 128, 4
@@ -49,7 +57,7 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
         results[model] = materialize([capture_stand_in, plasticity], selection=[AssetKey(k) for k in outs],
                                      partition_key=pair(model), resources=resources, instance=inst,
                                      run_config={"ops": {"plasticity": {"config": {"options": {
-                                         "plasticity": {"allow_partial": True}}}}}})
+                                         "plasticity": {"allow_partial": True, **SAMPLED}}}}}})
         assert results[model].success
     cross = materialize([capture_stand_in, plasticity, plasticity_deciles],
                         selection=[AssetKey("plasticity_deciles")], resources=resources, instance=inst)
@@ -201,7 +209,8 @@ def test_missing_heads_fail_the_run_and_keep_previous_outputs(materialised) -> N
     assert opts["n_heads_missing"] == 2 and opts["missing_reasons"] == {"read_error": 1, "non_finite": 1}
     result = materialize([materialised["capture_stand_in"], plasticity], selection=[AssetKey(k) for k in outs],
                          partition_key=pair("smollm2-135m"), resources=materialised["resources"], raise_on_error=False,
-                         instance=materialised["instance"])
+                         instance=materialised["instance"], run_config={"ops": {"plasticity": {"config": {"options": {
+                             "plasticity": SAMPLED}}}}})
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error.to_string()
     assert "smollm2-135m: plasticity: 2 of 10 heads could not be read or analysed" in failure

@@ -23,6 +23,11 @@ Same-position pairs delta = q - k of each query head with its KV head (SPEC 3, 1
 ``p_n, p_x = sum delta, p_xx = sum delta delta^T``.
 Split-half parity sums (SPEC 3 (i), 12.1), formed by the merge, shape (2, H, ...) with parity 0 = 1st, 3rd,
 ... document in sorted id order: ``qh_n, qh_t, qh_tt, qh_x, qh_xt`` (query heads) and ``kh_*`` (KV heads).
+Document-group query sums (SPEC 4.6 with coverage ``all``), formed by the merge and kept in their own file per
+layer: the per-bucket query sums (``Q_KEYS``, and the exact Ledoit-Wolf terms where kept) of each of G contiguous
+groups of the documents in sorted id order (:func:`document_groups`; one document per group when the capture has
+at most ``capture.moment_groups`` documents), shape (G, Hq, J, ...): the leave-one-out refits of the query model
+subtract one group from the merged sums (:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`).
 
 Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-only sums (n, t, t^2, s^k) are
 formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
@@ -38,7 +43,7 @@ Documents are merged in sorted example-id order, so a sharded capture gives bit-
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, BinaryIO
@@ -58,6 +63,8 @@ P_KEYS = ("p_n", "p_x", "p_xx")
 #: the per-document keys of every capture (``LW_KEYS`` besides, when exact); the merge adds the parity sums below
 DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
 HALF_KEYS = ("n", "t", "tt", "x", "xt")
+#: document groups kept by default (``capture.moment_groups``): every document its own group up to 16 documents
+DEFAULT_GROUPS = 16
 
 
 @dataclass(frozen=True)
@@ -71,12 +78,21 @@ class MomentPlan:
     n_buckets: int
     dtype: str
     lw_intensity: str
+    groups: int = DEFAULT_GROUPS  # document groups whose query sums the merge keeps (module doc)
 
     def manifest(self) -> dict[str, Any]:
         """The capture manifest's ``moments`` entry."""
         return {"layers": {str(layer): [q, kv, ki] for layer, (q, kv, ki) in self.layers.items()},
                 "bucket": self.bucket, "n_buckets": self.n_buckets, "dtype": self.dtype,
-                "lw_intensity": self.lw_intensity, "positions": "every token position of every document"}
+                "lw_intensity": self.lw_intensity, "groups": self.groups,
+                "positions": "every token position of every document"}
+
+
+def document_groups(n_docs: int, n_groups: int) -> np.ndarray:
+    """The group of each of ``n_docs`` documents (sorted example-id order): min(n_groups, n_docs) contiguous
+    blocks whose sizes differ by at most one, so every document is its own group when there are few enough."""
+    g = min(int(n_groups), int(n_docs))
+    return (np.arange(int(n_docs)) * g) // max(int(n_docs), 1)
 
 
 @dataclass
@@ -446,29 +462,74 @@ def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
     return np.asarray(np.take(packed, _triangle(d)[1], axis=-1), dtype=np.float64)
 
 
-def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
-    """One file's worth of moments into ``fh`` (npz: a stored zip of .npy arrays, no pickled objects; read with
-    :func:`moments_from_bytes`): every layer's sums and head layout, each sum in its own float dtype (a document's
-    per-bucket query sums in the accumulation dtype: exactly their values); the symmetric d x d sums as upper
-    triangles (half the bytes; the lower triangle is its mirror). Arrays are packed and written one at a time."""
+#: the head layout arrays of a layer in a moments file (the rest are sums)
+LAYOUT_KEYS = ("q_heads", "kv_heads", "kv_index", "layout", "docs")
+#: position-only per-bucket query sums: float64 in every file (the vector sums are in the accumulation dtype)
+POSITION_KEYS = ("q_n", "q_t", "q_tt", "q_s", "q_ss", "q_s3", "q_s4")
+
+
+def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+    """``(name, array)`` pairs into ``fh`` as an npz (a stored zip of .npy arrays, no pickled objects), one array
+    at a time (nothing but the array being written is held)."""
     import zipfile
 
     with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        def put(name: str, arr: np.ndarray) -> None:
+        for name, arr in arrays:
             with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
                 np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
 
-        for m in layers:
-            p = f"L{m.layer}"
-            layout = {"q_heads": m.q_heads, "kv_heads": m.kv_heads, "kv_index": m.kv_index,
-                      "layout": np.array([m.bucket, m.n_buckets], np.int64), "docs": np.asarray(m.docs, np.int64)}
-            for k, v in layout.items():
-                put(f"{p}.{k}", np.asarray(v))
-            for k, v in m.sums.items():
-                v = np.asarray(v)
-                if v.dtype not in (np.float32, np.float64):
-                    raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
-                put(f"{p}.{k}", _pack(v) if k in SYMMETRIC else v)
+
+def _layer_arrays(m: LayerMoments) -> Iterator[tuple[str, np.ndarray]]:
+    p = f"L{m.layer}"
+    layout = {"q_heads": m.q_heads, "kv_heads": m.kv_heads, "kv_index": m.kv_index,
+              "layout": np.array([m.bucket, m.n_buckets], np.int64), "docs": np.asarray(m.docs, np.int64)}
+    for k, v in layout.items():
+        yield f"{p}.{k}", np.asarray(v)
+    for k, v in m.sums.items():
+        v = np.asarray(v)
+        if v.dtype not in (np.float32, np.float64):
+            raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
+        yield f"{p}.{k}", _pack(v) if k in SYMMETRIC else v
+
+
+def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
+    """One file's worth of moments into ``fh`` (:func:`write_npz`; read with :func:`moments_from_bytes`): every
+    layer's sums and head layout, each sum in its own float dtype (a document's per-bucket query sums in the
+    accumulation dtype: exactly their values); the symmetric d x d sums as upper triangles (half the bytes; the
+    lower triangle is its mirror)."""
+    write_npz(fh, (item for m in layers for item in _layer_arrays(m)))
+
+
+def group_query_sums(m: LayerMoments, dtype: str) -> LayerMoments:
+    """The per-bucket query sums of ``m`` (a document group's merge) as a group keeps them (module doc): the vector
+    sums in the capture's accumulation ``dtype`` (what one document's are), the position sums in float64."""
+    keep = {k: (v if k in POSITION_KEYS else np.asarray(v, dtype=dtype)) for k, v in m.sums.items()
+            if k in Q_KEYS or k in LW_KEYS}
+    return replace(m, sums=keep)
+
+
+def write_group_layer(fh: BinaryIO, layer: int, group_files: Sequence[Any]) -> None:
+    """One layer's document-group file (module doc) from the groups' files, each :func:`write_moments` of one
+    group's :func:`group_query_sums` in group order: every sum stacked on a leading group axis, the documents of
+    all groups in order. Reads one array of each group at a time."""
+    zs = [np.load(f, allow_pickle=False) for f in group_files]
+    try:
+        p = f"L{layer}."
+
+        def arrays() -> Iterator[tuple[str, np.ndarray]]:
+            for name in [n for n in zs[0].files if n.startswith(p)]:
+                key = name[len(p):]
+                if key == "docs":
+                    yield name, np.concatenate([z[name] for z in zs])
+                elif key in LAYOUT_KEYS:
+                    yield name, zs[0][name]
+                else:
+                    yield name, np.stack([z[name] for z in zs])
+
+        write_npz(fh, arrays())
+    finally:
+        for z in zs:
+            z.close()
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
@@ -492,9 +553,9 @@ def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
         p = f"L{layer}."
         own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
         bucket, n_buckets = (int(v) for v in own.pop("layout"))
-        d = int(own["k_x"].shape[-1])
+        d = int(own["q_x"].shape[-1])
         own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
-                    for k in list(own) if k not in ("q_heads", "kv_heads", "kv_index", "docs")})
+                    for k in list(own) if k not in LAYOUT_KEYS})
         out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
                                   n_buckets, own, [int(e) for e in own.pop("docs")])
     return out

@@ -94,7 +94,7 @@ def sampler_settings(entry: ModelEntry) -> dict[str, Any]:
     """The capture options that determine captured rows (``keep_doc_files``, ``shards`` and ``num_gpus`` only
     decide what is kept and where it runs; the ``moments`` options add files beside the rows, SPEC 12.1)."""
     opts = asdict(entry.capture)
-    for key in ("keep_doc_files", "moments", "moment_dtype", "lw_intensity", "shards", "num_gpus"):
+    for key in ("keep_doc_files", "moments", "moment_dtype", "lw_intensity", "moment_groups", "shards", "num_gpus"):
         opts.pop(key, None)
     opts["layers"] = list(opts.get("layers") or []) or None
     return opts
@@ -207,7 +207,7 @@ def plan_moments(entry: ModelEntry, infos: list[LayerInfo], enabled: bool = True
             if n_q and n_kv:
                 out[layer] = (list(range(n_q)), list(range(n_kv)), [kv_head_of(h, n_q, n_kv) for h in range(n_q)])
     return MomentPlan(out, int(entry.bucket), -(-int(entry.window) // int(entry.bucket)), entry.capture.moment_dtype,
-                      entry.capture.lw_intensity)
+                      entry.capture.lw_intensity, entry.capture.moment_groups)
 
 
 def _layer_plan(heads: list[dict[str, int]]) -> dict[int, tuple[list[int], list[int]]]:

@@ -14,6 +14,8 @@ determines the captured values, so a changed option never mixes with an older ca
                                       document file, so a committed document always has its moments
     moments/L<layer>.npz              the moments of a layer merged over all documents by finalize() in
                                       sorted example-id order (:func:`qk_core.capture.moments.merge_documents`)
+    moments/groups/L<layer>.npz       the per-bucket query sums of G contiguous groups of those documents, for
+                                      the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments)
     complete.json                     written last by finalize(): the commit record (below)
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
@@ -55,7 +57,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from qk_core.capture.moments import LayerMoments, MomentMerger, moments_from_bytes, write_moments
+from qk_core.capture.moments import (
+    DEFAULT_GROUPS,
+    LayerMoments,
+    MomentMerger,
+    document_groups,
+    group_query_sums,
+    moments_from_bytes,
+    write_group_layer,
+    write_moments,
+)
 from qk_core.io.storage import Storage, StorageError
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
@@ -366,7 +377,7 @@ class CaptureWriter:
         self.storage.write_bytes(f"{self.prefix}/doc_tokens.parquet", data)
         files[f"{self.prefix}/doc_tokens.parquet"] = file_record(data)
         files[f"{self.prefix}/manifest.json"] = file_record(self.storage.read_bytes(f"{self.prefix}/manifest.json"))
-        moment_layers, moment_note = self._merge_moments(index, files, keep_doc_files)
+        moment_layers, moment_note, moment_groups = self._merge_moments(index, files, keep_doc_files)
         if keep_doc_files:
             for rel in docs:
                 files[rel] = file_record(self.storage.read_bytes(rel))
@@ -374,7 +385,7 @@ class CaptureWriter:
         cut = len(self.prefix) + 1
         summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
                    "rows": counts, "doc_files": "kept" if keep_doc_files else "removed",
-                   "moments": {"layers": moment_layers, "note": moment_note},
+                   "moments": {"layers": moment_layers, "groups": moment_groups, "note": moment_note},
                    "files": {rel[cut:]: rec for rel, rec in sorted(files.items())}}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
         try:
@@ -463,33 +474,57 @@ class CaptureWriter:
         return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
 
     def _merge_moments(self, index: list[tuple[str, int, int, int, Any]], files: dict[str, dict[str, Any]],
-                       keep_doc_files: bool) -> tuple[list[int], str]:
+                       keep_doc_files: bool) -> tuple[list[int], str, int]:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
-        ``moments/L<layer>.npz``, each file recorded in ``files``. Returns (layers, note); no layers when a
-        document has no moments (a capture from before them, or resumed across that change)."""
+        ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
+        intervals of SPEC 4.6) into ``moments/groups/L<layer>.npz``, each file recorded in ``files``. Returns
+        (layers, note, groups); no layers when a document has no moments (a capture from before them, or resumed
+        across that change). Memory: the merged layers and one group's; the groups wait in local spill files."""
         shas = {eid: self.storage.with_parquet_file(
             rel, lambda pf: (pf.schema_arrow.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
         if not shas or any(v is None for v in shas.values()):
             missing = sum(v is None for v in shas.values())
-            return [], f"{missing} of {len(shas)} documents have no moments: none merged"
+            return [], f"{missing} of {len(shas)} documents have no moments: none merged", 0
+        plan = self.manifest.get("moments") or {}
+        order = sorted(shas)
+        group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         mergers: dict[int, MomentMerger] = {}
-        for eid in sorted(shas):
-            rel = self._moments_doc(eid)
-            try:
-                data = self.storage.read_bytes(rel)
-            except StorageError as exc:
-                raise CaptureError(f"{self.storage.uri(rel)}: moments of a committed document unreadable ({exc})") \
-                    from exc
-            _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
-            if keep_doc_files:
-                files[rel] = file_record(data)
-            for layer, m in moments_from_bytes(data).items():
-                mergers.setdefault(layer, MomentMerger()).add(m)
-        for layer, merger in sorted(mergers.items()):
-            assert merger.merged is not None
-            rel = moments_file(self.prefix, layer)
-            files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
-        return sorted(mergers), f"{len(shas)} documents merged in sorted example-id order"
+        group: dict[int, MomentMerger] = {}
+        doc_bytes = 0
+        with tempfile.TemporaryDirectory(prefix="qk-moment-groups-", dir=self._spill_folder(0)) as spill:
+            group_files: list[Path] = []
+            for rank, eid in enumerate(order):
+                rel = self._moments_doc(eid)
+                try:
+                    data = self.storage.read_bytes(rel)
+                except StorageError as exc:
+                    raise CaptureError(f"{self.storage.uri(rel)}: moments of a committed document unreadable "
+                                       f"({exc})") from exc
+                _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
+                doc_bytes = max(doc_bytes, len(data))
+                if keep_doc_files:
+                    files[rel] = file_record(data)
+                for layer, m in moments_from_bytes(data).items():
+                    mergers.setdefault(layer, MomentMerger()).add(m)
+                    group.setdefault(layer, MomentMerger()).add(m)
+                del data
+                if rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]:
+                    path = Path(spill) / f"group-{group_of[rank]:05d}.npz"
+                    with open(path, "wb") as fh:
+                        write_moments(fh, [group_query_sums(g.merged, plan.get("dtype", "float64"))
+                                           for _, g in sorted(group.items()) if g.merged is not None])
+                    group_files.append(path)
+                    group = {}
+            for layer, merger in sorted(mergers.items()):
+                assert merger.merged is not None
+                rel = moments_file(self.prefix, layer)
+                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
+                rel = moment_groups_file(self.prefix, layer)
+                files[rel] = self.storage.write_stream(
+                    rel, lambda fh, layer=layer: write_group_layer(fh, layer, group_files))
+        n_groups = int(group_of.max()) + 1
+        return (sorted(mergers), f"{len(shas)} documents merged in sorted example-id order; their query sums kept "
+                f"in {n_groups} contiguous groups of that order", n_groups)
 
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
@@ -508,6 +543,11 @@ def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
 def moments_file(prefix: str, layer: int) -> str:
     """The merged SPEC 12.1 moments of one layer."""
     return f"{prefix}/moments/L{layer:03d}.npz"
+
+
+def moment_groups_file(prefix: str, layer: int) -> str:
+    """The document groups' query sums of one layer (SPEC 4.6 with coverage ``all``; moments module doc)."""
+    return f"{prefix}/moments/groups/L{layer:03d}.npz"
 
 
 def head_file(prefix: str, kind: str, layer: int, head: int) -> str:
@@ -614,6 +654,18 @@ class CaptureReader:
         if int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no moments of layer {layer}")
         rel = moments_file(self.prefix, int(layer))
+        return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]))[int(layer)]
+
+    def moment_groups(self) -> int:
+        """Document groups whose query sums the capture keeps (0: none, a capture from before them)."""
+        return int((self.complete.get("moments") or {}).get("groups", 0))
+
+    def read_moment_groups(self, layer: int) -> LayerMoments:
+        """The document groups' per-bucket query sums of one layer (sums (G, Hq, J, ...), float64; ``docs``: every
+        document in sorted id order, grouped by :func:`qk_core.capture.moments.document_groups`), verified."""
+        if not self.moment_groups() or int(layer) not in self.moment_layers():
+            raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group moments of layer {layer}")
+        rel = moment_groups_file(self.prefix, int(layer))
         return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]))[int(layer)]
 
     def _read(self, kind: str, layer: int, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -84,9 +84,10 @@ class PlasticityOptions:
         query model fixed: the rule before the revision, measured to undercover with few documents).
     interval_inflation: factor on the jackknife standard error, calibrated on planted worlds
         (:data:`INTERVAL_CALIBRATION`); 1 = none.
-    coverage: the query model's (4.1) rows: ``sampled`` (the head's sampled queries, the thesis) or ``all``
-        (the capture's moments over every position, SPEC 12.2; key pairs, the empirical estimator and the
-        residual diagnostics stay on the sampled rows, SPEC 12).
+    coverage: the query model's (4.1) rows: ``all`` (default; the capture's moments over every position, SPEC
+        12.2; key pairs, the empirical estimator and the residual diagnostics stay on the sampled rows, SPEC 12;
+        ``jackknife_t`` leaves out document groups, ``capture.moment_groups``) or ``sampled`` (the head's sampled
+        queries: the thesis's protocol).
     """
 
     __pydantic_config__ = STRICT_TABLE
@@ -105,18 +106,13 @@ class PlasticityOptions:
     allow_partial: Bool = False
     interval: Literal["jackknife_t", "percentile"] = "jackknife_t"
     interval_inflation: FloatIn(1.0, 3.0) = JACKKNIFE_INFLATION
-    coverage: Literal["sampled", "all"] = "sampled"
+    coverage: Literal["sampled", "all"] = "all"
 
     def __post_init__(self) -> None:
         if self.interval not in INTERVAL_RULES:
             raise PlasticityOptionsError(f"interval must be one of {INTERVAL_RULES}, got {self.interval!r}")
         if self.coverage not in ("sampled", "all"):
             raise PlasticityOptionsError(f"coverage must be 'sampled' or 'all', got {self.coverage!r}")
-        if self.coverage == "all" and self.interval == "jackknife_t" and self.bootstrap > 0:
-            # the jackknife refits the query model without each document from the sampled rows; from moments
-            # it would need each document's sums, which the capture does not keep after its finalize
-            raise PlasticityOptionsError("coverage 'all' needs interval 'percentile' (or bootstrap = 0): the "
-                                         "jackknife_t rule refits the query model per document from sampled rows")
         if self.covariance not in COVARIANCES:
             raise PlasticityOptionsError(f"covariance must be one of {COVARIANCES}, got {self.covariance!r}")
         for name in ("pairs_per_bucket", "min_queries_per_bucket"):
@@ -365,9 +361,9 @@ class PCAOptions:
     taxonomy_high: UnitFloat = 0.7
     min_rows: IntIn(3, 10**9) = 10  # fewer Q or K rows than this: the head is reported, not analysed
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
-    # SPEC 12.1: "sampled" = the sampled heads' rows (the thesis's protocol), "all" = every eligible head from the
-    # capture's moments over every position
-    coverage: Literal["sampled", "all"] = "sampled"
+    # SPEC 12.1: "all" (default) = every eligible head from the capture's moments over every position, "sampled" =
+    # the sampled heads' rows (the thesis's protocol)
+    coverage: Literal["sampled", "all"] = "all"
 
     def __post_init__(self) -> None:
         if self.coverage not in COVERAGES:
@@ -409,7 +405,7 @@ class RotationOptions:
     capture_permutations: IntIn(100, MAX_COUNT) = 199  # permutations of the floor (>= 100 for a 99th percentile)
     capture_seed: NonNegInt = 0  # seed of those permutations
     allow_partial: Bool = False  # publish results when heads could not be read or analysed (else the run fails)
-    coverage: Literal["sampled", "all"] = "sampled"  # SPEC 12.1, as for PCAOptions
+    coverage: Literal["sampled", "all"] = "all"  # SPEC 12.1, as for PCAOptions
 
     def __post_init__(self) -> None:
         if self.coverage not in COVERAGES:
@@ -449,15 +445,19 @@ class CaptureOptions:
     # capture only these layers (each must be eligible); None = all
     layers: tuple[IntIn(0, MAX_HEADS), ...] | None = None
     keep_doc_files: Bool = False  # keep the per-document files after a verified finalize (not in the fingerprint)
-    # SPEC 12.1: accumulate the moments of every eligible head over every position (coverage "all" of the analyses);
-    # adds files, not captured rows, so neither it nor the two options after it is in the fingerprint. Opt-in
-    # until its cost is within target (issue 22; bench/results/capture_cpu_moments_*.md)
-    moments: Bool = False
+    # SPEC 12.1: accumulate the moments of every eligible head over every position (coverage "all" of the analyses,
+    # their default); adds files, not captured rows, so neither it nor the three options after it is in the
+    # fingerprint (cost: bench/results/capture_cpu_moments_*.md)
+    moments: Bool = True
     # the dtype of the per-bucket sums (buckets, documents and shards are added in float64; float32's error:
     # bench/results/moments_accuracy.md) and the bucket's Ledoit-Wolf intensity: "gaussian" (the fourth moment
     # of a Gaussian with the bucket's covariance) or "exact" (two more d x d sums per bucket; qk_core.capture.moments)
     moment_dtype: Literal["float32", "float64"] = "float32"
     lw_intensity: Literal["gaussian", "exact"] = "gaussian"
+    # the leave-one-out intervals (SPEC 4.6) of coverage "all" refit the query model without one group of documents:
+    # the capture keeps the per-bucket query sums of this many contiguous groups of its documents (sorted ids), one
+    # document per group when it has no more (the delete-one-document jackknife), else blocks (delete-a-group)
+    moment_groups: IntIn(2, MAX_COUNT) = 16
     # on a Ray cluster (QK_RAY_ADDRESS): documents split over this many tasks of num_gpus GPUs each
     # (qk_core.capture.sharded); execution only, so neither is in the fingerprint
     shards: IntIn(1, MAX_COUNT) = 1

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.moments import LayerMoments
+from qk_core.capture.moments import LayerMoments, document_groups
 from qk_core.capture.store import CaptureError, CaptureReader, HeadData
 from qk_core.config.options import PlasticityOptions, n_buckets
 from qk_core.geometry.summaries import require_complete
@@ -34,7 +34,7 @@ from qk_core.io.storage import Storage, StorageError
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.estimators import closed_form, empirical_p, pp_from_p
 from qk_core.plasticity.heatmap import HeatmapAccumulator
-from qk_core.plasticity.jackknife import loo_profiles
+from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments
 from qk_core.plasticity.pairs import index_keys, pair_rng, sample_pairs
 from qk_core.plasticity.query_model import (
     OK,
@@ -54,6 +54,15 @@ IDENTICAL_KEYS = "identical_keys"
 DEGENERATE_COVARIANCE = "degenerate_covariance"
 BUCKET_STATUSES = ("ok", FIRST_BUCKET, "too_few_queries", NO_ELIGIBLE_PAIRS, IDENTICAL_KEYS,
                    DEGENERATE_COVARIANCE)
+
+
+@dataclass(frozen=True)
+class QueryGroups:
+    """One head's per-bucket query sums of each document group (SPEC 4.6 with coverage ``all``): ``sums`` keys
+    without ``q_``, arrays (G, J, ...); ``group_of`` (D,) the group of each of the capture's documents (sorted)."""
+
+    sums: dict[str, np.ndarray]
+    group_of: np.ndarray
 
 
 @dataclass
@@ -81,7 +90,8 @@ def _pairs_columns() -> dict[str, list[np.ndarray]]:
 
 def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None = None,
                  W: np.ndarray | None = None, blas_threads: int | None = 1,
-                 query_sums: dict[str, np.ndarray] | None = None) -> HeadResult:
+                 query_sums: dict[str, np.ndarray] | None = None,
+                 query_groups: QueryGroups | None = None) -> HeadResult:
     """SPEC 4.1-4.9 for one head.
 
     doc_ids: the capture's document ids (sorted), the clusters of the bootstrap; default: documents
@@ -89,14 +99,17 @@ def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | 
     (opts.seed, D) with opts.bootstrap resamples. blas_threads: OpenBLAS threads while it runs
     (1 is fastest for these small products; None leaves the setting alone); values do not depend on it.
     query_sums: the head's per-bucket query moments (SPEC 12.1, keys without ``q_``): the query model (4.1)
-    is fitted from them (SPEC 12.2) instead of from the sampled queries.
+    is fitted from them (SPEC 12.2) instead of from the sampled queries. query_groups: the same sums per
+    document group, (G, J, ...), and the group of each of ``doc_ids`` (:class:`QueryGroups`): the leave-one-out
+    refits of interval ``jackknife_t`` (4.6) leave one group out (needed with query_sums and that interval).
     """
     with limit_blas(blas_threads):
-        return _analyse_head(head, opts, doc_ids, W, query_sums)
+        return _analyse_head(head, opts, doc_ids, W, query_sums, query_groups)
 
 
 def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None,
-                  W: np.ndarray | None, query_sums: dict[str, np.ndarray] | None = None) -> HeadResult:
+                  W: np.ndarray | None, query_sums: dict[str, np.ndarray] | None = None,
+                  query_groups: QueryGroups | None = None) -> HeadResult:
     L, B = int(head.window), int(head.bucket)
     J = n_buckets(L, B)
     tau = agg.bucket_tau(L, B)
@@ -206,10 +219,22 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         qdoc = np.where((qdoc < len(doc_ids)) & (doc_ids[np.minimum(qdoc, len(doc_ids) - 1)]
                                                  == np.asarray(head.q_doc)[q_order]), qdoc, -1)
         pdoc = np.searchsorted(doc_ids, pa_["example_id"][in_jk].astype(np.int64)) if in_jk.any() else np.zeros(0, int)
-        lo_out = loo_profiles(q_sorted, np.asarray(head.q_pos, dtype=np.float64)[q_order], qdoc, q_counts, L, B,
-                              opts.covariance, opts.min_queries_per_bucket, pa_["bucket"][in_jk].astype(np.int64),
-                              np.concatenate(jk_delta) if jk_delta else np.zeros((0, head.d)), pdoc, len(doc_ids))
+        jk_pairs = (pa_["bucket"][in_jk].astype(np.int64), np.concatenate(jk_delta) if jk_delta
+                    else np.zeros((0, head.d)))
+        if query_sums is None:
+            lo_out = loo_profiles(q_sorted, np.asarray(head.q_pos, dtype=np.float64)[q_order], qdoc, q_counts, L, B,
+                                  opts.covariance, opts.min_queries_per_bucket, *jk_pairs, pdoc, len(doc_ids))
+        elif query_groups is None:
+            raise ValueError("interval 'jackknife_t' with the query model of every position needs the document "
+                             "groups' query sums (query_groups)")
+        else:  # SPEC 4.6 / 12.2: leave one document group out of every position's query model
+            group_of = np.asarray(query_groups.group_of)
+            lo_out = loo_profiles_from_moments(query_sums, query_groups.sums, L, B, opts.covariance,
+                                               opts.min_queries_per_bucket, jk_pairs[0], jk_pairs[1], group_of[pdoc],
+                                               q_sorted, np.where(qdoc >= 0, group_of[np.maximum(qdoc, 0)], -1),
+                                               q_counts)
         loo, loo_emp = np.where(ok, lo_out.closed, np.nan), np.where(ok, lo_out.empirical, np.nan)
+        base["jackknife_units"] = loo.shape[0]
 
     head_vals = agg.headline(ap, L, B)
     emp_vals = agg.headline(ap_emp_ok, L, B)
@@ -368,10 +393,12 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
                                 "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
         try:
             sums = None if sums_of is None else sums_of(int(layer), int(q_head))
+            groups = (sums_of.groups(int(layer), int(q_head)) if sums is not None and _jackknife(opts)
+                      and isinstance(sums_of, CaptureQuerySums) else None)
         except (CaptureError, StorageError, KeyError) as exc:
             return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
                                 "covariance": opts.covariance}, "read_error", f"moments: {exc}", J, W.shape[0])
-        return _analyse_head(head, opts, doc_ids, W, sums)
+        return _analyse_head(head, opts, doc_ids, W, sums, groups)
 
     if workers <= 1:
         for layer, q_head in heads:
@@ -416,7 +443,8 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     boots_emp: list[np.ndarray] = []
     loos: list[np.ndarray] = []
     loos_emp: list[np.ndarray] = []
-    jk_nan = np.full((len(doc_ids), n_buckets(L, B)), np.nan)
+    units = sums_of.n_groups if isinstance(sums_of, CaptureQuerySums) else len(doc_ids)  # left out in turn (4.6)
+    jk_nan = np.full((units, n_buckets(L, B)), np.nan)
     heads = list(heads)
     pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
     for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers, sums_of)):
@@ -596,6 +624,10 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
         if not reader.moment_layers():
             raise CaptureError(f"{storage.uri(prefix)}: the capture holds no moments (SPEC 12.1): coverage 'all' "
                                "needs a capture taken with them; capture it again, or use coverage 'sampled'")
+        if _jackknife(opts) and not reader.moment_groups():
+            raise CaptureError(f"{storage.uri(prefix)}: the capture keeps no document-group moments: interval "
+                               "'jackknife_t' with coverage 'all' refits the query model without each group (SPEC "
+                               "4.6); capture it again, or use interval 'percentile'")
         sums_of = CaptureQuerySums(reader)
     return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress,
                          sums_of=sums_of)
@@ -604,19 +636,38 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
 QuerySums = Callable[[int, int], dict[str, np.ndarray]]
 
 
+def _jackknife(opts: PlasticityOptions) -> bool:
+    return opts.interval == "jackknife_t" and opts.bootstrap > 0
+
+
 class CaptureQuerySums:
-    """``(layer, q_head) -> that head's per-bucket query moments`` of a capture (SPEC 12.1), the last layer
-    read kept (heads come in layer order); safe from several threads."""
+    """``(layer, q_head) -> that head's per-bucket query moments`` of a capture (SPEC 12.1), and
+    :meth:`groups` those of its document groups (SPEC 4.6), the last layer read kept (heads come in layer
+    order); safe from several threads."""
 
     def __init__(self, reader: CaptureReader) -> None:
         self.reader = reader
         self._lock = threading.Lock()
-        self._layer: LayerMoments | None = None
+        self._layers: dict[str, LayerMoments] = {}
+        self.n_groups = reader.moment_groups()
+        n_docs = len(reader.doc_tokens())
+        self.group_of = document_groups(n_docs, self.n_groups) if self.n_groups else np.zeros(0, np.int64)
+
+    def _layer(self, kind: str, layer: int) -> LayerMoments:
+        with self._lock:
+            lm = self._layers.get(kind)
+            if lm is None or lm.layer != int(layer):
+                read = self.reader.read_moments if kind == "all" else self.reader.read_moment_groups
+                lm = self._layers[kind] = read(int(layer))
+            return lm
 
     def __call__(self, layer: int, q_head: int) -> dict[str, np.ndarray]:
-        with self._lock:
-            if self._layer is None or self._layer.layer != int(layer):
-                self._layer = self.reader.read_moments(int(layer))
-            lm = self._layer
+        lm = self._layer("all", layer)
         i = lm.head_index(q_head)
         return {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")}
+
+    def groups(self, layer: int, q_head: int) -> QueryGroups:
+        """The head's per-bucket query sums of every document group, (G, J, ...)."""
+        lm = self._layer("groups", layer)
+        i = lm.head_index(q_head)
+        return QueryGroups({k[2:]: v[:, i] for k, v in lm.sums.items() if k.startswith("q_")}, self.group_of)

@@ -10,6 +10,11 @@ bias-corrected AP (the query model's bias removed) and a standard error that car
 
 The key pairs are those of the full analysis (4.2): a pair belongs to one document, so leaving the document out
 drops its pairs. Cost: D query-model fits and D closed-form passes over the pairs per head.
+
+With the query model of every position (coverage ``all``, SPEC 12.2) the refit subtracts the left-out
+document's per-bucket query sums from the merged ones (:func:`loo_profiles_from_moments`); the capture keeps
+those sums for at most ``capture.moment_groups`` contiguous groups of documents, so past that many documents
+the unit left out is a group (the delete-a-group jackknife, G - 1 degrees of freedom).
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from qk_core.plasticity.estimators import closed_form, pp_from_p, pp_from_z
-from qk_core.plasticity.query_model import OK, QueryModelError, fit_sorted_queries, ledoit_wolf
+from qk_core.plasticity.query_model import (
+    OK,
+    QueryModelError,
+    fit_query_model_from_moments,
+    fit_sorted_queries,
+    ledoit_wolf,
+)
 
 
 @dataclass
@@ -43,29 +54,9 @@ def loo_profiles(q_sorted: np.ndarray, t_sorted: np.ndarray, qdoc_sorted: np.nda
     """
     J = len(counts)
     closed = np.full((n_docs, J), np.nan)
-    emp = np.full((n_docs, J), np.nan)
-    q32 = np.asarray(q_sorted, dtype=np.float32)
     starts = np.concatenate([[0], np.cumsum(counts)])
     buckets = [j for j in np.unique(pair_bucket) if counts[j]]
-    # empirical: positives per (query document, pair) once; leaving d out subtracts its row (4.3)
-    for j in buckets:
-        sel = np.flatnonzero(pair_bucket == j)
-        s, e = int(starts[j]), int(starts[j + 1])
-        qd = qdoc_sorted[s:e]
-        positive = (q32[s:e] @ delta[sel].astype(np.float32).T > 0).astype(np.float64)  # (n_b, P_j)
-        known = qd >= 0
-        pos_d = np.zeros((n_docs, len(sel)))
-        np.add.at(pos_d, qd[known], positive[known])
-        n_d = np.bincount(qd[known], minlength=n_docs).astype(np.float64)
-        n_left = (e - s) - n_d  # (D,)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            p = (positive.sum(axis=0)[None, :] - pos_d) / n_left[:, None]
-        pp = pp_from_p(p)
-        pp[pair_doc[sel][None, :] == np.arange(n_docs)[:, None]] = np.nan  # the document's own pairs leave too
-        pp[n_left < min_queries] = np.nan
-        with np.errstate(invalid="ignore"):
-            cnt = np.isfinite(pp).sum(axis=1)
-            emp[:, j] = np.where(cnt > 0, np.nansum(pp, axis=1) / np.maximum(cnt, 1), np.nan)
+    emp = _loo_empirical(q_sorted, qdoc_sorted, starts, buckets, pair_bucket, delta, pair_doc, n_docs, min_queries)
     if covariance == "full" and not refit_loop:
         _closed_full(closed, emp, q_sorted, t_sorted, qdoc_sorted, counts, B, min_queries, buckets, pair_bucket,
                      delta, pair_doc)
@@ -165,3 +156,71 @@ def _closed_full(closed: np.ndarray, emp: np.ndarray, q: np.ndarray, t: np.ndarr
         bad = (nb < min_queries) | ~(mu > 0)
         closed[bad, j] = np.nan
         emp[bad, j] = np.nan
+
+
+def _loo_empirical(q_sorted: np.ndarray, qdoc_sorted: np.ndarray, starts: np.ndarray, buckets: list[int],
+                   pair_bucket: np.ndarray, delta: np.ndarray, pair_doc: np.ndarray, n_docs: int,
+                   min_queries: int) -> np.ndarray:
+    """(D, J) leave-one-out empirical AP_j (4.3): positives per (query document, pair) once; leaving d out
+    subtracts its row, and drops its own pairs."""
+    emp = np.full((n_docs, len(starts) - 1), np.nan)
+    q32 = np.asarray(q_sorted, dtype=np.float32)
+    for j in buckets:
+        sel = np.flatnonzero(pair_bucket == j)
+        s, e = int(starts[j]), int(starts[j + 1])
+        qd = qdoc_sorted[s:e]
+        positive = (q32[s:e] @ delta[sel].astype(np.float32).T > 0).astype(np.float64)  # (n_b, P_j)
+        known = qd >= 0
+        pos_d = np.zeros((n_docs, len(sel)))
+        np.add.at(pos_d, qd[known], positive[known])
+        n_d = np.bincount(qd[known], minlength=n_docs).astype(np.float64)
+        n_left = (e - s) - n_d  # (D,)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            p = (positive.sum(axis=0)[None, :] - pos_d) / n_left[:, None]
+        pp = pp_from_p(p)
+        pp[pair_doc[sel][None, :] == np.arange(n_docs)[:, None]] = np.nan  # the document's own pairs leave too
+        pp[n_left < min_queries] = np.nan
+        with np.errstate(invalid="ignore"):
+            cnt = np.isfinite(pp).sum(axis=1)
+            emp[:, j] = np.where(cnt > 0, np.nansum(pp, axis=1) / np.maximum(cnt, 1), np.nan)
+    return emp
+
+
+def loo_profiles_from_moments(sums: dict[str, np.ndarray], group_sums: dict[str, np.ndarray], L: int, B: int,
+                              covariance: str, min_queries: int, pair_bucket: np.ndarray, delta: np.ndarray,
+                              pair_group: np.ndarray, q_sorted: np.ndarray, qgroup_sorted: np.ndarray,
+                              counts: np.ndarray) -> LeaveOneOut:
+    """Leave-one-group-out AP_j with the query model of every position (coverage ``all``, SPEC 12.2, 4.6).
+
+    ``sums``: the head's per-bucket query sums over every document (keys without ``q_``); ``group_sums`` the
+    same per document group, (G, J, ...): group g left out, the query model is refitted from ``sums - group g``
+    (:func:`fit_query_model_from_moments`) and the closed form runs on the other groups' pairs (pair_bucket,
+    delta, pair_group as in :func:`loo_profiles`, groups for documents). The empirical estimator stays on the
+    sampled queries (q_sorted by bucket, ``counts`` per bucket, qgroup_sorted their groups, -1 never left out),
+    each group left out as in :func:`loo_profiles`. With one document per group this is the delete-one-document
+    jackknife of the rows' :func:`loo_profiles` run on every position.
+    """
+    G = int(next(iter(group_sums.values())).shape[0])
+    J = len(counts)
+    closed = np.full((G, J), np.nan)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    buckets = [j for j in np.unique(pair_bucket) if j < J]
+    emp = _loo_empirical(q_sorted, qgroup_sorted, starts, [j for j in buckets if counts[j]], pair_bucket, delta,
+                         pair_group, G, min_queries)
+    for g in range(G):
+        try:
+            model = fit_query_model_from_moments({k: sums[k] - group_sums[k][g] for k in group_sums}, L, B,
+                                                 covariance, min_queries)
+        except QueryModelError:
+            continue
+        for j in buckets:
+            if model.status[j] != OK:
+                emp[g, j] = np.nan
+                continue
+            sel = (pair_bucket == j) & (pair_group != g)
+            if not sel.any():
+                continue
+            cf = closed_form(model, j, delta[sel])
+            if cf.valid.any():
+                closed[g, j] = float(cf.pp[cf.valid].mean())
+    return LeaveOneOut(closed, emp)
