@@ -380,7 +380,7 @@ def _entry(shape: Shape, config: Any, n_tokens: int, tmp: Path, corpus_file: Pat
         overrides["rope_scaling"] = {**overrides["rope_scaling"], "original_max_position_embeddings": 64}
     apply_config_overrides(config, overrides)
     fields = {"family": shape.family, "source": {"local": str(tmp / "weights-not-needed")},
-              "window": n_tokens, "bucket": max(16, n_tokens // 16), "capture": {"per_bucket": 2}}
+              "window": n_tokens, "bucket": max(16, n_tokens // 16), "capture": {"per_bucket": 2, "moments": False}}
     if overrides:
         fields["config_overrides"] = overrides
     reg = load_registry(tm.write_registry(tmp / "registry.toml", {shape.name: fields}, corpus_file))

@@ -293,3 +293,35 @@ def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str,
     assert "none merged" in reader.complete["moments"]["note"]
     with pytest.raises(CaptureError, match="no moments"):
         geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"), None)
+
+
+def test_cross_corpus_refits_follow_plasticity_coverage_all(setup: dict[str, Any]) -> None:
+    """SPEC 4.6 / 10 with coverage 'all': the cross-corpus jackknife of AP leaves out the same document groups of
+    every position's query model as plasticity's did, so a corpus's AP interval equals plasticity_metrics'."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.cross_corpus.compare import CorpusInputs, CrossCorpusOptions, corpus_values
+    from qk_core.geometry.driver import geometry_of_capture
+    from qk_core.plasticity.analysis import CaptureQuerySums, analyse_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    opts = PlasticityOptions(pairs_per_bucket=32, min_queries_per_bucket=5)
+    plast = analyse_capture("m", storage, res.prefix, heads, opts)
+    rot = geometry_of_capture("m", storage, res.heads, None, RotationOptions(capture_floor="beta"))["rotation"][0]
+    reader = CaptureReader(storage, res.prefix)
+    rot = rot.merge(reader.heads()[["layer", "q_head"]], on=["layer", "q_head"])  # as load_corpus: rows' heads
+    inp = CorpusInputs("tiny", reader.doc_tokens()["example_id"].to_numpy(), plast.pairs, rot, reader.window,
+                       reader.bucket, reader.read_head, CaptureQuerySums(reader))
+    got = corpus_values(inp, 0, CrossCorpusOptions(min_queries_per_bucket=5), "m")
+    want = plast.metrics.set_index("metric")
+    assert got.query_model == "refitted" and got.loo["ap_overall"].shape == (N_DOCS,)
+    jk = got.jack("ap_overall")
+    assert float(jk.point) == pytest.approx(want.loc["ap_overall", "value"], abs=1e-6)  # pairs keep float32 PP
+    from qk_core.stats.jackknife import jackknife_interval
+
+    lo, hi = jackknife_interval(jk, 0.95, CrossCorpusOptions().inflation)
+    assert (float(lo), float(hi)) == pytest.approx((want.loc["ap_overall", "lo"], want.loc["ap_overall", "hi"]),
+                                                   abs=1e-6)
+    rows = corpus_values(dataclasses.replace(inp, query_sums=None), 0, CrossCorpusOptions(min_queries_per_bucket=5),
+                         "m")  # the rows' refits around every position's values: not the same interval
+    assert not np.allclose(rows.loo["ap_overall"], got.loo["ap_overall"], rtol=0, atol=1e-6)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-from synthetic import CloudSpec, HeadSpec, SyntheticHead, write_synthetic_capture
+from synthetic import SAMPLED, CloudSpec, HeadSpec, SyntheticHead, write_synthetic_capture
 
 pytestmark = pytest.mark.slow  # geometry, plasticity and cross-corpus runs through Dagster on two corpora
 
@@ -58,11 +58,13 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict:
     defs = [capture_stand_in, geometry, plasticity, cross_corpus]
     for corpus in CORPORA:
         assert materialize(defs, selection=[AssetKey("rotation_heads"), AssetKey("rotation_metrics")],
-                           partition_key=str(pair_key(MODEL, corpus)), resources=resources, instance=inst).success
+                           partition_key=str(pair_key(MODEL, corpus)), resources=resources, instance=inst,
+                           run_config={"ops": {"geometry": {"config": {"options": {
+                               "pca": SAMPLED, "rotation": SAMPLED}}}}}).success
         assert materialize(defs, selection=list(plasticity.keys), partition_key=str(pair_key(MODEL, corpus)),
                            resources=resources, instance=inst,
                            run_config={"ops": {"plasticity": {"config": {"options": {
-                               "plasticity": {"pairs_per_bucket": 128}}}}}}).success
+                               "plasticity": {"pairs_per_bucket": 128, **SAMPLED}}}}}}).success
     out = {}
     for model in (MODEL, "qwen3-8b"):
         result = materialize(defs, selection=[AssetKey(k) for k in CROSS], partition_key=model, resources=resources,

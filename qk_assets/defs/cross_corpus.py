@@ -51,6 +51,7 @@ from qk_core.capture.store import CaptureError, CaptureReader
 from qk_core.config.options import resolve_options
 from qk_core.cross_corpus.compare import PAIR_COLUMNS, CorpusInputs, CrossCorpusOptions, compare_corpora
 from qk_core.io.storage import Storage, StorageError
+from qk_core.plasticity.analysis import CaptureQuerySums
 
 GROUP = "cross_corpus"
 CAPTURE = "qk_capture"
@@ -91,12 +92,19 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     prefixes = sorted(set(capture["capture_prefix"].astype(str))) if len(capture) else []
     if len(prefixes) != 1:
         return None, f"qk_capture[{pair_key(model, corpus)}] points at {len(prefixes)} captures {prefixes}"
+    coverage = _read(storage, "plasticity_heads", model, corpus, ["coverage"])
     try:
         reader = CaptureReader(storage, prefixes[0])
         doc_ids = reader.doc_tokens()["example_id"].to_numpy()
+        # the plasticity refits follow plasticity's query model: every position's (coverage "all") or the rows'
+        every = coverage is not None and set(coverage["coverage"]) == {"all"} and reader.moment_groups() > 0
+        sums = CaptureQuerySums(reader) if every else None
     except (CaptureError, StorageError) as exc:
         return None, f"capture {prefixes[0]} cannot be read ({exc})"
-    return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head), ""
+    # bias_strength is resampled from the capture's rows, so over the heads it sampled (coverage "all" of
+    # rotation_heads lists every eligible head)
+    rotation = rotation.merge(reader.heads()[["layer", "q_head"]], on=["layer", "q_head"])
+    return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head, sums), ""
 
 
 def difference_values(metrics: pd.DataFrame) -> dict[str, float]:

@@ -490,7 +490,6 @@ class CaptureWriter:
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         mergers: dict[int, MomentMerger] = {}
         group: dict[int, MomentMerger] = {}
-        doc_bytes = 0
         with tempfile.TemporaryDirectory(prefix="qk-moment-groups-", dir=self._spill_folder(0)) as spill:
             group_files: list[Path] = []
             for rank, eid in enumerate(order):
@@ -501,7 +500,6 @@ class CaptureWriter:
                     raise CaptureError(f"{self.storage.uri(rel)}: moments of a committed document unreadable "
                                        f"({exc})") from exc
                 _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
-                doc_bytes = max(doc_bytes, len(data))
                 if keep_doc_files:
                     files[rel] = file_record(data)
                 for layer, m in moments_from_bytes(data).items():

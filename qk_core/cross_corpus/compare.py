@@ -91,7 +91,8 @@ import scipy.sparse
 from qk_core.capture.store import HeadData
 from qk_core.config.options import COVARIANCES, INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, n_buckets
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.jackknife import loo_profiles
+from qk_core.plasticity.analysis import CaptureQuerySums
+from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments
 from qk_core.runtime.blas import blas_threads
 from qk_core.stats.bootstrap import doc_weights
 from qk_core.stats.correlation import correlations, p_clause
@@ -158,6 +159,9 @@ class CorpusInputs:
     L: int
     B: int
     read_head: Callable[[int, int], HeadData] | None = None  # the capture's heads (bias_strength resamples)
+    # the capture's query moments when plasticity used coverage "all" (SPEC 12.2): the refits then leave out
+    # document groups of every position's query model, as plasticity's jackknife did
+    query_sums: CaptureQuerySums | None = None
 
 
 @dataclass
@@ -377,10 +381,13 @@ def _key_rows(k_doc: np.ndarray, k_pos: np.ndarray, doc: np.ndarray, pos: np.nda
 def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.ndarray,
                  opts: CrossCorpusOptions) -> np.ndarray:
     """(H, D, J) leave-one-document-out AP_j with the query model refitted (SPEC 4.6 revised,
-    :func:`qk_core.plasticity.jackknife.loo_profiles`) from the capture's rows and the stored valid pairs."""
+    :func:`qk_core.plasticity.jackknife.loo_profiles`) from the capture's rows and the stored valid pairs; with
+    ``inp.query_sums`` (G document groups instead of D documents) from every position's query sums less one
+    group's (:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`)."""
     L, B = int(inp.L), int(inp.B)
     J, D = n_buckets(L, B), len(doc_ids)
-    out = np.full((len(heads), D, J), np.nan)
+    sums = inp.query_sums
+    out = np.full((len(heads), D if sums is None else sums.n_groups, J), np.nan)
     pairs = inp.pairs
     ok = pairs["valid"].to_numpy(bool) & np.isfinite(pairs["pp"].to_numpy(np.float64))
     by_head = pairs[ok].groupby(["layer", "q_head"], sort=False)
@@ -399,9 +406,17 @@ def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.nd
         qd_raw = np.asarray(hd.q_doc, np.int64)[q_order]
         qdoc = np.searchsorted(doc_ids, qd_raw)
         qdoc = np.where((qdoc < D) & (doc_ids[np.minimum(qdoc, D - 1)] == qd_raw), qdoc, -1)
-        res = loo_profiles(np.asarray(hd.q)[q_order], np.asarray(hd.q_pos, np.float64)[q_order], qdoc,
-                           np.bincount(q_bucket, minlength=J), L, B, opts.covariance, opts.min_queries_per_bucket,
-                           pr["bucket"].to_numpy(np.int64), delta, np.searchsorted(doc_ids, doc), D)
+        counts = np.bincount(q_bucket, minlength=J)
+        if sums is None:
+            res = loo_profiles(np.asarray(hd.q)[q_order], np.asarray(hd.q_pos, np.float64)[q_order], qdoc, counts,
+                               L, B, opts.covariance, opts.min_queries_per_bucket, pr["bucket"].to_numpy(np.int64),
+                               delta, np.searchsorted(doc_ids, doc), D)
+        else:  # coverage "all": one document group out of every position's query model (SPEC 4.6, 12.2)
+            grp = sums.groups(layer, q_head)
+            res = loo_profiles_from_moments(sums(layer, q_head), grp.sums, L, B, opts.covariance,
+                                            opts.min_queries_per_bucket, pr["bucket"].to_numpy(np.int64), delta,
+                                            grp.group_of[np.searchsorted(doc_ids, doc)], np.asarray(hd.q)[q_order],
+                                            np.where(qdoc >= 0, grp.group_of[np.maximum(qdoc, 0)], -1), counts)
         out[h] = res.closed
     return out
 
