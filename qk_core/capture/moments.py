@@ -503,9 +503,9 @@ def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
 def group_query_sums(m: LayerMoments, dtype: str) -> LayerMoments:
     """The per-bucket query sums of ``m`` (a document group's merge) as a group keeps them (module doc): the vector
     sums in the capture's accumulation ``dtype`` (what one document's are), the position sums in float64."""
-    keep = {k: (v if k in POSITION_KEYS else np.asarray(v, dtype=dtype)) for k, v in m.sums.items()
+    keep = {k: np.array(v, dtype=np.float64 if k in POSITION_KEYS else dtype) for k, v in m.sums.items()
             if k in Q_KEYS or k in LW_KEYS}
-    return replace(m, sums=keep)
+    return replace(m, sums=keep, docs=list(m.docs))
 
 
 def write_group_layer(fh: BinaryIO, layer: int, group_files: Sequence[Any]) -> None:
@@ -517,7 +517,8 @@ def write_group_layer(fh: BinaryIO, layer: int, group_files: Sequence[Any]) -> N
         p = f"L{layer}."
 
         def arrays() -> Iterator[tuple[str, np.ndarray]]:
-            for name in [n for n in zs[0].files if n.startswith(p)]:
+            common = set.intersection(*(set(z.files) for z in zs))  # keys every group has (as the merge keeps)
+            for name in [n for n in zs[0].files if n.startswith(p) and n in common]:
                 key = name[len(p):]
                 if key == "docs":
                     yield name, np.concatenate([z[name] for z in zs])
@@ -543,19 +544,22 @@ def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
 
 def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
     """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`, every sum float64."""
+    return {m.layer: m for m in iter_moments(data)}
+
+
+def iter_moments(data: bytes) -> Iterator[LayerMoments]:
+    """The layers of :func:`moments_to_bytes`'s bytes one at a time, in layer order (every sum float64): only one
+    layer's arrays are decoded at once."""
     import io
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        arrays = {name: z[name] for name in z.files}
-    layers = sorted({int(name.split(".", 1)[0][1:]) for name in arrays})
-    out = {}
-    for layer in layers:
-        p = f"L{layer}."
-        own = {name[len(p):]: a for name, a in arrays.items() if name.startswith(p)}
-        bucket, n_buckets = (int(v) for v in own.pop("layout"))
-        d = int(own["q_x"].shape[-1])
-        own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
-                    for k in list(own) if k not in LAYOUT_KEYS})
-        out[layer] = LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
-                                  n_buckets, own, [int(e) for e in own.pop("docs")])
-    return out
+        names = list(z.files)
+        for layer in sorted({int(name.split(".", 1)[0][1:]) for name in names}):
+            p = f"L{layer}."
+            own = {name[len(p):]: z[name] for name in names if name.startswith(p)}
+            bucket, n_buckets = (int(v) for v in own.pop("layout"))
+            d = int(own["q_x"].shape[-1])
+            own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
+                        for k in list(own) if k not in LAYOUT_KEYS})
+            yield LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
+                               n_buckets, own, [int(e) for e in own.pop("docs")])

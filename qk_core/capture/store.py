@@ -63,6 +63,7 @@ from qk_core.capture.moments import (
     MomentMerger,
     document_groups,
     group_query_sums,
+    iter_moments,
     moments_from_bytes,
     write_group_layer,
     write_moments,
@@ -489,7 +490,7 @@ class CaptureWriter:
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         mergers: dict[int, MomentMerger] = {}
-        group: dict[int, MomentMerger] = {}
+        group: dict[int, LayerMoments] = {}  # the current group's query sums (float64), per layer
         with tempfile.TemporaryDirectory(prefix="qk-moment-groups-", dir=self._spill_folder(0)) as spill:
             group_files: list[Path] = []
             for rank, eid in enumerate(order):
@@ -502,15 +503,24 @@ class CaptureWriter:
                 _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
                 if keep_doc_files:
                     files[rel] = file_record(data)
-                for layer, m in moments_from_bytes(data).items():
-                    mergers.setdefault(layer, MomentMerger()).add(m)
-                    group.setdefault(layer, MomentMerger()).add(m)
+                for m in iter_moments(data):  # one layer decoded at a time
+                    mergers.setdefault(m.layer, MomentMerger()).add(m)
+                    if m.layer in group:
+                        g = group[m.layer]
+                        g.docs.append(m.docs[0])
+                        for key in list(g.sums):
+                            if key in m.sums:
+                                g.sums[key] += m.sums[key]
+                            else:  # exact Ledoit-Wolf terms only where every document has them, as the merge
+                                del g.sums[key]
+                    else:
+                        group[m.layer] = group_query_sums(m, "float64")
                 del data
                 if rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]:
                     path = Path(spill) / f"group-{group_of[rank]:05d}.npz"
                     with open(path, "wb") as fh:
-                        write_moments(fh, [group_query_sums(g.merged, plan.get("dtype", "float64"))
-                                           for _, g in sorted(group.items()) if g.merged is not None])
+                        write_moments(fh, [group_query_sums(g, plan.get("dtype", "float64"))
+                                           for _, g in sorted(group.items())])
                     group_files.append(path)
                     group = {}
             for layer, merger in sorted(mergers.items()):

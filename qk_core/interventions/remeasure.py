@@ -27,12 +27,15 @@ HEADLINE = ("ap_overall", "ap_first20", "ap_last20", "ap_drop")
 
 def debias_axes(storage: Storage, capture_prefix: str, rotation_heads: pd.DataFrame,
                 heads: set[tuple[int, int]] | None = None) -> dict[tuple[int, int], DebiasAxis]:
-    """a and alpha_K from the rotation record (SPEC 3), t_bar = the head's mean captured key position."""
+    """a and alpha_K from the rotation record (SPEC 3), t_bar = the head's mean captured key position; for the heads
+    the capture sampled (the study's heads: with coverage "all" rotation_heads lists every eligible head)."""
     reader = CaptureReader(storage, capture_prefix)
+    sampled = {(int(r.layer), int(r.q_head)) for r in reader.heads().itertuples()}
     out: dict[tuple[int, int], DebiasAxis] = {}
     for row in rotation_heads.to_dict("records"):
         key = (int(row["layer"]), int(row["q_head"]))
-        if row.get("status") != "ok" or row.get("a") is None or (heads is not None and key not in heads):
+        if row.get("status") != "ok" or row.get("a") is None or (heads is not None and key not in heads) \
+                or key not in sampled:
             continue
         k_pos = reader.read_head(*key).k_pos
         out[key] = DebiasAxis(np.asarray(row["a"], dtype=np.float64), float(row["alpha_k"]), float(np.mean(k_pos)))

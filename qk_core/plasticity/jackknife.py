@@ -209,7 +209,7 @@ def loo_profiles_from_moments(sums: dict[str, np.ndarray], group_sums: dict[str,
                          pair_group, G, min_queries)
     for g in range(G):
         try:
-            model = fit_query_model_from_moments({k: sums[k] - group_sums[k][g] for k in group_sums}, L, B,
+            model = fit_query_model_from_moments({k: sums[k] - group_sums[k][g] for k in group_sums if k in sums}, L, B,
                                                  covariance, min_queries)
         except QueryModelError:
             continue
