@@ -26,6 +26,7 @@ import numpy as np
 from qk_core.plasticity.estimators import closed_form, pp_from_p, pp_from_z
 from qk_core.plasticity.query_model import (
     OK,
+    QueryModel,
     QueryModelError,
     fit_query_model_from_moments,
     fit_sorted_queries,
@@ -70,17 +71,24 @@ def loo_profiles(q_sorted: np.ndarray, t_sorted: np.ndarray, qdoc_sorted: np.nda
                                        min_queries)
         except QueryModelError:
             continue
-        for j in buckets:
-            if model.status[j] != OK:
-                emp[d, j] = np.nan
-                continue
-            sel = (pair_bucket == j) & (pair_doc != d)
-            if not sel.any():
-                continue
-            cf = closed_form(model, j, delta[sel])
-            if cf.valid.any():
-                closed[d, j] = float(cf.pp[cf.valid].mean())
+        _closed_refitted(closed, emp, d, model, buckets, pair_bucket, pair_doc, delta)
     return LeaveOneOut(closed, emp)
+
+
+def _closed_refitted(closed: np.ndarray, emp: np.ndarray, d: int, model: QueryModel, buckets: list[int],
+                     pair_bucket: np.ndarray, pair_doc: np.ndarray, delta: np.ndarray) -> None:
+    """Row ``d`` of ``closed``: the closed form (4.3) of the pairs outside unit ``d`` under ``model``, the query
+    model refitted without it; a bucket the refit leaves without a model loses its empirical value too."""
+    for j in buckets:
+        if model.status[j] != OK:
+            emp[d, j] = np.nan
+            continue
+        sel = (pair_bucket == j) & (pair_doc != d)
+        if not sel.any():
+            continue
+        cf = closed_form(model, j, delta[sel])
+        if cf.valid.any():
+            closed[d, j] = float(cf.pp[cf.valid].mean())
 
 
 def _closed_full(closed: np.ndarray, emp: np.ndarray, q: np.ndarray, t: np.ndarray, qdoc: np.ndarray,
@@ -213,14 +221,5 @@ def loo_profiles_from_moments(sums: dict[str, np.ndarray], group_sums: dict[str,
                                                  covariance, min_queries)
         except QueryModelError:
             continue
-        for j in buckets:
-            if model.status[j] != OK:
-                emp[g, j] = np.nan
-                continue
-            sel = (pair_bucket == j) & (pair_group != g)
-            if not sel.any():
-                continue
-            cf = closed_form(model, j, delta[sel])
-            if cf.valid.any():
-                closed[g, j] = float(cf.pp[cf.valid].mean())
+        _closed_refitted(closed, emp, g, model, buckets, pair_bucket, pair_group, delta)
     return LeaveOneOut(closed, emp)
