@@ -34,8 +34,6 @@ from qk_assets.partitions import (
 )
 from qk_core.config.registry import Registry, RegistryError, load_registry
 
-SENSOR_INTERVAL_S = 5
-
 
 class RegistryKeys(AutomationCondition):
     """True for the candidate partitions among :meth:`keys` of the registry file as it is now (re-read at
@@ -178,7 +176,7 @@ AFTER_UPSTREAM = (
 ).with_label("after upstream updates, once nothing upstream runs (tolerates missing partitions)")
 
 
-def automation_sensor(derived: list[AssetKey]) -> AutomationConditionSensorDefinition:
+def automation_sensor(derived: list[AssetKey], interval_s: int = 30) -> AutomationConditionSensorDefinition:
     """One sensor for every derived asset that is not per (model, corpus): model report, joins, statistics,
     cross-model figures, trajectory and ``report_html``. One tick evaluates them all, so an update requests
     everything that follows it at once (an unpartitioned set in one run, in dependency order): the report
@@ -188,7 +186,7 @@ def automation_sensor(derived: list[AssetKey]) -> AutomationConditionSensorDefin
         return AutomationConditionSensorDefinition(
             "automation_sensor",
             target=AssetSelection.assets(*derived),
-            minimum_interval_seconds=SENSOR_INTERVAL_S,
+            minimum_interval_seconds=interval_s,
             default_status=DefaultSensorStatus.RUNNING,
             use_user_code_server=True,  # CheckpointPair / ComparedModel / RegistryListed read the registry file
             description="Rebuilds the model report, joins, statistics, cross-model figures, trajectories and the "

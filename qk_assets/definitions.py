@@ -50,7 +50,9 @@ def build_definitions(settings: Settings | None = None) -> Definitions:
         assets=assets,
         asset_checks=load_asset_checks_from_modules(modules),
         sensors=[*(s for m in modules for s in getattr(m, "SENSORS", [])),
-                 model_automation_sensor(per_model_keys(assets)), automation_sensor(derived_keys(assets))],
+                 # QK_AUTOMATION_INTERVAL_S: each evaluation walks the whole graph in the code server
+                 model_automation_sensor(per_model_keys(assets), settings.automation_interval_s),
+                 automation_sensor(derived_keys(assets), settings.automation_interval_s)],
         jobs=[j for m in modules for j in getattr(m, "JOBS", [])],
         resources={
             "storage": storage,

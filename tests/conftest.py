@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Every `dagster dev` the tests start ticks its backfill daemon every 3 s instead of Dagster's 30 s
 # (tests/daemon_tick/sitecustomize.py); `make demo` and `make ui` keep Dagster's own tick.
 os.environ.setdefault("QK_TEST_BACKFILL_TICK_S", "3")
+# ... and evaluates the automation-condition sensors every 5 s instead of the product's 30 s (QK_AUTOMATION_INTERVAL_S)
+os.environ.setdefault("QK_AUTOMATION_INTERVAL_S", "5")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO / "tests" / "daemon_tick"), os.environ.get("PYTHONPATH")) if p)
 SLOW_FIXTURES = {"ray_cluster"}  # a test using one of these is in the slow lane whatever its module says

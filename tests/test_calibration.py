@@ -87,6 +87,15 @@ def test_leave_one_out_refits_the_query_model() -> None:
     fast, loop = loo_profiles(*args), loo_profiles(*args, refit_loop=True)
     np.testing.assert_allclose(fast.closed, loop.closed, rtol=1e-9)
     np.testing.assert_array_equal(fast.empirical, loop.empirical)
+    # the empirical profile without document d, by brute force: the other documents' queries of bucket j score
+    # the other documents' pairs of bucket j (float32 products, as SPEC 4.3's p_hat)
+    q_s, qdoc_s, qb_s, dl = args[0], args[2], qb[o], args[9]
+    for d in (0, 3):
+        for j in (1, 7, 15):
+            pj = (args[8] == j) & (args[10] != d)
+            qj = q_s[(qb_s == j) & (qdoc_s != d)].astype(np.float32)
+            p_hat = ((qj @ dl[pj].astype(np.float32).T) > 0).mean(axis=0)
+            assert fast.empirical[d, j] == pytest.approx(float((4 * p_hat * (1 - p_hat)).mean()), rel=1e-12)
     np.testing.assert_allclose(fast.closed, res.loo, rtol=1e-9)
     inp = CorpusInputs("x", doc_ids, res.pairs.assign(layer=0, q_head=0), ROT, L, B, lambda la, h: hd)
     via_pairs = ap_loo_refit(inp, [(0, 0)], doc_ids, CrossCorpusOptions(min_queries_per_bucket=8))[0]

@@ -216,3 +216,21 @@ def test_automation_requests_only_what_an_update_changes(tmp_path: Path, monkeyp
             assert requested(sixth, trajectory) == {"t"}
     finally:
         partitions.registry.cache_clear()
+
+
+def test_the_automation_sensors_evaluate_at_the_configured_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QK_AUTOMATION_INTERVAL_S sets both automation-condition sensors' interval (Dagster's 30 s unset); the
+    file-watching sensors keep theirs."""
+    from qk_assets.definitions import build_definitions
+    from qk_core.config.settings import Settings
+
+    monkeypatch.delenv("QK_AUTOMATION_INTERVAL_S", raising=False)
+    assert Settings.from_env().automation_interval_s == 30
+    monkeypatch.setenv("QK_AUTOMATION_INTERVAL_S", "17")
+    sensors = {s.name: s for s in build_definitions().sensors}
+    assert sensors["automation_sensor"].minimum_interval_seconds == 17
+    assert sensors["model_automation_sensor"].minimum_interval_seconds == 17
+    assert sensors["registry_partitions_sensor"].minimum_interval_seconds == 5
+    monkeypatch.setenv("QK_AUTOMATION_INTERVAL_S", "0")
+    with pytest.raises(ValueError, match="QK_AUTOMATION_INTERVAL_S"):
+        Settings.from_env()

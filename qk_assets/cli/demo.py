@@ -46,6 +46,7 @@ from dagster import (
 )
 
 from qk_assets.cli.dagster_api import (
+    POLL_S,
     DagsterAPI,
     Health,
     Interrupted,
@@ -230,7 +231,7 @@ def report_location(storage: Storage) -> str:
 
 def run_demo(api: DagsterAPI, defs: Definitions, instance: DagsterInstance, registry: Registry, storage: Storage, *,
              group: str = "demo", models: Iterable[str] = (), dry_run: bool = False, force: bool = False,
-             log_level: str = "INFO", verbose: bool = False, out: TextIO = sys.stdout, poll_s: float = 2.0,
+             log_level: str = "INFO", verbose: bool = False, out: TextIO = sys.stdout, poll_s: float = POLL_S,
              health: Health | None = None) -> int:
     """Plan with Dagster's staleness and execute the plan as one asset backfill through ``api`` (a webserver whose
     instance runs the backfill daemon); return the number of failed or skipped asset partitions (0 = success).

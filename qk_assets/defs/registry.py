@@ -202,7 +202,7 @@ def registry_partitions_sensor(context: SensorEvaluationContext) -> SensorResult
     return SensorResult(run_requests=runs, dynamic_partitions_requests=adds, cursor=cursor)
 
 
-def model_automation_sensor(per_model: list[AssetKey]) -> AutomationConditionSensorDefinition:
+def model_automation_sensor(per_model: list[AssetKey], interval_s: int = 30) -> AutomationConditionSensorDefinition:
     """The sensor evaluating ``corpus`` and every (model, corpus) asset (``per_model``, found by
     :func:`qk_assets.definitions.build_definitions` from their partitions, so a new per-model analysis
     joins by itself)."""
@@ -211,7 +211,7 @@ def model_automation_sensor(per_model: list[AssetKey]) -> AutomationConditionSen
         return AutomationConditionSensorDefinition(
             "model_automation_sensor",
             target=AssetSelection.assets("corpus", *per_model),
-            minimum_interval_seconds=SENSOR_INTERVAL_S,
+            minimum_interval_seconds=interval_s,
             default_status=DefaultSensorStatus.STOPPED,
             use_user_code_server=True,  # RegistryListed (qk_assets.automation) reads the registry file
             description="Materialises new and changed (model, corpus) partitions the registry lists, and their "

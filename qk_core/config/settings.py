@@ -18,6 +18,9 @@
 |                     | volume (qk_assets/cli/preflight.py)                          |                          |
 | QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
+| QK_AUTOMATION_INTERVAL_S | seconds between evaluations of the two automation-condition | 30 (Dagster's default) |
+|                     | sensors; each evaluates the whole asset graph in the code    |                          |
+|                     | server (about 2 s of CPU on two cores, README "Where the time goes") |                  |
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Settings:
     benchmark_max_bytes: int = 512 * 2**20
     ray_address: str = ""
     ray_schedule_timeout_s: int = 300
+    automation_interval_s: int = 30
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -50,6 +54,7 @@ class Settings:
             benchmark_max_bytes=int_env("QK_BENCHMARK_MAX_BYTES", 512 * 2**20),
             ray_address=os.environ.get("QK_RAY_ADDRESS", ""),
             ray_schedule_timeout_s=int_env("QK_RAY_SCHEDULE_TIMEOUT_S", 300),
+            automation_interval_s=int_env("QK_AUTOMATION_INTERVAL_S", 30),
         )
 
 

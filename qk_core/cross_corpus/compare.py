@@ -203,8 +203,10 @@ def ap_resamples(pairs: pd.DataFrame, doc_ids: np.ndarray, W: np.ndarray, L: int
         raise CrossCorpusError(f"{where}plasticity_pairs: document {int(doc[~known][0])} is not in the capture")
     if len(bucket) and (bucket.min() < 0 or bucket.max() >= J):
         raise CrossCorpusError(f"{where}plasticity_pairs: bucket outside 0..{J - 1} (L = {L}, B = {B})")
-    keys, hidx = np.unique(np.stack([layer, q_head], axis=1), axis=0, return_inverse=True) if len(layer) else (
-        np.zeros((0, 2), np.int64), np.zeros(0, np.int64))
+    # heads as one integer each: np.unique of (P, 2) rows sorts them lexicographically, 10 s for SmolLM2's pairs
+    width = int(q_head.max()) + 1 if len(q_head) else 1
+    codes, hidx = np.unique(layer * width + q_head, return_inverse=True)
+    keys = np.stack([codes // width, codes % width], axis=1)
     H = len(keys)
     flat = (hidx.reshape(-1) * D + didx) * J + bucket
     S = np.bincount(flat, weights=pp, minlength=H * D * J).reshape(H, D, J)

@@ -30,7 +30,6 @@ from qk_core.plasticity.query_model import (
     QueryModelError,
     fit_query_model_from_moments,
     fit_sorted_queries,
-    ledoit_wolf,
 )
 
 
@@ -148,13 +147,7 @@ def _closed_full(closed: np.ndarray, emp: np.ndarray, q: np.ndarray, t: np.ndarr
             coef = alpha_pos + beta_pos * (j + 0.5) * B - (bhat * (sb_x / nb[:, None])).sum(axis=1)
             m = a1 / nn + coef[:, None] * (bhat @ dl.T)
         norm2 = (dl * dl).sum(axis=1)[None, :]
-        lam, mu = np.full(D, np.nan), np.full(D, np.nan)
-        for k in range(D):
-            if nb[k] < min_queries:
-                continue
-            keep = oh[k] == 0
-            S_o, lam[k] = ledoit_wolf(Qb[keep] - alpha[k] - np.multiply.outer(tb[keep], beta[k]))
-            mu[k] = float(np.trace(S_o)) / d
+        lam, mu = ledoit_wolf_left_out(Qb, tb, alpha, beta, oh, nb >= min_queries)
         with np.errstate(invalid="ignore", divide="ignore"):
             v = (1 - lam[:, None]) * quad + (lam * mu)[:, None] * norm2
             valid = np.isfinite(v) & (v > 1e-12 * mu[:, None] * norm2) & ~own[:, sel]
@@ -164,6 +157,33 @@ def _closed_full(closed: np.ndarray, emp: np.ndarray, q: np.ndarray, t: np.ndarr
         bad = (nb < min_queries) | ~(mu > 0)
         closed[bad, j] = np.nan
         emp[bad, j] = np.nan
+
+
+def ledoit_wolf_left_out(Qb: np.ndarray, tb: np.ndarray, alpha: np.ndarray, beta: np.ndarray, left: np.ndarray,
+                         ok: np.ndarray, block: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit k: :func:`ledoit_wolf` of the bucket's detrended queries ``Qb - alpha_k - t beta_k`` without the
+    rows ``left[k]`` marks (1.0), for all units at once; returns (intensity lambda_k, mu_k = tr S_k / d), NaN where
+    ``ok`` is False. Units are taken ``block`` at a time, so memory stays (block, n_b, d)."""
+    D, d = len(alpha), Qb.shape[1]
+    lam, mu = np.full(D, np.nan), np.full(D, np.nan)
+    for k0 in range(0, D, block):
+        ks = np.flatnonzero(ok[k0:k0 + block]) + k0
+        if not len(ks):
+            continue
+        w = 1.0 - left[ks]  # (K, n_b) rows kept
+        n = w.sum(axis=1)
+        Y = Qb[None] - alpha[ks, None, :] - tb[None, :, None] * beta[ks, None, :]  # (K, n_b, d)
+        Yc = (Y - (w[:, None, :] @ Y) / n[:, None, None]) * w[:, :, None]
+        S = (Yc.transpose(0, 2, 1) @ Yc) / n[:, None, None]  # batched BLAS (einsum here is 4x slower)
+        m = np.trace(S, axis1=1, axis2=2) / d
+        S2 = (S * S).sum(axis=(1, 2))
+        delta = ((S - m[:, None, None] * np.eye(d)) ** 2).sum(axis=(1, 2)) / d
+        row_sq = (Yc * Yc).sum(axis=2)
+        beta_bar = ((row_sq * row_sq).sum(axis=1) / n - S2) / (d * n)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lam[ks] = np.where(delta <= 0.0, 0.0, np.minimum(np.maximum(beta_bar, 0.0), delta) / delta)
+        mu[ks] = m
+    return lam, mu
 
 
 def _loo_empirical(q_sorted: np.ndarray, qdoc_sorted: np.ndarray, starts: np.ndarray, buckets: list[int],
@@ -178,10 +198,11 @@ def _loo_empirical(q_sorted: np.ndarray, qdoc_sorted: np.ndarray, starts: np.nda
         s, e = int(starts[j]), int(starts[j + 1])
         qd = qdoc_sorted[s:e]
         positive = (q32[s:e] @ delta[sel].astype(np.float32).T > 0).astype(np.float64)  # (n_b, P_j)
-        known = qd >= 0
-        pos_d = np.zeros((n_docs, len(sel)))
-        np.add.at(pos_d, qd[known], positive[known])
-        n_d = np.bincount(qd[known], minlength=n_docs).astype(np.float64)
+        known = np.flatnonzero(qd >= 0)
+        member = np.zeros((n_docs, e - s))  # (D, n_b): query of document d
+        member[qd[known], known] = 1.0
+        pos_d = member @ positive  # positives per (document, pair)
+        n_d = member.sum(axis=1)
         n_left = (e - s) - n_d  # (D,)
         with np.errstate(invalid="ignore", divide="ignore"):
             p = (positive.sum(axis=0)[None, :] - pos_d) / n_left[:, None]
