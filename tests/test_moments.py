@@ -434,3 +434,51 @@ def test_leave_one_group_out_from_moments_equals_the_row_refit(capture: Any, cov
         assert_rel(mom.empirical, rows.empirical, f"L{h.layer}H{h.q_head} empirical")
         n_compared += 1
     assert n_compared == len(heads)
+
+
+@pytest.mark.parametrize("lw", ["exact", "gaussian"])
+def test_batched_group_refit_equals_one_refit_per_group(capture: Any, lw: str) -> None:
+    """The full-covariance leave-one-group-out refit runs over every group at once (SPEC 4.6, 12.2): each row equals
+    :func:`fit_query_model_from_moments` of that group's complement followed by the closed form (4.3) of the other
+    groups' pairs, one group at a time, to 1e-10, with the exact and with the Gaussian Ledoit-Wolf intensity."""
+    from qk_core.capture.moments import document_groups
+    from qk_core.plasticity.jackknife import _closed_refitted, loo_profiles_from_moments
+    from qk_core.plasticity.query_model import QueryModelError
+
+    _, _, by_layer = capture
+    rng = np.random.default_rng(4)
+    heads = next(iter(by_layer.values()))
+    docs = per_document_moments(heads)
+    group_of = document_groups(len(docs), 4)
+    G = int(group_of.max()) + 1
+    lm = merge_documents(docs)
+    drop = set() if lw == "exact" else {k[2:] for k in LW_KEYS}
+    for i, h in enumerate(heads):
+        J = lm.n_buckets
+        q_bucket = np.minimum(h.q_pos // h.bucket, J - 1)
+        order = np.argsort(q_bucket, kind="stable")
+        counts = np.bincount(q_bucket, minlength=J)
+        doc_ids = np.array([m.docs[0] for m in docs])
+        qgroup = group_of[np.searchsorted(doc_ids, h.q_doc[order])]
+        pair_bucket = np.repeat(np.arange(1, J), 30)
+        pi, pj = rng.integers(0, len(h.k), len(pair_bucket)), rng.integers(0, len(h.k), len(pair_bucket))
+        delta = np.subtract(h.k[pi], h.k[pj], dtype=np.float64)
+        pair_group = group_of[np.searchsorted(doc_ids, h.k_doc[pi])]
+        total = {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_") and k[2:] not in drop}
+        groups = {key: np.stack([sum(m.sums[f"q_{key}"][i] for m, g in zip(docs, group_of, strict=True) if g == gg)
+                                 for gg in range(G)]) for key in total}
+        got = loo_profiles_from_moments(total, groups, h.window, h.bucket, "full", 10, pair_bucket, delta,
+                                        pair_group, h.q[order], qgroup, counts)
+        want_closed, want_emp = np.full_like(got.closed, np.nan), got.empirical.copy()
+        buckets = [j for j in np.unique(pair_bucket) if j < J]
+        for g in range(G):
+            try:
+                model = fit_query_model_from_moments({k: total[k] - groups[k][g] for k in total}, h.window, h.bucket,
+                                                     "full", 10)
+            except QueryModelError:
+                continue
+            assert model.lw_intensity == lw
+            _closed_refitted(want_closed, want_emp, g, model, buckets, pair_bucket, pair_group, delta)
+        assert np.isfinite(want_closed).sum() >= 4
+        assert_rel(got.closed, want_closed, f"L{h.layer}H{h.q_head} closed ({lw})")
+        assert np.array_equal(np.isnan(got.empirical), np.isnan(want_emp))

@@ -378,8 +378,7 @@ class MomentMerger:
             raise ValueError(f"document {m.docs[0]}: moments of a different layer, head set or bucket layout")
         if m.docs[0] in out.docs:
             raise ValueError(f"document {m.docs[0]} is given twice")
-        for key in [k for k in LW_KEYS if k in out.sums and k not in m.sums]:
-            del out.sums[key]  # exact Ledoit-Wolf terms only where every document has them (else Gaussian)
+        keep_common_lw_terms(out.sums, m.sums)
         for key in (*DOC_KEYS, *(k for k in LW_KEYS if k in out.sums)):
             out.sums[key] += m.sums[key]
         parity = self._rank % 2
@@ -498,6 +497,35 @@ def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
     accumulation dtype: exactly their values); the symmetric d x d sums as upper triangles (half the bytes; the
     lower triangle is its mirror)."""
     write_npz(fh, (item for m in layers for item in _layer_arrays(m)))
+
+
+def keep_common_lw_terms(merged: dict[str, np.ndarray], doc: dict[str, np.ndarray]) -> None:
+    """Drop from ``merged`` the exact Ledoit-Wolf terms ``doc`` lacks: a merge keeps them only where every document
+    has them (else the Gaussian intensity, module doc)."""
+    for key in [k for k in LW_KEYS if k in merged and k not in doc]:
+        del merged[key]
+
+
+class GroupSums:
+    """One document group's query sums per layer (float64) as its documents' moments arrive, for the group file
+    (:func:`group_query_sums`, :func:`write_group_layer`)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerMoments] = {}
+
+    def add(self, m: LayerMoments) -> None:
+        g = self.layers.get(m.layer)
+        if g is None:
+            self.layers[m.layer] = group_query_sums(m, "float64")
+            return
+        keep_common_lw_terms(g.sums, m.sums)
+        for key in g.sums:
+            g.sums[key] += m.sums[key]
+        g.docs.append(int(m.docs[0]))
+
+    def write(self, fh: BinaryIO, dtype: str) -> None:
+        """The group's layers in ``dtype`` (the capture's accumulation dtype; positions stay float64)."""
+        write_moments(fh, [group_query_sums(g, dtype) for _, g in sorted(self.layers.items())])
 
 
 def group_query_sums(m: LayerMoments, dtype: str) -> LayerMoments:

@@ -59,10 +59,10 @@ import pyarrow.parquet as pq
 
 from qk_core.capture.moments import (
     DEFAULT_GROUPS,
+    GroupSums,
     LayerMoments,
     MomentMerger,
     document_groups,
-    group_query_sums,
     iter_moments,
     moments_from_bytes,
     write_group_layer,
@@ -490,7 +490,7 @@ class CaptureWriter:
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         mergers: dict[int, MomentMerger] = {}
-        group: dict[int, LayerMoments] = {}  # the current group's query sums (float64), per layer
+        group = GroupSums()  # the current group's query sums
         with tempfile.TemporaryDirectory(prefix="qk-moment-groups-", dir=self._spill_folder(0)) as spill:
             group_files: list[Path] = []
             for rank, eid in enumerate(order):
@@ -505,24 +505,14 @@ class CaptureWriter:
                     files[rel] = file_record(data)
                 for m in iter_moments(data):  # one layer decoded at a time
                     mergers.setdefault(m.layer, MomentMerger()).add(m)
-                    if m.layer in group:
-                        g = group[m.layer]
-                        g.docs.append(m.docs[0])
-                        for key in list(g.sums):
-                            if key in m.sums:
-                                g.sums[key] += m.sums[key]
-                            else:  # exact Ledoit-Wolf terms only where every document has them, as the merge
-                                del g.sums[key]
-                    else:
-                        group[m.layer] = group_query_sums(m, "float64")
+                    group.add(m)
                 del data
                 if rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]:
                     path = Path(spill) / f"group-{group_of[rank]:05d}.npz"
                     with open(path, "wb") as fh:
-                        write_moments(fh, [group_query_sums(g, plan.get("dtype", "float64"))
-                                           for _, g in sorted(group.items())])
+                        group.write(fh, plan.get("dtype", "float64"))
                     group_files.append(path)
-                    group = {}
+                    group = GroupSums()
             for layer, merger in sorted(mergers.items()):
                 assert merger.merged is not None
                 rel = moments_file(self.prefix, layer)

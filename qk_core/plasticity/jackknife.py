@@ -236,11 +236,119 @@ def loo_profiles_from_moments(sums: dict[str, np.ndarray], group_sums: dict[str,
     buckets = [j for j in np.unique(pair_bucket) if j < J]
     emp = _loo_empirical(q_sorted, qgroup_sorted, starts, [j for j in buckets if counts[j]], pair_bucket, delta,
                          pair_group, G, min_queries)
+    left = {k: sums[k][None] - group_sums[k] for k in group_sums if k in sums}  # (G, J, ...) sums without group g
+    if covariance == "full":
+        _closed_full_from_moments(closed, emp, left, B, min_queries, buckets, pair_bucket, pair_group, delta)
+        return LeaveOneOut(closed, emp)
     for g in range(G):
         try:
-            model = fit_query_model_from_moments({k: sums[k] - group_sums[k][g] for k in group_sums if k in sums}, L, B,
-                                                 covariance, min_queries)
+            model = fit_query_model_from_moments({k: v[g] for k, v in left.items()}, L, B, covariance, min_queries)
         except QueryModelError:
             continue
         _closed_refitted(closed, emp, g, model, buckets, pair_bucket, pair_group, delta)
     return LeaveOneOut(closed, emp)
+
+
+def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, np.ndarray], B: int,
+                              min_queries: int, buckets: list[int], pair_bucket: np.ndarray, pair_group: np.ndarray,
+                              delta: np.ndarray) -> None:
+    """:func:`fit_query_model_from_moments` (covariance ``full``) and the closed form (4.3) of every left-out group
+    at once: ``s`` holds each group's complement sums, (G, J, ...). Row g equals the refit of ``s[.][g]`` and
+    :func:`_closed_refitted` (a group whose sums cannot carry a model keeps its row as it is), with arrays over
+    groups in place of a Python loop: per group the regression on position and bhat (4.1), per bucket the model
+    mean m = xbar . delta + (alpha_pos + beta_pos tau - bhat . xbar)(bhat . delta) and the Ledoit-Wolf-shrunk
+    covariance of the detrended queries, exact or Gaussian fourth moment as in the refit."""
+    d = s["x"].shape[-1]
+    nb = np.asarray(s["n"], dtype=np.float64)  # (G, J)
+    counts = np.rint(nb).astype(np.int64)
+    n = nb.sum(axis=1)
+    st, stt_raw = s["t"].sum(axis=1), s["tt"].sum(axis=1)
+    sx, sxt, sxx = s["x"].sum(axis=1), s["xt"].sum(axis=1), s["xx"].sum(axis=1)
+    eye = np.eye(d)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tm = st / n
+        stt = stt_raw - st * tm
+        fitted = (n >= 3) & (stt > 1e-12 * stt_raw)  # else QueryModelError: the row is left as it is
+        qbar = sx / n[:, None]
+        S = sxx - n[:, None, None] * qbar[:, :, None] * qbar[:, None, :]
+        xty = sxt - sx * tm[:, None]
+        beta = xty / stt[:, None]
+        alpha = qbar - beta * tm[:, None]
+        norm = np.linalg.norm(beta, axis=1)
+        sst = np.trace(S, axis1=1, axis2=2)
+        negligible = (norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(sst / n + 1e-300)) | (norm <= 1e-12)
+        bhat = np.where(negligible[:, None], eye[0], beta / np.where(norm > 0, norm, 1.0)[:, None])
+        S_res = (S - beta[:, :, None] * xty[:, None, :] - xty[:, :, None] * beta[:, None, :]
+                 + stt[:, None, None] * beta[:, :, None] * beta[:, None, :])
+        floor = 1e-10 * np.maximum(np.trace(S_res, axis1=1, axis2=2) / (n * d), 1e-300)
+    alpha_pos, beta_pos = (bhat * alpha).sum(axis=1), (bhat * beta).sum(axis=1)
+    exact = "xxs" in s
+    for b in buckets:
+        ok = fitted & (counts[:, b] >= min_queries)
+        g_ok = np.flatnonzero(ok)
+        if len(g_ok):
+            m_b = nb[g_ok, b]
+            x_b, bt = s["x"][g_ok, b], beta[g_ok]
+            xb = x_b / m_b[:, None]
+            Sb = s["xx"][g_ok, b] - x_b[:, :, None] * xb[:, None, :]
+            sxt_b = s["xt"][g_ok, b] - x_b * (s["t"][g_ok, b] / m_b)[:, None]
+            stt_b = s["ss"][g_ok, b] - s["s"][g_ok, b] ** 2 / m_b
+            Syy = (Sb - bt[:, :, None] * sxt_b[:, None, :] - sxt_b[:, :, None] * bt[:, None, :]
+                   + stt_b[:, None, None] * bt[:, :, None] * bt[:, None, :])
+            S_o = 0.5 * (Syy + Syy.transpose(0, 2, 1)) / m_b[:, None, None]
+            mu = np.trace(S_o, axis1=1, axis2=2) / d
+            F2 = (S_o * S_o).sum(axis=(1, 2))
+            if exact:
+                fourth = _fourth_moments(s, g_ok, b, xb - bt * (s["s"][g_ok, b] / m_b)[:, None], bt, (b + 0.5) * B)
+            else:
+                fourth = m_b * ((d * mu) ** 2 + 2.0 * F2)
+            dev = ((S_o - mu[:, None, None] * eye) ** 2).sum(axis=(1, 2)) / d
+            beta_bar = (fourth / m_b - F2) / (d * m_b)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                lam = np.where(dev <= 0.0, 0.0, np.minimum(np.maximum(beta_bar, 0.0), dev) / dev)
+            cov = (1.0 - lam)[:, None, None] * S_o + (lam * mu)[:, None, None] * eye
+            level = np.where(np.isfinite(cov).all(axis=(1, 2)), np.trace(cov, axis1=1, axis2=2) / d, np.nan)
+            good = level > floor[g_ok]  # else a degenerate covariance
+            ok[g_ok[~good]] = False
+            g_ok, cov, level, xb = g_ok[good], cov[good], level[good], xb[good]
+        emp[fitted & ~ok, b] = np.nan  # the refit left the bucket without a model
+        sel = np.flatnonzero(pair_bucket == b)
+        if not len(g_ok) or not len(sel):
+            continue
+        dl = delta[sel]
+        hb = bhat[g_ok]
+        coef = alpha_pos[g_ok] + beta_pos[g_ok] * (b + 0.5) * B - (hb * xb).sum(axis=1)
+        m = xb @ dl.T + coef[:, None] * (hb @ dl.T)  # (G_ok, P)
+        v = (dl.T[None] * (cov @ dl.T)).sum(axis=1)
+        norm2 = (dl * dl).sum(axis=1)[None, :]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            valid = ((norm2 != 0.0) & np.isfinite(v) & (v > 1e-12 * level[:, None] * norm2)
+                     & (pair_group[sel][None, :] != g_ok[:, None]))
+            pp = np.where(valid, pp_from_z(m / np.sqrt(np.where(valid, v, 1.0))), 0.0)
+            cnt = valid.sum(axis=1)
+            closed[g_ok, b] = np.where(cnt > 0, pp.sum(axis=1) / np.maximum(cnt, 1), np.nan)
+
+
+def _fourth_moments(s: dict[str, np.ndarray], g: np.ndarray, b: int, a: np.ndarray, beta: np.ndarray,
+                    tau: float) -> np.ndarray:
+    """:func:`qk_core.plasticity.query_model._bucket_fourth_moment` of bucket b for the groups ``g`` at once:
+    sum |q - a - beta s|^4 over the bucket's queries (s = t - tau) from the group-complement sums ``s``."""
+    def at(key: str) -> np.ndarray:
+        return s[key][g, b]
+
+    def dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return (x * y).sum(axis=-1)
+
+    def quad(x: np.ndarray, M: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return (x[:, :, None] * M * y[:, None, :]).sum(axis=(1, 2))
+
+    xs = at("xt") - tau * at("x")
+    c0, c1, c2 = dot(a, a), 2.0 * dot(a, beta), dot(beta, beta)
+    S0, S1, S2, S3, S4 = (at(k) for k in ("n", "s", "ss", "s3", "s4"))
+    B2 = quad(a, at("xx"), a) + 2.0 * quad(a, at("xxs"), beta) + quad(beta, at("xxs2"), beta)
+    C2 = c0 * c0 * S0 + 2 * c0 * c1 * S1 + (c1 * c1 + 2 * c0 * c2) * S2 + 2 * c1 * c2 * S3 + c2 * c2 * S4
+    AB = dot(a, at("r2x")) + dot(beta, at("r2xs"))
+    AC = c0 * at("r2") + c1 * at("r2s") + c2 * at("r2s2")
+    BC = (dot(a, c0[:, None] * at("x") + c1[:, None] * xs + c2[:, None] * at("xs2"))
+          + dot(beta, c0[:, None] * xs + c1[:, None] * at("xs2") + c2[:, None] * at("xs3")))
+    return at("r4") + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
