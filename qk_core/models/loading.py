@@ -166,6 +166,21 @@ def gguf_weights(key: str, src: Source, head_class: Any) -> Path:
     return folder
 
 
+def head_class(config: Any) -> Any:
+    """The auto class of a model with its LM head: ``AutoModelForImageTextToText`` for a multimodal checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+
+
+def convert_gguf(entry: ModelEntry) -> Path:
+    """Convert a ``gguf_package`` entry into the cache :func:`load_model` reads (config, tokenizer, dequantised
+    weights), once; ``make setup`` converts the demo models side by side (``qk_core.setup_data``)."""
+    config = load_config(entry)
+    load_tokenizer(entry.key, entry.tokenizer, entry.trust_remote_code)
+    return gguf_weights(entry.key, entry.source, head_class(config))
+
+
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -414,12 +429,12 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     or ``AutoModelForImageTextToText`` for a multimodal checkpoint; ``backbone`` is still its text decoder.
     """
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModel
 
     device = resolve_device(device)
     dtype = resolve_dtype(entry.dtype, device)
     config = config if config is not None else load_config(entry)
-    head = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    head = head_class(config)
     if entry.source.kind == "gguf_package":  # the dequantised weights, converted once (gguf_weights)
         name, kwargs = str(gguf_weights(entry.key, entry.source, head)), {}
     else:
