@@ -48,16 +48,15 @@ def _analyse(model: str, storage: Any, prefix: str, heads: pd.DataFrame, entry: 
     from qk_core.plasticity.analysis import CaptureQuerySums, analyse_model
 
     opts = resolve_options("plasticity", entry.analysis, {"coverage": "all", "interval": "percentile"})
+    class Sums(CaptureQuerySums):  # the Gaussian form: the same sums without the exact Ledoit-Wolf terms
+        def __call__(self, layer: int, q_head: int) -> dict[str, np.ndarray]:
+            s = super().__call__(layer, q_head)
+            return {k: v for k, v in s.items() if f"q_{k}" not in LW_KEYS} if gaussian else s
+
     reader = CaptureReader(storage, prefix)
-    sums = CaptureQuerySums(reader)
-
-    def sums_of(layer: int, q_head: int) -> dict[str, np.ndarray]:
-        s = sums(layer, q_head)
-        return {k: v for k, v in s.items() if f"q_{k}" not in LW_KEYS} if gaussian else s
-
     pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
     return analyse_model(model, pairs, reader.read_head, reader.doc_tokens()["example_id"].to_numpy(),
-                         reader.window, reader.bucket, opts, sums_of=sums_of)
+                         reader.window, reader.bucket, opts, sums_of=Sums(reader))
 
 
 def compare(ref: Any, other: Any, name: str) -> list[dict[str, Any]]:

@@ -107,23 +107,21 @@ class CaptureSession(AttentionHook):
             k_norm=isinstance(getattr(module, "k_norm", None), torch.nn.Module),
             use_rope=None if use_rope is None else bool(use_rope),
         )
-        if self.moments is not None and layer in self._m_index:
-            self._accumulate(layer, query, key, self.moments)
-        idx = self._index.get(layer)
-        if idx is None:
-            return
-        if query.shape[0] != 1:
+        gather, accumulate = self._index.get(layer), self.moments is not None and layer in self._m_index
+        if (gather is not None or accumulate) and query.shape[0] != 1:
             raise CaptureHookError(f"layer {layer}: capture runs with batch size 1, got {query.shape[0]}")
+        if accumulate:
+            self._accumulate(layer, query, key, self.moments)
+        if gather is None:
+            return
         dev = query.device  # layers of a model sharded over devices may live elsewhere
-        q_heads, kv_heads = (t.to(dev) for t in idx)
+        q_heads, kv_heads = (t.to(dev) for t in gather)
         q = query[0].index_select(0, q_heads).index_select(1, self._pos_t[(layer, "q")].to(dev))
         k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")].to(dev))
         self._buffers[layer] = (q.to(self.device, torch.float32), k.to(self.device, torch.float32))
 
     def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor, m: MomentPlan) -> None:
         """SPEC 12.1 sums of every listed head of ``layer`` over every position, on the layer's device."""
-        if query.shape[0] != 1:
-            raise CaptureHookError(f"layer {layer}: capture runs with batch size 1, got {query.shape[0]}")
         if query.shape[-2] != key.shape[-2]:
             raise CaptureHookError(f"layer {layer}: {query.shape[-2]} query and {key.shape[-2]} key positions; "
                                    "moments need a plain causal forward without cache")

@@ -91,7 +91,7 @@ import scipy.sparse
 from qk_core.capture.store import HeadData
 from qk_core.config.options import COVARIANCES, INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, n_buckets
 from qk_core.plasticity import aggregates as agg
-from qk_core.plasticity.analysis import CaptureQuerySums
+from qk_core.plasticity.analysis import QuerySums
 from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments
 from qk_core.runtime.blas import blas_threads
 from qk_core.stats.bootstrap import doc_weights
@@ -161,7 +161,7 @@ class CorpusInputs:
     read_head: Callable[[int, int], HeadData] | None = None  # the capture's heads (bias_strength resamples)
     # the capture's query moments when plasticity used coverage "all" (SPEC 12.2): the refits then leave out
     # document groups of every position's query model, as plasticity's jackknife did
-    query_sums: CaptureQuerySums | None = None
+    query_sums: QuerySums | None = None
 
 
 @dataclass

@@ -58,6 +58,7 @@ def remeasure(entry: Any, corpus: pd.DataFrame, storage: Storage, loaded: Any, h
             "debias": capture_model(e, corpus, storage, loaded=loaded, heads=list(heads),
                                     intervention=InterventionSession(loaded.backbone, iv),
                                     log=log, corpus_name=corpus_name)}
+    popts = popts.with_(coverage="sampled")  # a recapture of chosen heads holds their rows only (no moments)
     L, B = int(entry.window), int(entry.bucket)
     tau = agg.bucket_tau(L, B)
     doc_ids = np.unique(caps["baseline"].doc_tokens["example_id"].to_numpy(np.int64))

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -63,6 +63,17 @@ class QueryGroups:
 
     sums: dict[str, np.ndarray]
     group_of: np.ndarray
+
+
+class QuerySums(Protocol):
+    """Where the query model of every position reads its moments (SPEC 12.2): a head's per-bucket query sums
+    (keys without ``q_``), and for interval ``jackknife_t`` (4.6) those of each of ``n_groups`` document groups."""
+
+    n_groups: int
+
+    def __call__(self, layer: int, q_head: int) -> dict[str, np.ndarray]: ...
+
+    def groups(self, layer: int, q_head: int) -> QueryGroups: ...
 
 
 @dataclass
@@ -393,8 +404,7 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
                                 "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
         try:
             sums = None if sums_of is None else sums_of(int(layer), int(q_head))
-            groups = (sums_of.groups(int(layer), int(q_head)) if sums is not None and _jackknife(opts)
-                      and isinstance(sums_of, CaptureQuerySums) else None)
+            groups = sums_of.groups(int(layer), int(q_head)) if sums_of is not None and _jackknife(opts) else None
         except (CaptureError, StorageError, KeyError) as exc:
             return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
                                 "covariance": opts.covariance}, "read_error", f"moments: {exc}", J, W.shape[0])
@@ -443,7 +453,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     boots_emp: list[np.ndarray] = []
     loos: list[np.ndarray] = []
     loos_emp: list[np.ndarray] = []
-    units = sums_of.n_groups if isinstance(sums_of, CaptureQuerySums) else len(doc_ids)  # left out in turn (4.6)
+    units = sums_of.n_groups if sums_of is not None else len(doc_ids)  # left out in turn (4.6)
     jk_nan = np.full((units, n_buckets(L, B)), np.nan)
     heads = list(heads)
     pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
@@ -633,9 +643,6 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
                          sums_of=sums_of)
 
 
-QuerySums = Callable[[int, int], dict[str, np.ndarray]]
-
-
 def _jackknife(opts: PlasticityOptions) -> bool:
     return opts.interval == "jackknife_t" and opts.bootstrap > 0
 
@@ -650,7 +657,7 @@ class CaptureQuerySums:
         self._lock = threading.Lock()
         self._layers: dict[str, LayerMoments] = {}
         self.n_groups = reader.moment_groups()
-        n_docs = len(reader.doc_tokens())
+        n_docs = int(reader.complete["n_docs"])
         self.group_of = document_groups(n_docs, self.n_groups) if self.n_groups else np.zeros(0, np.int64)
 
     def _layer(self, kind: str, layer: int) -> LayerMoments:
