@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -136,3 +137,57 @@ def test_capture_finalized_before_checksums_is_refinalized(tmp_path: Path) -> No
     after = CaptureReader(storage, first.prefix).read_head(h["layer"], h["q_head"])
     np.testing.assert_array_equal(after.q, before.q)
     np.testing.assert_array_equal(after.k_pos, before.k_pos)
+
+
+def test_a_failed_commit_stops_the_capture_and_a_resume_completes_it(setup: tuple[Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A document's commit runs while the next document's forward runs (qk_core.capture.run). A commit that fails
+    (the disk, on the 4th document) stops the capture with that error after at most one more forward; the
+    documents committed before it stay, and the next run commits only the others, to the same rows and the same
+    merged moments, bit for bit, as an uninterrupted capture (SPEC 1.9, 12.1)."""
+    from qk_core.capture import hook
+    from qk_core.capture.store import CaptureWriter
+
+    reg_path, tmp = setup
+    reg = load_registry(reg_path)
+    corpus = local_corpus(reg.corpus("tiny").params)
+    storage = Storage(tmp / "storage")
+    commit, positions = CaptureWriter.write_document, hook.CaptureSession.set_positions
+    attempts: list[int] = []
+    forwards: list[int] = []
+
+    def failing_commit(self: Any, example_id: int, *args: Any, **kwargs: Any) -> None:
+        attempts.append(int(example_id))
+        if len(attempts) == 4:
+            raise OSError(28, "No space left on device")
+        commit(self, example_id, *args, **kwargs)
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.heads is not None:  # a document's forward (not the layers' probe)
+            forwards.append(1)
+        positions(self, *args, **kwargs)
+
+    monkeypatch.setattr(CaptureWriter, "write_document", failing_commit)
+    monkeypatch.setattr(hook.CaptureSession, "set_positions", counted)
+    seen: list[int] = []
+    with pytest.raises(OSError, match="No space left"):
+        capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e))
+    assert seen == [100, 101, 102] and attempts == [100, 101, 102, 103]
+    assert len(forwards) == 5  # the failed document's and the one that ran beside its commit
+    monkeypatch.undo()
+
+    resumed = capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e))
+    assert sorted(resumed.skipped_docs) == [100, 101, 102]
+    assert seen[3:] == list(range(103, 100 + N_DOCS))
+    fresh = capture_model(reg.model("m"), corpus, Storage(tmp / "fresh"), device="cpu")
+    a, b = CaptureReader(storage, resumed.prefix), CaptureReader(Storage(tmp / "fresh"), fresh.prefix)
+    assert a.moment_layers() and a.moment_layers() == b.moment_layers()
+    for layer in a.moment_layers():
+        x, y = a.read_moments(layer), b.read_moments(layer)
+        assert x.docs == y.docs == list(range(100, 100 + N_DOCS))
+        for key in y.sums:
+            assert np.array_equal(x.sums[key], y.sums[key]), (layer, key)
+    for h in a.manifest["heads"]:
+        x, y = a.read_head(h["layer"], h["q_head"]), b.read_head(h["layer"], h["q_head"])
+        ox, oy = np.lexsort((x.q_pos, x.q_doc)), np.lexsort((y.q_pos, y.q_doc))
+        assert np.array_equal(x.q[ox], y.q[oy]) and np.array_equal(x.q_doc[ox], y.q_doc[oy])

@@ -156,15 +156,17 @@ class CaptureSession(AttentionHook):
         """Planned layers whose attention never reached the capture function in the last forward."""
         return sorted((set(self._index) - set(self._buffers)) | (set(self._m_index) - set(self._moments)))
 
-    def collect_moments(self) -> dict[int, dict[str, np.ndarray]]:
+    def collect_moments(self, copy: bool = False) -> dict[int, dict[str, np.ndarray]]:
         """Every moment layer's sums of the last forward, moved to host in one transfer (SPEC 12.1): per-bucket
         query sums in the accumulation dtype, the others float64. On a CPU capture they are views of the session's
-        buffers, which the next forward overwrites: write them (or copy) before it."""
+        buffers, which the next forward overwrites: write them before it, or ask for a ``copy``."""
         missing = sorted(set(self._m_index) - set(self._moments))
         if missing:
             raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "
                                    "capture function")
         out = to_host(self._moments)
+        if copy and self.device.type == "cpu":  # from another device the transfer is a copy already
+            out = {layer: {k: v.copy() for k, v in sums.items()} for layer, sums in out.items()}
         self._moments.clear()
         return out
 

@@ -17,6 +17,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -380,7 +381,27 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     tokens = 0
     seconds = 0.0
     total = len(mine)
-    with hook.CaptureSession(loaded.backbone, plan, moment_plan) as session, _under(loaded, intervention):
+    # one document's commit (encoding, checksums, file I/O on the host) runs while the next document's forward
+    # runs: on a GPU the host is otherwise idle during the forward. At most one commit is in flight; its error
+    # stops the capture before the next commit (the documents committed before it stay, and resume).
+    pending: tuple[Future[None], int, int, float] | None = None
+
+    def committed(job: tuple[Future[None], int, int, float]) -> None:
+        nonlocal tokens, seconds
+        future, eid, n, dt = job
+        future.result()
+        captured.append(eid)
+        tokens += n
+        seconds += dt
+        done = len(skipped) + len(captured)
+        short = f" (shorter than the window {entry.window})" if n < entry.window else ""
+        log.info(f"{entry.key}: document {done}/{total} (id {eid}): {n} tokens{short} in {dt:.1f}s, "
+                 f"{n / dt:.0f} tok/s; run average {tokens / seconds:.0f} tok/s")
+        if on_document is not None:
+            on_document(eid, n)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-commit") as commits, \
+            hook.CaptureSession(loaded.backbone, plan, moment_plan) as session, _under(loaded, intervention):
         for eid, text in todo:
             ids = list(loaded.tokenizer(text, truncation=True, max_length=entry.window,
                                         add_special_tokens=True)["input_ids"])
@@ -393,25 +414,21 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
             try:
                 rows = session.collect()
-                sums = session.collect_moments()
+                sums = session.collect_moments(copy=True)  # the next forward reuses the session's buffers
             except hook.CaptureHookError as exc:
                 raise CaptureError(f"{entry.key}: {exc}") from exc
             moments = [LayerMoments(layer, np.asarray(q), np.asarray(kv), np.asarray(ki), moment_plan.bucket,
                                     moment_plan.n_buckets, sums[layer], [eid])
                        for layer, (q, kv, ki) in moment_plan.layers.items()]
             dt = time.perf_counter() - t0
+            if pending is not None:
+                committed(pending)
+                pending = None
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
-            writer.write_document(eid, n, rows, moments)
-            captured.append(eid)
-            tokens += n
-            seconds += dt
-            done = len(skipped) + len(captured)
-            short = f" (shorter than the window {entry.window})" if n < entry.window else ""
-            log.info(f"{entry.key}: document {done}/{total} (id {eid}): {n} tokens{short} in {dt:.1f}s, "
-                     f"{n / dt:.0f} tok/s; run average {tokens / seconds:.0f} tok/s")
-            if on_document is not None:
-                on_document(eid, n)
+            pending = (commits.submit(writer.write_document, eid, n, rows, moments), eid, n, dt)
+        if pending is not None:
+            committed(pending)
     if not finalize:
         log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "
                  f"({len(captured)} captured, {len(skipped)} already there); finalize left to the caller")
