@@ -276,6 +276,44 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
             "capture": {"moment_groups": 1}}}, tmp / "corpus.jsonl"))
 
 
+def test_group_files_hold_each_groups_query_sums_in_the_accumulation_dtype(setup: dict[str, Any]) -> None:
+    """``capture.moment_groups = 4`` over 5 documents (float32 sums): groups {3, 5}, {7}, {9}, {12}. A group of one
+    document keeps exactly that document's query sums (its file is the group's, other sums left out); a larger
+    group the float64 sum of its documents' in sorted order, rounded once to the accumulation dtype."""
+    from qk_core.capture.moments import POSITION_KEYS, moments_from_bytes
+
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-groups4.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moment_groups": 4, "keep_doc_files": True}}},
+        tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "groups4")
+    res = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    reader = CaptureReader(storage, res.prefix)
+    docs = {eid: moments_from_bytes(storage.read_bytes(f"{res.prefix}/moments/docs/doc-{eid}.npz"))
+            for eid in (3, 5, 7, 9, 12)}
+    for layer in reader.moment_layers():
+        groups = reader.read_moment_groups(layer)
+        assert groups.docs == [3, 5, 7, 9, 12] and groups.sums["q_n"].shape[0] == 4
+        assert set(groups.sums) == {k for k in docs[3][layer].sums if k.startswith("q_")}
+        for g, members in enumerate([(3, 5), (7,), (9,), (12,)]):
+            for key, arr in groups.sums.items():
+                total = sum(docs[e][layer].sums[key] for e in members)
+                want = total if key in POSITION_KEYS else total.astype(np.float32).astype(np.float64)
+                assert np.array_equal(arr[g], want), (layer, g, key)
+    # the default 16 groups: every document alone, every group file made of the documents' own files
+    reg = load_registry(tm.write_registry(tmp / "registry-groups16.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "keep_doc_files": True}}}, tmp / "corpus.jsonl"))
+    res = capture_model(reg.model("m"), setup["corpus"], Storage(tmp / "groups16"), device="cpu")
+    reader = CaptureReader(Storage(tmp / "groups16"), res.prefix)
+    for layer in reader.moment_layers():
+        groups = reader.read_moment_groups(layer)
+        assert set(groups.sums) == {k for k in docs[3][layer].sums if k.startswith("q_")}
+        for g, e in enumerate((3, 5, 7, 9, 12)):
+            assert all(np.array_equal(arr[g], docs[e][layer].sums[key]) for key, arr in groups.sums.items())
+
+
 def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:
     """``capture.moments = false`` (not in the fingerprint: it adds files, not rows) stores no moments, and
     coverage 'all' then fails naming the capture instead of silently falling back."""

@@ -536,29 +536,27 @@ def group_query_sums(m: LayerMoments, dtype: str) -> LayerMoments:
     return replace(m, sums=keep, docs=list(m.docs))
 
 
-def write_group_layer(fh: BinaryIO, layer: int, group_files: Sequence[Any]) -> None:
-    """One layer's document-group file (module doc) from the groups' files, each :func:`write_moments` of one
-    group's :func:`group_query_sums` in group order: every sum stacked on a leading group axis, the documents of
-    all groups in order. Reads one array of each group at a time."""
-    zs = [np.load(f, allow_pickle=False) for f in group_files]
-    try:
-        p = f"L{layer}."
+def write_group_layer(fh: BinaryIO, layer: int, groups: Sequence[Any]) -> None:
+    """One layer's document-group file (module doc) from the groups' files in group order, opened with ``np.load``
+    (once for every layer: opening one reads its whole zip directory). Each is :func:`write_moments` of one
+    group's :func:`group_query_sums` or, for a group of one document, that document's own moments file (whose
+    query sums are the same numbers in the same dtypes; its other sums are left out): every query sum stacked on
+    a leading group axis, the documents of all groups in order. Reads one array of each group at a time."""
+    p = f"L{layer}."
+    kept = {*LAYOUT_KEYS, *Q_KEYS, *LW_KEYS}
 
-        def arrays() -> Iterator[tuple[str, np.ndarray]]:
-            common = set.intersection(*(set(z.files) for z in zs))  # keys every group has (as the merge keeps)
-            for name in [n for n in zs[0].files if n.startswith(p) and n in common]:
-                key = name[len(p):]
-                if key == "docs":
-                    yield name, np.concatenate([z[name] for z in zs])
-                elif key in LAYOUT_KEYS:
-                    yield name, zs[0][name]
-                else:
-                    yield name, np.stack([z[name] for z in zs])
+    def arrays() -> Iterator[tuple[str, np.ndarray]]:
+        common = set.intersection(*(set(z.files) for z in groups))  # keys every group has (as the merge keeps)
+        for name in [n for n in groups[0].files if n.startswith(p) and n in common and n[len(p):] in kept]:
+            key = name[len(p):]
+            if key == "docs":
+                yield name, np.concatenate([z[name] for z in groups])
+            elif key in LAYOUT_KEYS:
+                yield name, groups[0][name]
+            else:
+                yield name, np.stack([z[name] for z in groups])
 
-        write_npz(fh, arrays())
-    finally:
-        for z in zs:
-            z.close()
+    write_npz(fh, arrays())
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:

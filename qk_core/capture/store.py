@@ -503,23 +503,31 @@ class CaptureWriter:
                 _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
                 if keep_doc_files:
                     files[rel] = file_record(data)
+                ends = rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]
+                alone = ends and (rank == 0 or group_of[rank - 1] != group_of[rank])  # a group of one document
                 for m in iter_moments(data):  # one layer decoded at a time
                     mergers.setdefault(m.layer, MomentMerger()).add(m)
-                    group.add(m)
-                del data
-                if rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]:
+                    if not alone:
+                        group.add(m)
+                if ends:
                     path = Path(spill) / f"group-{group_of[rank]:05d}.npz"
-                    with open(path, "wb") as fh:
-                        group.write(fh, plan.get("dtype", "float64"))
+                    if alone:  # its query sums are the document's own, in the same dtypes: its file as it is
+                        path.write_bytes(data)
+                    else:
+                        with open(path, "wb") as fh:
+                            group.write(fh, plan.get("dtype", "float64"))
                     group_files.append(path)
                     group = GroupSums()
-            for layer, merger in sorted(mergers.items()):
-                assert merger.merged is not None
-                rel = moments_file(self.prefix, layer)
-                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
-                rel = moment_groups_file(self.prefix, layer)
-                files[rel] = self.storage.write_stream(
-                    rel, lambda fh, layer=layer: write_group_layer(fh, layer, group_files))
+                del data
+            with contextlib.ExitStack() as opened:
+                groups = [opened.enter_context(np.load(path, allow_pickle=False)) for path in group_files]
+                for layer, merger in sorted(mergers.items()):
+                    assert merger.merged is not None
+                    rel = moments_file(self.prefix, layer)
+                    files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
+                    rel = moment_groups_file(self.prefix, layer)
+                    files[rel] = self.storage.write_stream(
+                        rel, lambda fh, layer=layer: write_group_layer(fh, layer, groups))
         n_groups = int(group_of.max()) + 1
         return (sorted(mergers), f"{len(shas)} documents merged in sorted example-id order; their query sums kept "
                 f"in {n_groups} contiguous groups of that order", n_groups)
