@@ -139,12 +139,15 @@ def test_capture_finalized_before_checksums_is_refinalized(tmp_path: Path) -> No
     np.testing.assert_array_equal(after.k_pos, before.k_pos)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 def test_a_failed_commit_stops_the_capture_and_a_resume_completes_it(setup: tuple[Path, Path],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A document's commit runs while the next document's forward runs (qk_core.capture.run). A commit that fails
-    (the disk, on the 4th document) stops the capture with that error after at most one more forward; the
-    documents committed before it stay, and the next run commits only the others, to the same rows and the same
-    merged moments, bit for bit, as an uninterrupted capture (SPEC 1.9, 12.1)."""
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      overlap: bool) -> None:
+    """With ``overlap_commits`` a document's commit runs while the next document's forward runs (the default on
+    an accelerator), else before it. A commit that fails (the disk, on the 4th document) stops the capture with
+    that error after at most one more forward; the documents committed before it stay, and the next run commits
+    only the others, to the same rows and the same merged moments, bit for bit, as an uninterrupted capture
+    (SPEC 1.9, 12.1)."""
     from qk_core.capture import hook
     from qk_core.capture.store import CaptureWriter
 
@@ -171,9 +174,10 @@ def test_a_failed_commit_stops_the_capture_and_a_resume_completes_it(setup: tupl
     monkeypatch.setattr(hook.CaptureSession, "set_positions", counted)
     seen: list[int] = []
     with pytest.raises(OSError, match="No space left"):
-        capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e))
+        capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e),
+                      overlap_commits=overlap)
     assert seen == [100, 101, 102] and attempts == [100, 101, 102, 103]
-    assert len(forwards) == 5  # the failed document's and the one that ran beside its commit
+    assert len(forwards) == (5 if overlap else 4)  # with overlap, the next document's ran beside the commit
     monkeypatch.undo()
 
     resumed = capture_model(reg.model("m"), corpus, storage, device="cpu", on_document=lambda e, n: seen.append(e))
