@@ -387,7 +387,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     # document's forward runs. At most one commit is in flight; its error stops the capture before the next
     # commit (the documents committed before it stay, and resume). Off by default on a CPU: on 2 cores it was no
     # faster at 2K (capture_cpu --moments 1.450x against 1.447x serial) and at 8K its thread competed with the
-    # forward's (1.108x wall, 1.42x peak RSS against 1.043x / 1.15x serial; 2026-11-26).
+    # forward's (1.108x wall, 1.42x peak RSS against 1.063x / 0.98x serial; 2026-11-26).
     overlap = str(dev) != "cpu" if overlap_commits is None else bool(overlap_commits)
     pending: tuple[Future[None], int, int, float] | None = None
 
