@@ -359,7 +359,8 @@ def test_file_replaced_during_finalize_s3(world: dict[str, Any], table: FaultTab
 def rewritten(data: bytes) -> bytes:
     """The same document file (same rows, same row groups) with one more metadata key: other bytes, new ETag."""
     pf = pq.ParquetFile(pa.BufferReader(data))
-    schema = pf.schema_arrow.with_metadata({**(pf.schema_arrow.metadata or {}), b"rewritten": b"1"})
+    kept = {k: v for k, v in (pf.metadata.metadata or {}).items() if k != b"ARROW:schema"}  # the footer's keys
+    schema = pf.schema_arrow.with_metadata({**kept, b"rewritten": b"1"})
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(sink, schema, use_dictionary=False) as writer:
         for i in range(pf.num_row_groups):

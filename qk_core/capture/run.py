@@ -391,10 +391,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     overlap = str(dev) != "cpu" if overlap_commits is None else bool(overlap_commits)
     pending: tuple[Future[None], int, int, float] | None = None
 
-    def committed(job: tuple[Future[None], int, int, float]) -> None:
+    def committed(eid: int, n: int, dt: float) -> None:
         nonlocal tokens, seconds
-        future, eid, n, dt = job
-        future.result()
         captured.append(eid)
         tokens += n
         seconds += dt
@@ -427,16 +425,19 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                        for layer, (q, kv, ki) in moment_plan.layers.items()]
             dt = time.perf_counter() - t0
             if pending is not None:
-                committed(pending)
+                pending[0].result()
+                committed(*pending[1:])
                 pending = None
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
-            pending = (commits.submit(writer.write_document, eid, n, rows, moments), eid, n, dt)
-            if not overlap:
-                committed(pending)
-                pending = None
+            if overlap:
+                pending = (commits.submit(writer.write_document, eid, n, rows, moments), eid, n, dt)
+            else:
+                writer.write_document(eid, n, rows, moments)
+                committed(eid, n, dt)
         if pending is not None:
-            committed(pending)
+            pending[0].result()
+            committed(*pending[1:])
     if not finalize:
         log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "
                  f"({len(captured)} captured, {len(skipped)} already there); finalize left to the caller")

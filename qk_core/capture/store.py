@@ -48,6 +48,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -256,14 +257,16 @@ class CaptureWriter:
         meta = {"n_tokens": str(int(n_tokens)), "example_id": str(int(example_id)), "groups": json.dumps(groups),
                 "fingerprint": str(self.fp)}
         layers = list(moments or [])
-        if layers:
-            if any(m.docs != [int(example_id)] for m in layers):
-                raise CaptureError(f"document {example_id}: moments of another document")
-            record = self.storage.write_stream(self._moments_doc(example_id), lambda fh: write_moments(fh, layers))
-            meta["moments_sha256"] = record["sha256"]
+        if any(m.docs != [int(example_id)] for m in layers):
+            raise CaptureError(f"document {example_id}: moments of another document")
         schema = row_schema(d).with_metadata(meta)
         rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
-        with self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
+        # the moments file is written beside the rows (the host's other core) and committed first; the document
+        # file, which records its checksum, becomes visible only after it
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moments-commit") as pool, \
+                self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
+            moments_written = pool.submit(self.storage.write_stream, self._moments_doc(example_id),
+                                          lambda fh: write_moments(fh, layers)) if layers else None
             for r in rows:
                 n = len(r.positions)
                 if not n:
@@ -276,6 +279,8 @@ class CaptureWriter:
                     "position": pa.array(np.asarray(r.positions, dtype=np.int32)),
                     "vec": _vec_array(np.asarray(r.vectors, dtype=np.float32)),
                 }, schema=schema))
+            if moments_written is not None:
+                writer.add_key_value_metadata({"moments_sha256": moments_written.result()["sha256"]})
 
     def _doc_index(self, rel: str) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
         """(example_id, n_tokens, d, {head file: (row group or -1, rows)}) of a document file from its footer.
@@ -286,7 +291,7 @@ class CaptureWriter:
         return self.storage.with_parquet_file(rel, lambda pf: self._doc_footer(rel, pf))
 
     def _doc_footer(self, rel: str, pf: pq.ParquetFile) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
-        meta = pf.schema_arrow.metadata or {}
+        meta = pf.metadata.metadata or {}
         d = pf.schema_arrow.field("vec").type.list_size
         n_tokens = int(meta.get(b"n_tokens", b"-1"))
         owner = meta.get(b"fingerprint")
@@ -367,8 +372,14 @@ class CaptureWriter:
         spill_at = self._spill_folder(sum(sizes.values()) * (4 * d + 12))
         files: dict[str, dict[str, Any]] = {}
         max_open = _raise_open_files(len(names))
-        for start in range(0, len(names), max_open):
-            files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes, spill_at))
+        # the moment merge shares nothing with the fan-out but the document list: it runs beside it (both spend
+        # most of their time in Arrow, numpy, zlib and hashlib, which release the GIL)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moment-merge") as pool:
+            merging = pool.submit(self._merge_moments, index, keep_doc_files)
+            for start in range(0, len(names), max_open):
+                files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes, spill_at))
+            moment_files, moment_layers, moment_note, moment_groups = merging.result()
+        files.update(moment_files)
         counts = {name: sizes[name] for name in names}
         tokens = pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
                            "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())})
@@ -378,7 +389,6 @@ class CaptureWriter:
         self.storage.write_bytes(f"{self.prefix}/doc_tokens.parquet", data)
         files[f"{self.prefix}/doc_tokens.parquet"] = file_record(data)
         files[f"{self.prefix}/manifest.json"] = file_record(self.storage.read_bytes(f"{self.prefix}/manifest.json"))
-        moment_layers, moment_note, moment_groups = self._merge_moments(index, files, keep_doc_files)
         if keep_doc_files:
             for rel in docs:
                 files[rel] = file_record(self.storage.read_bytes(rel))
@@ -474,18 +484,20 @@ class CaptureWriter:
     def _moments_doc(self, example_id: int) -> str:
         return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
 
-    def _merge_moments(self, index: list[tuple[str, int, int, int, Any]], files: dict[str, dict[str, Any]],
-                       keep_doc_files: bool) -> tuple[list[int], str, int]:
+    def _merge_moments(self, index: list[tuple[str, int, int, int, Any]],
+                       keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int]:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
-        intervals of SPEC 4.6) into ``moments/groups/L<layer>.npz``, each file recorded in ``files``. Returns
-        (layers, note, groups); no layers when a document has no moments (a capture from before them, or resumed
-        across that change). Memory: the merged layers and one group's; the groups wait in local spill files."""
+        intervals of SPEC 4.6) into ``moments/groups/L<layer>.npz``. Returns (the committed record of every file
+        written, or read when ``keep_doc_files``; layers; note; groups); no layers when a document has no moments
+        (a capture from before them, or resumed across that change). Memory: the merged layers and one group's;
+        the groups wait in local spill files."""
+        files: dict[str, dict[str, Any]] = {}
         shas = {eid: self.storage.with_parquet_file(
-            rel, lambda pf: (pf.schema_arrow.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
+            rel, lambda pf: (pf.metadata.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
         if not shas or any(v is None for v in shas.values()):
             missing = sum(v is None for v in shas.values())
-            return [], f"{missing} of {len(shas)} documents have no moments: none merged", 0
+            return files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0
         plan = self.manifest.get("moments") or {}
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
@@ -529,8 +541,9 @@ class CaptureWriter:
                     files[rel] = self.storage.write_stream(
                         rel, lambda fh, layer=layer: write_group_layer(fh, layer, groups))
         n_groups = int(group_of.max()) + 1
-        return (sorted(mergers), f"{len(shas)} documents merged in sorted example-id order; their query sums kept "
-                f"in {n_groups} contiguous groups of that order", n_groups)
+        note = (f"{len(shas)} documents merged in sorted example-id order; their query sums kept in {n_groups} "
+                f"contiguous groups of that order")
+        return files, sorted(mergers), note, n_groups
 
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
