@@ -506,57 +506,74 @@ def keep_common_lw_terms(merged: dict[str, np.ndarray], doc: dict[str, np.ndarra
         del merged[key]
 
 
-class GroupSums:
-    """One document group's query sums per layer (float64) as its documents' moments arrive, for the group file
-    (:func:`group_query_sums`, :func:`write_group_layer`)."""
+class GroupStack:
+    """One layer's document-group file (module doc), filled with its documents' stored arrays in sorted id order
+    (:func:`stored_layer`): a group of one document keeps that document's query sums as they are; a larger group
+    their float64 sum in that order, rounded once to the capture's accumulation ``dtype`` (the position sums stay
+    float64). ``keys``: the query sums every document of the capture has (as the merge keeps them)."""
 
-    def __init__(self) -> None:
-        self.layers: dict[int, LayerMoments] = {}
+    def __init__(self, layer: int, keys: Iterable[str], dtype: str) -> None:
+        self.layer = layer
+        self.keys = [k for k in (*Q_KEYS, *LW_KEYS) if k in set(keys)]
+        self.dtype = dtype
+        self.layout: dict[str, np.ndarray] = {}
+        self.docs: list[int] = []
+        self.stacked: dict[str, list[np.ndarray]] = {k: [] for k in self.keys}
+        self._open: dict[str, np.ndarray] | None = None  # the current group's float64 sums
+        self._members = 0
 
-    def add(self, m: LayerMoments) -> None:
-        g = self.layers.get(m.layer)
-        if g is None:
-            self.layers[m.layer] = group_query_sums(m, "float64")
-            return
-        keep_common_lw_terms(g.sums, m.sums)
-        for key in g.sums:
-            g.sums[key] += m.sums[key]
-        g.docs.append(int(m.docs[0]))
-
-    def write(self, fh: BinaryIO, dtype: str) -> None:
-        """The group's layers in ``dtype`` (the capture's accumulation dtype; positions stay float64)."""
-        write_moments(fh, [group_query_sums(g, dtype) for _, g in sorted(self.layers.items())])
-
-
-def group_query_sums(m: LayerMoments, dtype: str) -> LayerMoments:
-    """The per-bucket query sums of ``m`` (a document group's merge) as a group keeps them (module doc): the vector
-    sums in the capture's accumulation ``dtype`` (what one document's are), the position sums in float64."""
-    keep = {k: np.array(v, dtype=np.float64 if k in POSITION_KEYS else dtype) for k, v in m.sums.items()
-            if k in Q_KEYS or k in LW_KEYS}
-    return replace(m, sums=keep, docs=list(m.docs))
-
-
-def write_group_layer(fh: BinaryIO, layer: int, groups: Sequence[Any]) -> None:
-    """One layer's document-group file (module doc) from the groups' files in group order, opened with ``np.load``
-    (once for every layer: opening one reads its whole zip directory). Each is :func:`write_moments` of one
-    group's :func:`group_query_sums` or, for a group of one document, that document's own moments file (whose
-    query sums are the same numbers in the same dtypes; its other sums are left out): every query sum stacked on
-    a leading group axis, the documents of all groups in order. Reads one array of each group at a time."""
-    p = f"L{layer}."
-    kept = {*LAYOUT_KEYS, *Q_KEYS, *LW_KEYS}
-
-    def arrays() -> Iterator[tuple[str, np.ndarray]]:
-        common = set.intersection(*(set(z.files) for z in groups))  # keys every group has (as the merge keeps)
-        for name in [n for n in groups[0].files if n.startswith(p) and n in common and n[len(p):] in kept]:
-            key = name[len(p):]
-            if key == "docs":
-                yield name, np.concatenate([z[name] for z in groups])
-            elif key in LAYOUT_KEYS:
-                yield name, groups[0][name]
+    def add(self, stored: Mapping[str, np.ndarray], ends_group: bool) -> None:
+        """The next document's stored arrays of this layer; ``ends_group``: it is its group's last document."""
+        if not self.layout:
+            self.layout = {k: np.asarray(stored[k]) for k in ("q_heads", "kv_heads", "kv_index", "layout")}
+        self.docs += [int(e) for e in stored["docs"]]
+        self._members += 1
+        if self._members == 1 and ends_group:  # alone: its own numbers, in their stored dtypes
+            for k in self.keys:
+                self.stacked[k].append(np.asarray(stored[k]))
+        else:
+            if self._open is None:
+                self._open = {k: np.array(stored[k], dtype=np.float64) for k in self.keys}
             else:
-                yield name, np.stack([z[name] for z in groups])
+                for k in self.keys:
+                    self._open[k] += stored[k]
+            if ends_group:
+                for k in self.keys:
+                    self.stacked[k].append(self._open[k].astype(np.float64 if k in POSITION_KEYS else self.dtype))
+        if ends_group:
+            self._open, self._members = None, 0
 
-    write_npz(fh, arrays())
+    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The file's arrays for :func:`write_npz`: layout, every document in order, each sum on a group axis."""
+        if self._members:
+            raise ValueError(f"layer {self.layer}: the last document group was not closed")
+        p = f"L{self.layer}."
+        yield from ((p + k, v) for k, v in self.layout.items())
+        yield p + "docs", np.asarray(self.docs, np.int64)
+        for k in self.keys:
+            yield p + k, np.stack(self.stacked[k])
+
+
+def stored_layer(z: Any, layer: int) -> dict[str, np.ndarray]:
+    """One layer's arrays of an opened moments file (``np.load``) as stored (symmetric sums packed), by key."""
+    p = f"L{layer}."
+    return {name[len(p):]: z[name] for name in z.files if name.startswith(p)}
+
+
+def stored_layers(z: Any) -> list[int]:
+    """The layers of an opened moments file."""
+    return sorted({int(name.split(".", 1)[0][1:]) for name in z.files})
+
+
+def decode_layer(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:
+    """:class:`LayerMoments` of :func:`stored_layer`'s arrays: every sum float64, the symmetric ones unpacked."""
+    own = dict(stored)
+    bucket, n_buckets = (int(v) for v in own.pop("layout"))
+    d = int(own["q_x"].shape[-1])
+    own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
+                for k in list(own) if k not in LAYOUT_KEYS})
+    return LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket, n_buckets,
+                        own, [int(e) for e in own.pop("docs")])
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
@@ -579,13 +596,5 @@ def iter_moments(data: bytes) -> Iterator[LayerMoments]:
     import io
 
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        names = list(z.files)
-        for layer in sorted({int(name.split(".", 1)[0][1:]) for name in names}):
-            p = f"L{layer}."
-            own = {name[len(p):]: z[name] for name in names if name.startswith(p)}
-            bucket, n_buckets = (int(v) for v in own.pop("layout"))
-            d = int(own["q_x"].shape[-1])
-            own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
-                        for k in list(own) if k not in LAYOUT_KEYS})
-            yield LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket,
-                               n_buckets, own, [int(e) for e in own.pop("docs")])
+        for layer in stored_layers(z):
+            yield decode_layer(layer, stored_layer(z, layer))

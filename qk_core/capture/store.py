@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +60,16 @@ import pyarrow.parquet as pq
 
 from qk_core.capture.moments import (
     DEFAULT_GROUPS,
-    GroupSums,
+    GroupStack,
     LayerMoments,
     MomentMerger,
+    decode_layer,
     document_groups,
-    iter_moments,
     moments_from_bytes,
-    write_group_layer,
+    stored_layer,
+    stored_layers,
     write_moments,
+    write_npz,
 )
 from qk_core.io.storage import Storage, StorageError
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
@@ -490,8 +492,11 @@ class CaptureWriter:
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
         intervals of SPEC 4.6) into ``moments/groups/L<layer>.npz``. Returns (the committed record of every file
         written, or read when ``keep_doc_files``; layers; note; groups); no layers when a document has no moments
-        (a capture from before them, or resumed across that change). Memory: the merged layers and one group's;
-        the groups wait in local spill files."""
+        (a capture from before them, or resumed across that change).
+
+        Layer by layer: every document's file is checked against the checksum its document file committed and
+        kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
+        dropped. Memory: one layer's merge and its groups' query sums."""
         files: dict[str, dict[str, Any]] = {}
         shas = {eid: self.storage.with_parquet_file(
             rel, lambda pf: (pf.metadata.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
@@ -501,49 +506,63 @@ class CaptureWriter:
         plan = self.manifest.get("moments") or {}
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
-        mergers: dict[int, MomentMerger] = {}
-        group = GroupSums()  # the current group's query sums
-        with tempfile.TemporaryDirectory(prefix="qk-moment-groups-", dir=self._spill_folder(0)) as spill:
-            group_files: list[Path] = []
-            for rank, eid in enumerate(order):
-                rel = self._moments_doc(eid)
-                try:
-                    data = self.storage.read_bytes(rel)
-                except StorageError as exc:
-                    raise CaptureError(f"{self.storage.uri(rel)}: moments of a committed document unreadable "
-                                       f"({exc})") from exc
-                _check_content(self.storage.uri(rel), data, {"sha256": shas[eid].decode(), "bytes": len(data)})
-                if keep_doc_files:
-                    files[rel] = file_record(data)
-                ends = rank + 1 == len(order) or group_of[rank + 1] != group_of[rank]
-                alone = ends and (rank == 0 or group_of[rank - 1] != group_of[rank])  # a group of one document
-                for m in iter_moments(data):  # one layer decoded at a time
-                    mergers.setdefault(m.layer, MomentMerger()).add(m)
-                    if not alone:
-                        group.add(m)
-                if ends:
-                    path = Path(spill) / f"group-{group_of[rank]:05d}.npz"
-                    if alone:  # its query sums are the document's own, in the same dtypes: its file as it is
-                        path.write_bytes(data)
-                    else:
-                        with open(path, "wb") as fh:
-                            group.write(fh, plan.get("dtype", "float64"))
-                    group_files.append(path)
-                    group = GroupSums()
-                del data
-            with contextlib.ExitStack() as opened:
-                groups = [opened.enter_context(np.load(path, allow_pickle=False)) for path in group_files]
-                for layer, merger in sorted(mergers.items()):
-                    assert merger.merged is not None
-                    rel = moments_file(self.prefix, layer)
-                    files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
-                    rel = moment_groups_file(self.prefix, layer)
-                    files[rel] = self.storage.write_stream(
-                        rel, lambda fh, layer=layer: write_group_layer(fh, layer, groups))
+        ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(self._verified_moments(eid, shas[eid].decode(), files, keep_doc_files))
+                      for eid in order]
+            layers = stored_layers(opened[0])
+            for eid, z in zip(order, opened, strict=True):
+                if stored_layers(z) != layers:
+                    raise CaptureError(f"{self.storage.uri(self._moments_doc(eid))}: moments of layers "
+                                       f"{stored_layers(z)}, the first document's are of {layers}")
+            common = set.intersection(*(set(z.files) for z in opened))  # the sums every document has
+            for layer in layers:
+                merger = MomentMerger()
+                group = GroupStack(layer, [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")],
+                                   plan.get("dtype", "float64"))
+                for rank, z in enumerate(opened):
+                    own = stored_layer(z, layer)
+                    merger.add(decode_layer(layer, own))
+                    group.add(own, bool(ends[rank]))
+                assert merger.merged is not None
+                rel = moments_file(self.prefix, layer)
+                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
+                rel = moment_groups_file(self.prefix, layer)
+                files[rel] = self.storage.write_stream(rel, lambda fh, g=group: write_npz(fh, g.arrays()))
         n_groups = int(group_of.max()) + 1
         note = (f"{len(shas)} documents merged in sorted example-id order; their query sums kept in {n_groups} "
                 f"contiguous groups of that order")
-        return files, sorted(mergers), note, n_groups
+        return files, layers, note, n_groups
+
+    @contextlib.contextmanager
+    def _verified_moments(self, eid: int, sha: str, files: dict[str, dict[str, Any]],
+                          keep: bool) -> Iterator[Any]:
+        """A committed document's moments file opened with ``np.load`` once its SHA-256 is the one its document
+        file recorded (recorded in ``files`` when the capture ``keep``s its document files). A local file is hashed
+        and read through one descriptor (what was checked is what is read); from S3 it is copied to a local
+        temporary first."""
+        rel = self._moments_doc(eid)
+        uri = self.storage.uri(rel)
+        with contextlib.ExitStack() as stack:
+            try:
+                if self.storage.local_path(rel) is not None:
+                    fh = stack.enter_context(self.storage.open_read(rel))
+                else:
+                    spill = stack.enter_context(scratch_dir("moments-doc", self._spill_folder(self.storage.size(rel))))
+                    with open(spill / "doc.npz", "wb") as out:
+                        out.write(self.storage.read_bytes(rel))
+                    fh = stack.enter_context(open(spill / "doc.npz", "rb"))
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()
+                size = fh.tell()
+            except StorageError as exc:
+                raise CaptureError(f"{uri}: moments of a committed document unreadable ({exc})") from exc
+            if digest != sha:
+                raise CaptureError(f"{uri}: SHA-256 {digest[:16]}... differs from the committed {sha[:16]}... "
+                                   f"(altered or swapped)")
+            if keep:
+                files[rel] = {"sha256": digest, "bytes": size}
+            fh.seek(0)
+            yield stack.enter_context(np.load(fh, allow_pickle=False))
 
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
