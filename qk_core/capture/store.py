@@ -373,7 +373,7 @@ class CaptureWriter:
         names = sorted(sizes)
         spill_at = self._spill_folder(sum(sizes.values()) * (4 * d + 12))
         files: dict[str, dict[str, Any]] = {}
-        max_open = _raise_open_files(len(names))
+        max_open = max(16, _raise_open_files(len(names) + len(index)) - len(index))  # the merge holds every document
         # the moment merge shares nothing with the fan-out but the document list: it runs beside it (both spend
         # most of their time in Arrow, numpy, zlib and hashlib, which release the GIL)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moment-merge") as pool:
@@ -538,20 +538,14 @@ class CaptureWriter:
     def _verified_moments(self, eid: int, sha: str, files: dict[str, dict[str, Any]],
                           keep: bool) -> Iterator[Any]:
         """A committed document's moments file opened with ``np.load`` once its SHA-256 is the one its document
-        file recorded (recorded in ``files`` when the capture ``keep``s its document files). A local file is hashed
-        and read through one descriptor (what was checked is what is read); from S3 it is copied to a local
-        temporary first."""
+        file recorded (recorded in ``files`` when the capture ``keep``s its document files). It is hashed and then
+        read through one handle of one version (:meth:`Storage.open_read`: a local descriptor, an ETag-pinned S3
+        read whose layers come in ranged reads), so what was checked is what is read."""
         rel = self._moments_doc(eid)
         uri = self.storage.uri(rel)
         with contextlib.ExitStack() as stack:
             try:
-                if self.storage.local_path(rel) is not None:
-                    fh = stack.enter_context(self.storage.open_read(rel))
-                else:
-                    spill = stack.enter_context(scratch_dir("moments-doc", self._spill_folder(self.storage.size(rel))))
-                    with open(spill / "doc.npz", "wb") as out:
-                        out.write(self.storage.read_bytes(rel))
-                    fh = stack.enter_context(open(spill / "doc.npz", "rb"))
+                fh = stack.enter_context(self.storage.open_read(rel))
                 digest = hashlib.file_digest(fh, "sha256").hexdigest()
                 size = fh.tell()
             except StorageError as exc:
