@@ -25,9 +25,11 @@ import numpy as np
 
 from qk_core.plasticity.estimators import closed_form, pp_from_p, pp_from_z
 from qk_core.plasticity.query_model import (
+    FOURTH_KEYS,
     OK,
     QueryModel,
     QueryModelError,
+    bucket_fourth_moments,
     fit_query_model_from_moments,
     fit_sorted_queries,
 )
@@ -299,7 +301,8 @@ def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, 
             mu = np.trace(S_o, axis1=1, axis2=2) / d
             F2 = (S_o * S_o).sum(axis=(1, 2))
             if exact:
-                fourth = _fourth_moments(s, g_ok, b, xb - bt * (s["s"][g_ok, b] / m_b)[:, None], bt, (b + 0.5) * B)
+                fourth = bucket_fourth_moments({k: s[k][g_ok, b] for k in FOURTH_KEYS},
+                                               xb - bt * (s["s"][g_ok, b] / m_b)[:, None], bt, (b + 0.5) * B)
             else:
                 fourth = m_b * ((d * mu) ** 2 + 2.0 * F2)
             dev = ((S_o - mu[:, None, None] * eye) ** 2).sum(axis=(1, 2)) / d
@@ -327,28 +330,3 @@ def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, 
             pp = np.where(valid, pp_from_z(m / np.sqrt(np.where(valid, v, 1.0))), 0.0)
             cnt = valid.sum(axis=1)
             closed[g_ok, b] = np.where(cnt > 0, pp.sum(axis=1) / np.maximum(cnt, 1), np.nan)
-
-
-def _fourth_moments(s: dict[str, np.ndarray], g: np.ndarray, b: int, a: np.ndarray, beta: np.ndarray,
-                    tau: float) -> np.ndarray:
-    """:func:`qk_core.plasticity.query_model._bucket_fourth_moment` of bucket b for the groups ``g`` at once:
-    sum |q - a - beta s|^4 over the bucket's queries (s = t - tau) from the group-complement sums ``s``."""
-    def at(key: str) -> np.ndarray:
-        return s[key][g, b]
-
-    def dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return (x * y).sum(axis=-1)
-
-    def quad(x: np.ndarray, M: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return (x[:, :, None] * M * y[:, None, :]).sum(axis=(1, 2))
-
-    xs = at("xt") - tau * at("x")
-    c0, c1, c2 = dot(a, a), 2.0 * dot(a, beta), dot(beta, beta)
-    S0, S1, S2, S3, S4 = (at(k) for k in ("n", "s", "ss", "s3", "s4"))
-    B2 = quad(a, at("xx"), a) + 2.0 * quad(a, at("xxs"), beta) + quad(beta, at("xxs2"), beta)
-    C2 = c0 * c0 * S0 + 2 * c0 * c1 * S1 + (c1 * c1 + 2 * c0 * c2) * S2 + 2 * c1 * c2 * S3 + c2 * c2 * S4
-    AB = dot(a, at("r2x")) + dot(beta, at("r2xs"))
-    AC = c0 * at("r2") + c1 * at("r2s") + c2 * at("r2s2")
-    BC = (dot(a, c0[:, None] * at("x") + c1[:, None] * xs + c2[:, None] * at("xs2"))
-          + dot(beta, c0[:, None] * xs + c1[:, None] * at("xs2") + c2[:, None] * at("xs3")))
-    return at("r4") + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC

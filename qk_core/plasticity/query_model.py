@@ -20,6 +20,7 @@ Ledoit-Wolf starts from the maximum-likelihood covariance (divide by n), as in i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -255,23 +256,35 @@ def fit_sorted_queries(q: np.ndarray, t: np.ndarray, counts: np.ndarray, L: int,
                       r2, counts, status, mean, cov, shrink, "exact", orig)
 
 
-def _bucket_fourth_moment(s: dict[str, np.ndarray], b: int, a: np.ndarray, beta: np.ndarray, tau: float) -> float:
-    """sum |q - a - beta s|^4 over bucket b's queries (s = t - tau_b), from the SPEC 12.1 sums of that bucket.
+#: the per-bucket query sums (without ``q_``) that :func:`bucket_fourth_moments` reads
+FOURTH_KEYS = ("n", "s", "ss", "s3", "s4", "x", "xt", "xx", "xxs", "xxs2", "xs2", "xs3", "r2x", "r2xs", "r4", "r2",
+               "r2s", "r2s2")
+
+
+def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.ndarray, tau: float) -> np.ndarray:
+    """sum |q - a - beta s|^4 over one bucket's queries (s = t - tau, tau the bucket's midpoint), from its SPEC 12.1
+    sums, for G fits at once: ``s`` maps :data:`FOURTH_KEYS` to (G, ...) arrays (one bucket of G sets of sums),
+    ``a`` and ``beta`` are (G, d).
 
     With v = a + beta s: |y|^2 = |q|^2 - 2 q.v + |v|^2 =: A - 2 B + C, so sum |y|^4 = sum A^2 + 4 B^2 + C^2
     - 4 A B + 2 A C - 4 B C, each a contraction of a, beta with sums of q, q q^T, |q|^2 times powers of s.
     """
-    xs = s["xt"][b] - tau * s["x"][b]  # sum s x
-    c0, c1, c2 = float(a @ a), 2.0 * float(a @ beta), float(beta @ beta)
-    S0, S1, S2, S3, S4 = (float(s[k][b]) for k in ("n", "s", "ss", "s3", "s4"))
-    A2 = float(s["r4"][b])
-    B2 = float(a @ s["xx"][b] @ a + 2.0 * a @ s["xxs"][b] @ beta + beta @ s["xxs2"][b] @ beta)
+    def dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return (x * y).sum(axis=-1)
+
+    def quad(x: np.ndarray, M: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return (x[:, :, None] * M * y[:, None, :]).sum(axis=(1, 2))
+
+    xs = s["xt"] - tau * s["x"]  # sum s x
+    c0, c1, c2 = dot(a, a), 2.0 * dot(a, beta), dot(beta, beta)
+    S0, S1, S2, S3, S4 = (s[k] for k in ("n", "s", "ss", "s3", "s4"))
+    B2 = quad(a, s["xx"], a) + 2.0 * quad(a, s["xxs"], beta) + quad(beta, s["xxs2"], beta)
     C2 = c0 * c0 * S0 + 2 * c0 * c1 * S1 + (c1 * c1 + 2 * c0 * c2) * S2 + 2 * c1 * c2 * S3 + c2 * c2 * S4
-    AB = float(a @ s["r2x"][b] + beta @ s["r2xs"][b])
-    AC = c0 * float(s["r2"][b]) + c1 * float(s["r2s"][b]) + c2 * float(s["r2s2"][b])
-    BC = float(a @ (c0 * s["x"][b] + c1 * xs + c2 * s["xs2"][b]) + beta @ (c0 * xs + c1 * s["xs2"][b]
-                                                                             + c2 * s["xs3"][b]))
-    return A2 + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
+    AB = dot(a, s["r2x"]) + dot(beta, s["r2xs"])
+    AC = c0 * s["r2"] + c1 * s["r2s"] + c2 * s["r2s2"]
+    BC = (dot(a, c0[:, None] * s["x"] + c1[:, None] * xs + c2[:, None] * s["xs2"])
+          + dot(beta, c0[:, None] * xs + c1[:, None] * s["xs2"] + c2[:, None] * s["xs3"]))
+    return s["r4"] + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
 
 
 def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, covariance: str = "full",
@@ -282,7 +295,7 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     xt, xx and the Ledoit-Wolf terms) to that head's (J, ...) arrays. Equals :func:`fit_query_model` of the
     same rows (``resid1`` is empty: the coordinate-1 residuals are rows, SPEC 4.9 diagnostics read the
     sampled ones). The Ledoit-Wolf intensity is exact when the sums hold the exact terms (``xxs`` ...), from the
-    bucket's fourth moment (:func:`_bucket_fourth_moment`; its expansion loses about 4 log10(|mean| / spread)
+    bucket's fourth moment (:func:`bucket_fourth_moments`; its expansion loses about 4 log10(|mean| / spread)
     digits); otherwise the fourth moment is a Gaussian's with the bucket's covariance S (SPEC 12.1),
     sum |y|^4 = n_b ((tr S)^2 + 2 |S|_F^2), so the intensity's numerator is ((tr S)^2 + |S|_F^2) / (d n_b).
     """
@@ -346,7 +359,8 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
             a = xb - beta * (sums["s"][b] / m_b) if exact_lw else None  # bucket mean of q - beta s
             mu_lw = float(np.trace(S_o)) / d
             if exact_lw:
-                fourth = _bucket_fourth_moment(sums, b, a, beta, float(tau[b]))
+                fourth = float(bucket_fourth_moments({k: sums[k][b][None] for k in FOURTH_KEYS}, a[None], beta[None],
+                                                     float(tau[b]))[0])
             else:
                 fourth = m_b * ((d * mu_lw) ** 2 + 2.0 * float((S_o * S_o).sum()))
             delta = float(((S_o - mu_lw * np.eye(d)) ** 2).sum()) / d
