@@ -665,7 +665,7 @@ def layer_checks(shape: Shape, config: Any, manifest: dict[str, Any]) -> dict[st
         out["scaling = query_pre_attn_scalar^-1/2"] = all(
             abs(i["scaling"] - config.query_pre_attn_scalar ** -0.5) < 1e-9 for i in infos)
     else:
-        d = config.head_dim or config.hidden_size // config.num_attention_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         out["scaling = 1/sqrt(d)"] = all(abs(i["scaling"] - d ** -0.5) < 1e-9 for i in infos)
     return out
 
@@ -823,11 +823,33 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in (a.lengths or ("256" if a.tiny else "32768,131072")).split(",")]
     backends = a.backends.split(",") if a.backends else available_backends(a.device)
     started, t0, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter(), os.getloadavg()
-    results = []
-    for name in a.shapes.split(","):
-        for backend in backends:
-            for n in lengths:
-                print(f"{name} {backend} L={n} ...", flush=True)
+    results: list[dict[str, Any]] = []
+    cmd = "python bench/gpu_capture.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
+    dev_name, _ = device_peak_flops(a.device)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:
+        """The JSON and markdown of every case so far (rewritten after each: a run cut short keeps its cases)."""
+        meta = {"command": cmd, "started": started, "wall_s": time.perf_counter() - t0, "device": a.device,
+                "device_name": dev_name, "dtype": dtype, "versions": _versions(), "cpus": os.cpu_count(),
+                "load_avg_start": [round(x, 2) for x in load0],
+                "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+                "mode": "tiny widths" if a.tiny else "real widths", "repeats": a.repeats, "name": a.name,
+                "tol": TOL, "memory_note": ("torch.cuda.max_memory_allocated of each phase"
+                                            if a.device.startswith("cuda") else
+                                            "peak RSS of each phase (VmHWM reset before it), weights included"),
+                "note": "" if a.device.startswith("cuda") else CPU_NOTE}
+        (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                        "memory_scaling": memory_scaling(results)},
+                                                       indent=2, default=str))
+        (out / f"{a.name}.md").write_text(markdown(meta, results))
+
+    # length-major: every shape at the shorter length first, so a run cut short still covers every shape
+    for n in lengths:
+        for name in a.shapes.split(","):
+            for backend in backends:
+                print(f"{name} {backend} L={n} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
                 try:
                     rec = run_case(SHAPES[name], backend, n, a.device, dtype, a.tiny, a.repeats, a.check_heads)
                 except Exception as exc:  # one failed case is reported, the others still run
@@ -836,23 +858,13 @@ def main(argv: list[str] | None = None) -> int:
                            "traceback": traceback.format_exc()}
                     if a.device.startswith("cuda"):
                         torch.cuda.empty_cache()
-                print(f"  -> {rec['status']}" + (f" wall {rec['wall_ratio']:.3f}x peak {rec['peak_ratio']:.3f}x"
-                                                 if "wall_ratio" in rec else f" {rec.get('error', '')}"), flush=True)
+                print(f"  -> {rec['status']}" + (
+                    f" wall {rec['wall_ratio']:.3f}x peak {rec['peak_ratio']:.3f}x moments wall "
+                    f"{rec.get('moments_wall_ratio', float('nan')):.3f}x forward "
+                    f"{rec.get('moments_forward_ratio', float('nan')):.3f}x" if "wall_ratio" in rec
+                    else f" {rec.get('error', '')}"), flush=True)
                 results.append(rec)
-    cmd = "python bench/gpu_capture.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
-    dev_name, _ = device_peak_flops(a.device)
-    meta = {"command": cmd, "started": started, "wall_s": time.perf_counter() - t0, "device": a.device,
-            "device_name": dev_name, "dtype": dtype, "versions": _versions(), "cpus": os.cpu_count(),
-            "load_avg_start": [round(x, 2) for x in load0], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-            "mode": "tiny widths" if a.tiny else "real widths", "repeats": a.repeats, "name": a.name, "tol": TOL,
-            "memory_note": ("torch.cuda.max_memory_allocated of each phase" if a.device.startswith("cuda") else
-                            "peak RSS of each phase (VmHWM reset before it), weights included"),
-            "note": "" if a.device.startswith("cuda") else CPU_NOTE}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "results": results,
-                                                    "memory_scaling": memory_scaling(results)}, indent=2, default=str))
-    (out / f"{a.name}.md").write_text(markdown(meta, results))
+                write()
     print(f"wrote {out / a.name}.json and .md")
     return 0 if all(r["status"] == "ok" for r in results) else 1
 
