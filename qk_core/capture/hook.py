@@ -5,8 +5,10 @@ query/key tensors each attention call hands the kernel - after projections, q/k 
 pre-attention query scaling and any write hook (``debias``) - exactly what the kernel sees. Rows are
 gathered on the model's device with ``index_select`` and moved to host once per document by
 :meth:`CaptureSession.collect` (SPEC 1.3). In the same read, for every head of the layers in ``moments``
-and every position, the SPEC 12.1 sums are formed on the device (:func:`qk_core.capture.moments.accumulate`)
-and moved to host once per document by :meth:`CaptureSession.collect_moments`.
+and every position, the SPEC 12.1 sums are formed on the device (:func:`qk_core.capture.moments.accumulate`).
+On a CUDA device each layer's sums are copied into pinned host buffers on a side stream as soon as they are
+formed, so the transfer runs beside the next layers' compute; :meth:`CaptureSession.collect_moments` waits for
+those copies once per document. On the CPU they are written into reused host buffers.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ class CaptureSession(AttentionHook):
                                  torch.tensor(ki, device=self.device)) for layer, (q, kv, ki) in
                          (moments.layers if moments else {}).items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
-        self._m_store: dict[int, dict[str, torch.Tensor]] = {}  # every document's sums, reused (_moment_store)
+        # every document's sums, reused (_moment_store): one host store on the CPU; from a CUDA device two pinned
+        # ones, alternated per document (the sums of one stay valid while the next forward fills the other)
+        self._m_store: list[dict[int, dict[str, torch.Tensor]]] = [{}, {}]
+        self._slot = 0
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stack = contextlib.ExitStack()
         self.backend: str | None = None
 
@@ -130,25 +136,40 @@ class CaptureSession(AttentionHook):
         pos = np.arange(int(query.shape[-2]))
         sums = accumulate(query[0].index_select(0, q_idx.to(dev)), pos, key[0].index_select(0, kv_idx.to(dev)), pos,
                           kv_index.to(dev), m.bucket, m.n_buckets, getattr(torch, m.dtype), m.lw_intensity)
-        store = self._moment_store(layer, sums)
-        for k, v in sums.items():
-            store[k].copy_(v)
+        pinned = dev.type == "cuda"
+        store = self._moment_store(layer, sums, pinned)
+        if pinned:  # device -> pinned host on a side stream, after the sums are formed; the forward goes on
+            stream = self._copy_streams.get(dev)
+            if stream is None:
+                stream = self._copy_streams[dev] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for k, v in sums.items():
+                    store[k].copy_(v, non_blocking=True)
+                    v.record_stream(stream)  # the allocator keeps v until the copy is done
+        else:
+            for k, v in sums.items():
+                store[k].copy_(v)
         self._moments[layer] = store
 
-    def _moment_store(self, layer: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The buffers of ``layer``'s sums on the session's device, reused by every document. The first layer's
-        call allocates them for every planned layer at once: allocated one layer at a time, between the
-        accumulation's transient blocks, they fragmented the CPU heap (glibc kept ~1 GB more resident over the
-        30 layers of an 8K-token SmolLM2 forward)."""
-        if not self._m_store:
+    def _moment_store(self, layer: int, sums: dict[str, torch.Tensor], pinned: bool) -> dict[str, torch.Tensor]:
+        """The host buffers of ``layer``'s sums in the current slot, reused by every document (pinned for a copy
+        from a CUDA device). The first layer's call allocates them for every planned layer at once: allocated one
+        layer at a time, between the accumulation's transient blocks, they fragmented the CPU heap (glibc kept
+        ~1 GB more resident over the 30 layers of an 8K-token SmolLM2 forward)."""
+        stores = self._m_store[self._slot]
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+        if not stores:
             for other, (q_idx, kv_idx, _) in self._m_index.items():
-                self._m_store[other] = {k: torch.empty((len(kv_idx) if k.startswith("k_") else len(q_idx),
-                                                        *v.shape[1:]), dtype=v.dtype, device=self.device)
-                                        for k, v in sums.items()}
-        store = self._m_store[layer]
+                stores[other] = {k: alloc((len(kv_idx) if k.startswith("k_") else len(q_idx), *v.shape[1:]), v.dtype)
+                                 for k, v in sums.items()}
+        store = stores[layer]
         if set(store) != set(sums) or any(store[k].shape != v.shape or store[k].dtype != v.dtype
                                           for k, v in sums.items()):
-            store = self._m_store[layer] = {k: torch.empty_like(v, device=self.device) for k, v in sums.items()}
+            store = stores[layer] = {k: alloc(tuple(v.shape), v.dtype) for k, v in sums.items()}
         return store
 
     # ---- after the forward -------------------------------------------------------------------
@@ -157,15 +178,21 @@ class CaptureSession(AttentionHook):
         return sorted((set(self._index) - set(self._buffers)) | (set(self._m_index) - set(self._moments)))
 
     def collect_moments(self, copy: bool = False) -> dict[int, dict[str, np.ndarray]]:
-        """Every moment layer's sums of the last forward, moved to host in one transfer (SPEC 12.1): per-bucket
-        query sums in the accumulation dtype, the others float64. On a CPU capture they are views of the session's
-        buffers, which the next forward overwrites: write them before it, or ask for a ``copy``."""
+        """Every moment layer's sums of the last forward on the host (SPEC 12.1): per-bucket query sums in the
+        accumulation dtype, the others float64. They are views of the session's host buffers. On the CPU the
+        next forward overwrites them: write them before it, or ask for a ``copy``. From a CUDA device (after
+        waiting for the side-stream copies) they stay valid through the next forward, which fills the other
+        pinned buffers, and are overwritten by the one after it."""
         missing = sorted(set(self._m_index) - set(self._moments))
         if missing:
             raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "
                                    "capture function")
+        for stream in self._copy_streams.values():
+            stream.synchronize()
         out = to_host(self._moments)
-        if copy and self.device.type == "cpu":  # from another device the transfer is a copy already
+        if self._copy_streams:
+            self._slot = 1 - self._slot
+        elif copy:
             out = {layer: {k: v.copy() for k, v in sums.items()} for layer, sums in out.items()}
         self._moments.clear()
         return out

@@ -294,10 +294,12 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     del X
 
     # same-position pairs delta = q - k(kv head), per bucket
-    common, iq, ik = np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True)
+    paired = np.array_equal(q_pos, k_pos)  # the capture's case: rows already paired, none to select
+    common, iq, ik = ((q_pos, None, None) if paired else
+                      np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True))
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
     if len(common):
-        if np.array_equal(q_pos, k_pos):  # the capture's case: rows already paired, none to select
+        if paired:
             Qp, Kp, p_pos = q, k, q_pos
         else:
             Qp, Kp, p_pos = (q.index_select(1, torch.as_tensor(iq, device=dev)),

@@ -1,0 +1,150 @@
+"""Device time of the SPEC 12.1 moment accumulation of one layer, on the real head shapes (issue 22, item 4).
+
+Where the every-head capture's extra forward time goes, per layer. Random bf16 query/key tensors of a real
+shape's head layout, every position of one document of L tokens (bucket L/16), timed with CUDA events (median
+of ``--repeats`` after warm-up):
+
+- ``attention``: the layer's causal attention alone (``scaled_dot_product_attention``, GQA), for scale;
+- ``accumulate``: :func:`qk_core.capture.moments.accumulate` (float32 sums, Gaussian Ledoit-Wolf form: what
+  the capture runs by default);
+- ``pageable``: accumulate, then the sums to pageable host memory in one synchronous transfer (the capture's
+  transfer up to 50e8584: ``to_host`` of device tensors);
+- ``pinned``: accumulate, then the sums into pinned host buffers on a side stream (the capture's transfer since),
+  waited for at the end of the timed region;
+- ``bytes``: the bytes of one layer's sums.
+
+Run (CUDA only; about a minute)::
+
+    python bench/gpu_accumulate.py                       # writes bench/results/gpu_accumulate.{json,md}
+    python bench/gpu_accumulate.py --lengths 32768 --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+#: (query heads, KV heads, head dim) of the shapes in bench/gpu_capture.py
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-8b": (32, 8, 128), "smollm3-3b": (16, 4, 128), "gemma3-4b": (8, 4, 256)}
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, after two warm-up calls."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return statistics.median(out)
+
+
+def case(name: str, n: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from qk_core.capture.moments import accumulate, to_host
+
+    hq, hk, d = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn((1, h, n, d), generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    pos = np.arange(n)
+    kv = torch.arange(hq, device="cuda") // (hq // hk)
+    bucket, J = n // 16, 16
+
+    def acc() -> dict[str, Any]:
+        return accumulate(q[0], pos, k[0], pos, kv, bucket, J, torch.float32, "gaussian")
+
+    sums = acc()
+    nbytes = sum(t.numel() * t.element_size() for t in sums.values())
+    pinned = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for key, t in sums.items()}
+    stream = torch.cuda.Stream()
+
+    def to_pinned() -> None:
+        s = acc()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for key, t in s.items():
+                pinned[key].copy_(t, non_blocking=True)
+                t.record_stream(stream)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    row = {"shape": name, "tokens": n, "q_heads": hq, "kv_heads": hk, "d": d, "bytes": nbytes,
+           "attention_ms": timed(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                                 repeats),
+           "accumulate_ms": timed(acc, repeats),
+           "pageable_ms": timed(lambda: to_host({0: acc()}), repeats),
+           "pinned_ms": timed(to_pinned, repeats)}
+    return row
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    body = "\n".join(
+        f"| {r['shape']} | {r['tokens']} | {r['q_heads']}/{r['kv_heads']} x {r['d']} | {r['bytes'] / 2**20:.1f} | "
+        f"{r['attention_ms']:.2f} | {r['accumulate_ms']:.2f} | {r['pageable_ms']:.2f} | {r['pinned_ms']:.2f} |"
+        for r in rows)
+    return f"""# Moment accumulation per layer on the device (SPEC 12.1, issue 22)
+
+Command: `{meta['command']}`, {meta['started']}. Device: {meta['device']}; torch {meta['torch']}.
+Median of {meta['repeats']} CUDA-event timings after warm-up; random bf16 tensors; one layer, every position.
+
+| shape | L | heads x d | sums MB | attention ms | accumulate ms | + pageable transfer ms | + pinned side-stream ms |
+|---|---|---|---|---|---|---|---|
+{body}
+
+*attention*: the layer's causal SDPA alone (the forward's layer also runs its projections and MLP).
+*+ pageable transfer*: accumulate, then the sums to pageable host memory in one synchronous copy.
+*+ pinned side-stream*: accumulate, then the sums into pinned host buffers on a side stream (in a forward the copy
+overlaps the next layers; here it is waited for).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--name", default="gpu_accumulate")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device visible", file=sys.stderr)
+        return 2
+    meta = {"command": "python bench/gpu_accumulate.py" + "".join(f" {x}" for x in (argv or sys.argv[1:])),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "repeats": a.repeats}
+    rows = []
+    for n in (int(x) for x in a.lengths.split(",")):
+        for name in a.shapes.split(","):
+            rows.append(case(name, n, a.repeats))
+            torch.cuda.empty_cache()
+            print(json.dumps(rows[-1]), flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    (out / f"{a.name}.md").write_text(markdown(meta, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
