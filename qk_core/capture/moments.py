@@ -354,26 +354,53 @@ def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int]
 
 class MomentMerger:
     """Adds one layer's per-document moments in the order given (the caller's fixed order: sorted example
-    ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer."""
+    ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer.
+
+    The sums are kept as a moments file stores them, the symmetric d x d ones (:data:`SYMMETRIC`) as upper
+    triangles: a document read from its file is added without unpacking (:meth:`add_stored`), and the merge is
+    written as it is kept (:meth:`arrays`). :attr:`merged` unpacks them."""
 
     def __init__(self) -> None:
-        self.merged: LayerMoments | None = None
+        self._kept: LayerMoments | None = None  # the merge so far, symmetric sums packed
         self._rank = 0
 
     def add(self, m: LayerMoments) -> None:
-        """Add one document's moments (its rank in the order of the calls decides its parity)."""
+        """Add one document's moments (its rank in the order of the calls decides its parity); its symmetric
+        sums contribute their upper triangles."""
+        self._add(replace(m, sums={k: _pack(np.asarray(v)) if k in SYMMETRIC else v for k, v in m.sums.items()}))
+
+    def add_stored(self, layer: int, stored: Mapping[str, np.ndarray]) -> None:
+        """Add one document's ``layer`` as its moments file stores it (:func:`stored_layer`)."""
+        self._add(_stored_moments(layer, stored))
+
+    @property
+    def merged(self) -> LayerMoments | None:
+        """The merge so far, every sum float64, the symmetric ones unpacked (None before the first document)."""
+        if self._kept is None:
+            return None
+        kept = self._kept
+        return replace(kept, sums={k: _unpack(v, kept.d) if k in SYMMETRIC else v for k, v in kept.sums.items()},
+                       docs=list(kept.docs))
+
+    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The merge's arrays for :func:`write_npz`, as :func:`write_moments` stores them (no unpacking)."""
+        if self._kept is None:
+            raise ValueError("no documents were merged")
+        return _layer_arrays(self._kept, packed=True)
+
+    def _add(self, m: LayerMoments) -> None:
         if len(m.docs) != 1:
             raise ValueError("MomentMerger takes per-document moments (one example id each)")
         m = replace(m, sums={key: np.asarray(v, dtype=np.float64) for key, v in m.sums.items()})
-        if self.merged is None:
+        if self._kept is None:
             s = m.sums
             sums = {key: np.zeros(s[key].shape) for key in (*DOC_KEYS, *(k for k in LW_KEYS if k in s))}
             sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
             sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
             Hq, d = s["q_x"].shape[0], s["q_x"].shape[-1]
             sums.update(pm_cov=np.zeros((Hq, d, d)), pm_mean=np.zeros((Hq, d)), pm_unpaired=np.zeros(Hq))
-            self.merged = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
-        out = self.merged
+            self._kept = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
+        out = self._kept
         if (m.layer != out.layer or not np.array_equal(m.q_heads, out.q_heads)
                 or not np.array_equal(m.kv_heads, out.kv_heads) or m.bucket != out.bucket
                 or m.n_buckets != out.n_buckets):
@@ -391,7 +418,6 @@ class MomentMerger:
         out.docs.append(int(m.docs[0]))
         self._rank += 1
 
-
     @staticmethod
     def _permutation_terms(m: LayerMoments, out: dict[str, np.ndarray]) -> None:
         """Per-document terms of the within-document permutation null of SPEC 3 (ii)'s R^2(t ~ x + 1_Q).
@@ -405,7 +431,10 @@ class MomentMerger:
         not hold (their Q and K positions differ).
         """
         s = m.sums
+        d = s["q_x"].shape[-1]
         q = {k: s[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xx")}
+        q["xx"] = _unpack(q["xx"], d)  # the symmetric sums come packed (upper triangles)
+        k_xx, p_xx = _unpack(s["k_xx"], d), _unpack(s["p_xx"], d)
         kv = m.kv_index
         n = q["n"]
         paired = (s["p_n"] == n) & (s["k_n"][kv] == n) & (np.abs(s["k_t"][kv] - q["t"]) == 0)
@@ -414,7 +443,7 @@ class MomentMerger:
             tbar = np.where(n > 0, q["t"] / n, 0.0)
             w = np.where(n > 1, (q["tt"] - q["t"] * tbar) / (n - 1), 0.0)
         g = q["x"] + s["k_x"][kv]
-        gg = 2 * q["xx"] + 2 * s["k_xx"][kv] - s["p_xx"]
+        gg = 2 * q["xx"] + 2 * k_xx[kv] - p_xx
         with np.errstate(divide="ignore", invalid="ignore"):
             Sg = gg - np.where(n > 0, 1.0 / n, 0.0)[:, None, None] * g[:, :, None] * g[:, None, :]
         ok = paired[:, None]
@@ -433,8 +462,9 @@ def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
     merger = MomentMerger()
     for m in sorted(docs, key=lambda m: m.docs[0]):
         merger.add(m)
-    assert merger.merged is not None
-    return merger.merged
+    merged = merger.merged
+    assert merged is not None
+    return merged
 
 
 # ---- bytes on storage --------------------------------------------------------------------------------
@@ -480,7 +510,8 @@ def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
                 np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
 
 
-def _layer_arrays(m: LayerMoments) -> Iterator[tuple[str, np.ndarray]]:
+def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """A layer's arrays as a moments file stores them; ``packed``: its symmetric sums are upper triangles already."""
     p = f"L{m.layer}"
     layout = {"q_heads": m.q_heads, "kv_heads": m.kv_heads, "kv_index": m.kv_index,
               "layout": np.array([m.bucket, m.n_buckets], np.int64), "docs": np.asarray(m.docs, np.int64)}
@@ -490,7 +521,7 @@ def _layer_arrays(m: LayerMoments) -> Iterator[tuple[str, np.ndarray]]:
         v = np.asarray(v)
         if v.dtype not in (np.float32, np.float64):
             raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
-        yield f"{p}.{k}", _pack(v) if k in SYMMETRIC else v
+        yield f"{p}.{k}", _pack(v) if k in SYMMETRIC and not packed else v
 
 
 def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:
@@ -567,15 +598,20 @@ def stored_layers(z: Any) -> list[int]:
     return sorted({int(name.split(".", 1)[0][1:]) for name in z.files})
 
 
-def decode_layer(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:
-    """:class:`LayerMoments` of :func:`stored_layer`'s arrays: every sum float64, the symmetric ones unpacked."""
+def _stored_moments(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:
+    """:class:`LayerMoments` of :func:`stored_layer`'s arrays as stored: the symmetric sums packed, each sum in its
+    stored dtype (an internal form: :func:`decode_layer` is the public one)."""
     own = dict(stored)
     bucket, n_buckets = (int(v) for v in own.pop("layout"))
-    d = int(own["q_x"].shape[-1])
-    own.update({k: _unpack(own[k], d) if k in SYMMETRIC else np.asarray(own[k], np.float64)
-                for k in list(own) if k not in LAYOUT_KEYS})
     return LayerMoments(layer, own.pop("q_heads"), own.pop("kv_heads"), own.pop("kv_index"), bucket, n_buckets,
                         own, [int(e) for e in own.pop("docs")])
+
+
+def decode_layer(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:
+    """:class:`LayerMoments` of :func:`stored_layer`'s arrays: every sum float64, the symmetric ones unpacked."""
+    m = _stored_moments(layer, stored)
+    return replace(m, sums={k: _unpack(v, m.d) if k in SYMMETRIC else np.asarray(v, np.float64)
+                            for k, v in m.sums.items()})
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:

@@ -63,7 +63,6 @@ from qk_core.capture.moments import (
     GroupStack,
     LayerMoments,
     MomentMerger,
-    decode_layer,
     document_groups,
     moments_from_bytes,
     stored_layer,
@@ -522,11 +521,10 @@ class CaptureWriter:
                                    plan.get("dtype", "float64"))
                 for rank, z in enumerate(opened):
                     own = stored_layer(z, layer)
-                    merger.add(decode_layer(layer, own))
+                    merger.add_stored(layer, own)
                     group.add(own, bool(ends[rank]))
-                assert merger.merged is not None
                 rel = moments_file(self.prefix, layer)
-                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger.merged: write_moments(fh, [m]))
+                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger: write_npz(fh, m.arrays()))
                 rel = moment_groups_file(self.prefix, layer)
                 files[rel] = self.storage.write_stream(rel, lambda fh, g=group: write_npz(fh, g.arrays()))
         n_groups = int(group_of.max()) + 1
