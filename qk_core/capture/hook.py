@@ -29,6 +29,14 @@ class CaptureHookError(AttentionHookError):
     """The capture could not be attached, or a layer yielded no vectors (names the layer)."""
 
 
+def _heads(x: torch.Tensor, heads: list[int], index: torch.Tensor) -> torch.Tensor:
+    """The rows of ``heads`` of a (1, H, n, d) query or key tensor: the tensor itself when they are all of its heads
+    in order (no copy), else gathered."""
+    if list(heads) == list(range(x.shape[1])):
+        return x[0]
+    return x[0].index_select(0, index.to(x.device))
+
+
 class CaptureSession(AttentionHook):
     """Records sampled Q/K rows of one text backbone while it runs under the capture function.
 
@@ -132,10 +140,12 @@ class CaptureSession(AttentionHook):
             raise CaptureHookError(f"layer {layer}: {query.shape[-2]} query and {key.shape[-2]} key positions; "
                                    "moments need a plain causal forward without cache")
         dev = query.device
-        q_idx, kv_idx, kv_index = self._m_index[layer]
+        q_idx, kv_idx, _ = self._m_index[layer]
+        q_heads, kv_heads, kv_index = m.layers[layer]
         pos = np.arange(int(query.shape[-2]))
-        sums = accumulate(query[0].index_select(0, q_idx.to(dev)), pos, key[0].index_select(0, kv_idx.to(dev)), pos,
-                          kv_index.to(dev), m.bucket, m.n_buckets, getattr(torch, m.dtype), m.lw_intensity)
+        sums = accumulate(_heads(query, q_heads, q_idx), pos, _heads(key, kv_heads, kv_idx), pos,
+                          np.asarray(kv_index, dtype=np.int64), m.bucket, m.n_buckets, getattr(torch, m.dtype),
+                          m.lw_intensity)
         pinned = dev.type == "cuda"
         store = self._moment_store(layer, sums, pinned)
         if pinned:  # device -> pinned host on a side stream, after the sums are formed; the forward goes on

@@ -254,8 +254,14 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     B, J = int(bucket), int(n_buckets)
     Hq, Hk, d = q.shape[0], k.shape[0], q.shape[-1]
     exact = lw_intensity == "exact"
+    host_kv = (kv_index.numpy() if isinstance(kv_index, torch.Tensor) and kv_index.device.type == "cpu"
+               else None if isinstance(kv_index, torch.Tensor) else np.asarray(kv_index, dtype=np.int64))
+    # grouped-query order (query head h on KV row h // (Hq / Hk), the capture's case): the pairs broadcast each
+    # KV head over its query heads, no gathered copy
+    grouped = (host_kv is not None and Hq % Hk == 0
+               and np.array_equal(host_kv, np.arange(Hq) // (Hq // Hk)))
     kv = (kv_index.to(dev) if isinstance(kv_index, torch.Tensor)
-          else torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev))
+          else torch.as_tensor(host_kv, device=dev))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     out: dict[str, Any] = {}
 
@@ -304,7 +310,11 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
         else:
             Qp, Kp, p_pos = (q.index_select(1, torch.as_tensor(iq, device=dev)),
                              k.index_select(1, torch.as_tensor(ik, device=dev)), common)
-        D = _padded(Qp.to(acc) - Kp.index_select(0, kv).to(acc), _buckets(p_pos, B, J, dev, acc), acc)
+        if grouped:
+            diff = (Qp.to(acc).unflatten(0, (Hk, Hq // Hk)) - Kp.to(acc).unsqueeze(1)).flatten(0, 1)
+        else:
+            diff = Qp.to(acc) - Kp.index_select(0, kv).to(acc)
+        D = _padded(diff, _buckets(p_pos, B, J, dev, acc), acc)
         out["p_x"] = D.sum(2).to(f64).sum(1)
         out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
     else:
