@@ -403,6 +403,15 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
         if on_document is not None:
             on_document(eid, n)
 
+    def settle() -> None:
+        """Wait for the commit in flight, if any, and count its document."""
+        nonlocal pending
+        if pending is not None:
+            future, *done = pending
+            pending = None
+            future.result()
+            committed(*done)
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-commit") as commits, \
             hook.CaptureSession(loaded.backbone, plan, moment_plan) as session, _under(loaded, intervention):
         for eid, text in todo:
@@ -424,10 +433,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                                     moment_plan.n_buckets, sums[layer], [eid])
                        for layer, (q, kv, ki) in moment_plan.layers.items()]
             dt = time.perf_counter() - t0
-            if pending is not None:
-                pending[0].result()
-                committed(*pending[1:])
-                pending = None
+            settle()
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
             if overlap:
@@ -435,9 +441,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
             else:
                 writer.write_document(eid, n, rows, moments)
                 committed(eid, n, dt)
-        if pending is not None:
-            pending[0].result()
-            committed(*pending[1:])
+        settle()
     if not finalize:
         log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "
                  f"({len(captured)} captured, {len(skipped)} already there); finalize left to the caller")

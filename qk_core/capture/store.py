@@ -51,7 +51,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -70,7 +70,7 @@ from qk_core.capture.moments import (
     write_moments,
     write_npz,
 )
-from qk_core.io.storage import Storage, StorageError
+from qk_core.io.storage import Storage, StorageError, file_record
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
 SCHEMA_VERSION = 1
@@ -151,6 +151,19 @@ class HeadData:
         return int(self.q.shape[1])
 
 
+class _DocIndex(NamedTuple):
+    """What finalize reads from a document file's footer: its ``groups`` map {head file: (row group or -1, rows)}
+    (None for a document file without a group index: then it is read whole) and the SHA-256 of its moments file
+    (None when it has none)."""
+
+    rel: str
+    example_id: int
+    n_tokens: int
+    d: int
+    groups: dict[str, tuple[int, int]] | None
+    moments_sha256: str | None
+
+
 class _HashingSink(io.RawIOBase):
     """A binary file that hashes (SHA-256) and counts what is written through it."""
 
@@ -174,20 +187,15 @@ class _HashingSink(io.RawIOBase):
         return {"sha256": self.sha.hexdigest(), "bytes": self.size}
 
 
-def file_record(data: bytes) -> dict[str, Any]:
-    """The committed identity of a file's content: SHA-256 and size in bytes."""
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-
-def _check_content(uri: str, data: bytes, want: dict[str, Any] | None) -> None:
+def _check_record(uri: str, got: dict[str, Any], want: dict[str, Any] | None) -> None:
+    """A file's :func:`file_record` against the committed one (its size too, where that was committed)."""
     if want is None:
         raise CaptureError(f"{uri}: not a committed file of this capture (no checksum in complete.json)")
-    if len(data) != int(want["bytes"]):
-        raise CaptureError(f"{uri}: {len(data)} bytes, committed {want['bytes']} (truncated or replaced)")
-    got = hashlib.sha256(data).hexdigest()
-    if got != want["sha256"]:
-        raise CaptureError(f"{uri}: SHA-256 {got[:16]}... differs from the committed {want['sha256'][:16]}... "
-                           f"(altered or swapped)")
+    if "bytes" in want and got["bytes"] != int(want["bytes"]):
+        raise CaptureError(f"{uri}: {got['bytes']} bytes, committed {want['bytes']} (truncated or replaced)")
+    if got["sha256"] != want["sha256"]:
+        raise CaptureError(f"{uri}: SHA-256 {got['sha256'][:16]}... differs from the committed "
+                           f"{want['sha256'][:16]}... (altered or swapped)")
 
 
 def _raise_open_files(needed: int) -> int:
@@ -283,27 +291,26 @@ class CaptureWriter:
             if moments_written is not None:
                 writer.add_key_value_metadata({"moments_sha256": moments_written.result()["sha256"]})
 
-    def _doc_index(self, rel: str) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
-        """(example_id, n_tokens, d, {head file: (row group or -1, rows)}) of a document file from its footer.
-
-        The group map is None for a document file without a group index (then it is read whole). A
-        document file of another capture (a different fingerprint in its metadata) is an error.
-        """
+    def _doc_index(self, rel: str) -> _DocIndex:
+        """A document file's :class:`_DocIndex`, from its footer. A document file of another capture (a different
+        fingerprint in its metadata) is an error."""
         return self.storage.with_parquet_file(rel, lambda pf: self._doc_footer(rel, pf))
 
-    def _doc_footer(self, rel: str, pf: pq.ParquetFile) -> tuple[int, int, int, dict[str, tuple[int, int]] | None]:
+    def _doc_footer(self, rel: str, pf: pq.ParquetFile) -> _DocIndex:
         meta = pf.metadata.metadata or {}
         d = pf.schema_arrow.field("vec").type.list_size
         n_tokens = int(meta.get(b"n_tokens", b"-1"))
         owner = meta.get(b"fingerprint")
         if owner is not None and owner.decode() != str(self.fp):
             raise CaptureError(f"{self.storage.uri(rel)}: a document of capture {owner.decode()}, not of {self.fp}")
+        sha = meta.get(b"moments_sha256")
+        moments_sha = None if sha is None else sha.decode()
         if b"groups" not in meta:
             eid = int(pf.read(columns=["example_id"]).column("example_id")[0].as_py())
-            return eid, n_tokens, d, None
+            return _DocIndex(rel, eid, n_tokens, d, None, moments_sha)
         groups = {self._head_file(k, int(la), int(h)): (int(g), int(n))
                   for k, la, h, n, g in json.loads(meta[b"groups"])}
-        return int(meta[b"example_id"]), n_tokens, d, groups
+        return _DocIndex(rel, int(meta[b"example_id"]), n_tokens, d, groups, moments_sha)
 
     def _split_doc(self, rel: str, groups: dict[str, tuple[int, int]] | None,
                    names: set[str]) -> dict[str, pa.Table]:
@@ -359,14 +366,15 @@ class CaptureWriter:
         if not docs:
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no documents were captured")
         t0 = time.perf_counter()
-        index = [(rel, *self._doc_index(rel)) for rel in docs]
-        d = index[0][3]
-        for rel, _, _, dd, _ in index:
-            if dd != d:
-                raise CaptureError(f"{self.storage.uri(rel)}: vectors of dimension {dd}, the capture has {d}")
+        index = [self._doc_index(rel) for rel in docs]
+        d = index[0].d
+        for doc in index:
+            if doc.d != d:
+                raise CaptureError(f"{self.storage.uri(doc.rel)}: vectors of dimension {doc.d}, the capture has {d}")
         sizes: dict[str, int] = defaultdict(int)
-        for rel, _, _, _, groups in index:
-            counts_of = self._count_legacy(rel) if groups is None else {n: c for n, (_, c) in groups.items()}
+        for doc in index:
+            counts_of = (self._count_legacy(doc.rel) if doc.groups is None
+                         else {n: c for n, (_, c) in doc.groups.items()})
             for name, n in counts_of.items():
                 sizes[name] += n
         names = sorted(sizes)
@@ -382,8 +390,8 @@ class CaptureWriter:
             moment_files, moment_layers, moment_note, moment_groups = merging.result()
         files.update(moment_files)
         counts = {name: sizes[name] for name in names}
-        tokens = pa.table({"example_id": pa.array([e for _, e, _, _, _ in index], pa.int64()),
-                           "n_tokens": pa.array([n for _, _, n, _, _ in index], pa.int32())})
+        tokens = pa.table({"example_id": pa.array([doc.example_id for doc in index], pa.int64()),
+                           "n_tokens": pa.array([doc.n_tokens for doc in index], pa.int32())})
         sink = pa.BufferOutputStream()
         pq.write_table(tokens, sink)
         data = sink.getvalue().to_pybytes()
@@ -429,7 +437,7 @@ class CaptureWriter:
         raise CaptureError(str(disk_full(tmp, f"{what} (its spill files, in the system temp folder)", need, "TMPDIR"))
                            + ("" if local is None else "; the storage root's volume has no room for them either"))
 
-    def _fan_out(self, index: list[tuple[str, int, int, int, Any]], names: list[str], d: int,
+    def _fan_out(self, index: list[_DocIndex], names: list[str], d: int,
                  batch_bytes: int, spill_at: Path | None = None) -> dict[str, dict[str, Any]]:
         """One pass over the documents writing the head files ``names``; returns their checksums.
 
@@ -454,8 +462,8 @@ class CaptureWriter:
                         if parts:
                             streams[name].write_table(pa.concat_tables(parts).combine_chunks())
 
-                for rel, _, _, _, groups in index:
-                    for name, part in self._split_doc(rel, groups, wanted).items():
+                for doc in index:
+                    for name, part in self._split_doc(doc.rel, doc.groups, wanted).items():
                         buffered[name].append(part)
                         held += part.num_rows * row_bytes
                     if held >= batch_bytes:
@@ -485,7 +493,7 @@ class CaptureWriter:
     def _moments_doc(self, example_id: int) -> str:
         return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
 
-    def _merge_moments(self, index: list[tuple[str, int, int, int, Any]],
+    def _merge_moments(self, index: list[_DocIndex],
                        keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int]:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
@@ -497,8 +505,7 @@ class CaptureWriter:
         kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
         dropped. Memory: one layer's merge and its groups' query sums."""
         files: dict[str, dict[str, Any]] = {}
-        shas = {eid: self.storage.with_parquet_file(
-            rel, lambda pf: (pf.metadata.metadata or {}).get(b"moments_sha256")) for rel, eid, *_ in index}
+        shas = {doc.example_id: doc.moments_sha256 for doc in index}
         if not shas or any(v is None for v in shas.values()):
             missing = sum(v is None for v in shas.values())
             return files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0
@@ -507,7 +514,7 @@ class CaptureWriter:
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
         with contextlib.ExitStack() as stack:
-            opened = [stack.enter_context(self._verified_moments(eid, shas[eid].decode(), files, keep_doc_files))
+            opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files))
                       for eid in order]
             layers = stored_layers(opened[0])
             for eid, z in zip(order, opened, strict=True):
@@ -544,15 +551,12 @@ class CaptureWriter:
         with contextlib.ExitStack() as stack:
             try:
                 fh = stack.enter_context(self.storage.open_read(rel))
-                digest = hashlib.file_digest(fh, "sha256").hexdigest()
-                size = fh.tell()
+                got = file_record(fh)
             except StorageError as exc:
                 raise CaptureError(f"{uri}: moments of a committed document unreadable ({exc})") from exc
-            if digest != sha:
-                raise CaptureError(f"{uri}: SHA-256 {digest[:16]}... differs from the committed {sha[:16]}... "
-                                   f"(altered or swapped)")
+            _check_record(uri, got, {"sha256": sha})
             if keep:
-                files[rel] = {"sha256": digest, "bytes": size}
+                files[rel] = got
             fh.seek(0)
             yield stack.enter_context(np.load(fh, allow_pickle=False))
 
@@ -638,7 +642,7 @@ class CaptureReader:
             data = self.storage.read_bytes(rel)
         except StorageError as exc:
             raise CaptureError(str(exc)) from exc
-        _check_content(self.storage.uri(rel), data, self.files.get(name))
+        _check_record(self.storage.uri(rel), file_record(data), self.files.get(name))
         return data
 
     def _verified_parquet(self, name: str) -> pa.Table:

@@ -39,6 +39,16 @@ def s3_timeout_s() -> float:
     return float(int_env("QK_S3_TIMEOUT_S", 30))
 
 
+def file_record(data: bytes | BinaryIO) -> dict[str, Any]:
+    """The committed identity of a file's content (bytes, or a binary file read from where it stands to its end):
+    SHA-256 and size in bytes."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    start = data.tell()
+    digest = hashlib.file_digest(data, "sha256").hexdigest()
+    return {"sha256": digest, "bytes": data.tell() - start}
+
+
 class StorageError(RuntimeError):
     """An artifact is missing or unreadable; the message names the file."""
 
@@ -215,9 +225,7 @@ class Storage:
             with open(tmp, "wb") as fh:
                 write(fh)
             with open(tmp, "rb") as fh:
-                digest = hashlib.file_digest(fh, "sha256").hexdigest()
-            size = os.path.getsize(tmp)
-        return {"sha256": digest, "bytes": size}
+                return file_record(fh)
 
     def write_text(self, rel: str, text: str) -> str:
         return self.write_bytes(rel, text.encode("utf-8"))
