@@ -15,7 +15,7 @@ import torch
 
 from qk_core.capture import capture_model
 from qk_core.capture.moments import LW_KEYS
-from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moments_file
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moment_groups_file, moments_file
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
@@ -46,8 +46,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sampled, full = _registry(tmp, 2, 5), _registry(tmp, 16, 100)  # per_bucket = B: every position
     corpus = local_corpus(sampled.corpus("tiny").params)
     s_sampled, s_full = Storage(tmp / "sampled"), Storage(tmp / "full")
-    return {"tmp": tmp, "corpus": corpus, "sampled_reg": sampled, "storage": s_sampled,
-            "sampled": capture_model(sampled.model("m"), corpus, s_sampled, device="cpu"),
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QK_HOST_THREADS", "1")  # the reference merge: one layer at a time
+        one_worker = capture_model(sampled.model("m"), corpus, s_sampled, device="cpu")
+    return {"tmp": tmp, "corpus": corpus, "sampled_reg": sampled, "storage": s_sampled, "sampled": one_worker,
             "full_storage": s_full, "full": capture_model(full.model("m"), corpus, s_full, device="cpu")}
 
 
@@ -145,18 +147,25 @@ def test_every_head_geometry_from_capture_moments_equals_the_rows_of_every_posit
     assert n == len(res.heads)
 
 
-def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any]) -> None:
+def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two shards committed in either order, finalized merging three layers at once (``QK_HOST_THREADS``): the
+    merged and group files are the bytes of one worker's capture merged one layer at a time."""
     entry, corpus = setup["sampled_reg"].model("m"), setup["corpus"]
     storage = Storage(setup["tmp"] / "sharded")
     ids = [int(e) for e in corpus["example_id"]]
     for part in (ids[3:], ids[:3]):
         res = capture_model(entry, corpus, storage, device="cpu", only_docs=part, finalize=False)
-    CaptureWriter(storage, entry.key, storage.read_json(f"{res.prefix}/manifest.json")).finalize()
+    monkeypatch.setenv("QK_HOST_THREADS", "3")
+    summary = CaptureWriter(storage, entry.key, storage.read_json(f"{res.prefix}/manifest.json")).finalize()
+    assert summary["verification"]["passed"]
     one = setup["storage"]
     assert res.prefix == setup["sampled"].prefix
-    for layer in CaptureReader(one, res.prefix).moment_layers():
-        rel = moments_file(res.prefix, layer)
-        assert storage.read_bytes(rel) == one.read_bytes(rel)
+    layers = CaptureReader(one, res.prefix).moment_layers()
+    assert len(layers) >= 3
+    for layer in layers:
+        for rel in (moments_file(res.prefix, layer), moment_groups_file(res.prefix, layer)):
+            assert storage.read_bytes(rel) == one.read_bytes(rel), rel
 
 
 def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, Any]) -> None:

@@ -116,7 +116,7 @@ class LayerMoments:
 
     @property
     def d(self) -> int:
-        return int(self.sums["k_x"].shape[-1])
+        return int(self.sums["q_x"].shape[-1])
 
     def head_index(self, q_head: int) -> int:
         """Row of ``q_head`` in the query-head arrays."""

@@ -70,6 +70,7 @@ from qk_core.capture.moments import (
     write_moments,
     write_npz,
 )
+from qk_core.config.settings import int_env
 from qk_core.io.storage import Storage, StorageError, file_record
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
@@ -196,6 +197,14 @@ def _check_record(uri: str, got: dict[str, Any], want: dict[str, Any] | None) ->
     if got["sha256"] != want["sha256"]:
         raise CaptureError(f"{uri}: SHA-256 {got['sha256'][:16]}... differs from the committed "
                            f"{want['sha256'][:16]}... (altered or swapped)")
+
+
+def host_threads(tasks: int) -> int:
+    """Threads for finalize's per-layer moment merge and for verification (hashing, reading, writing: work that
+    releases the GIL): ``QK_HOST_THREADS``, by default half the cores this process may use (the other half keeps
+    the row fan-out and Arrow's threads busy), at least 1 and at most ``tasks``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(int(tasks), int_env("QK_HOST_THREADS", max(1, cores // 2))))
 
 
 def _raise_open_files(needed: int) -> int:
@@ -503,7 +512,8 @@ class CaptureWriter:
 
         Layer by layer: every document's file is checked against the checksum its document file committed and
         kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
-        dropped. Memory: one layer's merge and its groups' query sums."""
+        dropped, :func:`host_threads` layers at once. Memory: that many layers' merges and their groups' query
+        sums."""
         files: dict[str, dict[str, Any]] = {}
         shas = {doc.example_id: doc.moments_sha256 for doc in index}
         if not shas or any(v is None for v in shas.values()):
@@ -522,7 +532,8 @@ class CaptureWriter:
                     raise CaptureError(f"{self.storage.uri(self._moments_doc(eid))}: moments of layers "
                                        f"{stored_layers(z)}, the first document's are of {layers}")
             common = set.intersection(*(set(z.files) for z in opened))  # the sums every document has
-            for layer in layers:
+
+            def merge_layer(layer: int) -> dict[str, dict[str, Any]]:
                 merger = MomentMerger()
                 group = GroupStack(layer, [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")],
                                    plan.get("dtype", "float64"))
@@ -530,10 +541,15 @@ class CaptureWriter:
                     own = stored_layer(z, layer)
                     merger.add_stored(layer, own)
                     group.add(own, bool(ends[rank]))
-                rel = moments_file(self.prefix, layer)
-                files[rel] = self.storage.write_stream(rel, lambda fh, m=merger: write_npz(fh, m.arrays()))
-                rel = moment_groups_file(self.prefix, layer)
-                files[rel] = self.storage.write_stream(rel, lambda fh, g=group: write_npz(fh, g.arrays()))
+                merged, grouped = moments_file(self.prefix, layer), moment_groups_file(self.prefix, layer)
+                return {merged: self.storage.write_stream(merged, lambda fh: write_npz(fh, merger.arrays())),
+                        grouped: self.storage.write_stream(grouped, lambda fh: write_npz(fh, group.arrays()))}
+
+            # layers are independent: merged by host_threads() at once (zipfile serialises the reads of one
+            # document's file; adding, hashing and writing release the GIL)
+            with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
+                for written in pool.map(merge_layer, layers):
+                    files.update(written)
         n_groups = int(group_of.max()) + 1
         note = (f"{len(shas)} documents merged in sorted example-id order; their query sums kept in {n_groups} "
                 f"contiguous groups of that order")
@@ -658,9 +674,9 @@ class CaptureReader:
         Raises :class:`CaptureError` naming the first file that is missing, truncated, altered or swapped.
         """
         t0 = time.perf_counter()
-        n_bytes = 0
-        for name in sorted(self.files):
-            n_bytes += len(self._verified_bytes(name))
+        names = sorted(self.files)
+        with ThreadPoolExecutor(max_workers=host_threads(len(names)), thread_name_prefix="qk-verify") as pool:
+            n_bytes = sum(pool.map(lambda name: len(self._verified_bytes(name)), names))  # raises in name order
         self._check_owner()
         return {"files": len(self.files), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)}
 
