@@ -60,9 +60,8 @@ class CaptureSession(AttentionHook):
         self._pos_t: dict[tuple[int, str], torch.Tensor] = {}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.moments = moments
-        self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device),
-                                 torch.tensor(ki, device=self.device)) for layer, (q, kv, ki) in
-                         (moments.layers if moments else {}).items()}
+        self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device))
+                         for layer, (q, kv, _) in (moments.layers if moments else {}).items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
         # every document's sums, reused (_moment_store): one host store on the CPU; from a CUDA device two pinned
         # ones, alternated per document (the sums of one stay valid while the next forward fills the other)
@@ -140,7 +139,7 @@ class CaptureSession(AttentionHook):
             raise CaptureHookError(f"layer {layer}: {query.shape[-2]} query and {key.shape[-2]} key positions; "
                                    "moments need a plain causal forward without cache")
         dev = query.device
-        q_idx, kv_idx, _ = self._m_index[layer]
+        q_idx, kv_idx = self._m_index[layer]
         q_heads, kv_heads, kv_index = m.layers[layer]
         pos = np.arange(int(query.shape[-2]))
         sums = accumulate(_heads(query, q_heads, q_idx), pos, _heads(key, kv_heads, kv_idx), pos,
@@ -173,7 +172,7 @@ class CaptureSession(AttentionHook):
             return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
         if not stores:
-            for other, (q_idx, kv_idx, _) in self._m_index.items():
+            for other, (q_idx, kv_idx) in self._m_index.items():
                 stores[other] = {k: alloc((len(kv_idx) if k.startswith("k_") else len(q_idx), *v.shape[1:]), v.dtype)
                                  for k, v in sums.items()}
         store = stores[layer]

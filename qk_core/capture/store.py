@@ -201,11 +201,12 @@ def _check_record(uri: str, got: dict[str, Any], want: dict[str, Any] | None) ->
 
 def host_threads(tasks: int) -> int:
     """Threads for finalize's per-layer moment merge and for verification (hashing, reading, writing: work that
-    releases the GIL): ``QK_HOST_THREADS``, by default the cores this process may use up to 8, at least 1 and at
-    most ``tasks``. On 2 cores, 2 threads finalized qwen3-8b-sized moments (36 layers x 32 heads, d = 128) in 7.9 s
-    against 13.8 s for 1, beside the row fan-out."""
+    releases the GIL): ``QK_HOST_THREADS``, by default half the cores this process may use, up to 8 (the row
+    fan-out runs beside the merge), at least 1 and at most ``tasks``. On 2 cores, 2 threads finalized
+    qwen3-8b-sized moments (36 layers x 32 heads, d = 128) in 7.9 s against 13.8 s for 1; SmolLM2's (30 x 9 heads,
+    d = 64) gained nothing at 2K and its 8K finalize was slower, so 2 cores keep 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(int(tasks), int_env("QK_HOST_THREADS", min(8, cores))))
+    return max(1, min(int(tasks), int_env("QK_HOST_THREADS", max(1, min(8, cores // 2)))))
 
 
 def _raise_open_files(needed: int) -> int:

@@ -18,7 +18,7 @@
 |                     | volume (qk_assets/cli/preflight.py)                          |                          |
 | QK_S3_TIMEOUT_S     | seconds an S3 connect or read waits for the endpoint; a call | 30                       |
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
-| QK_HOST_THREADS     | threads of a capture's finalize for the per-layer moment     | the usable cores, <= 8   |
+| QK_HOST_THREADS     | threads of a capture's finalize for the per-layer moment     | half the cores, <= 8     |
 |                     | merge and the verification (qk_core.capture.store)           |                          |
 | QK_AUTOMATION_INTERVAL_S | seconds between evaluations of the two automation-condition | 30 (Dagster's default) |
 |                     | sensors; each evaluates the whole asset graph in the code    |                          |
