@@ -261,10 +261,11 @@ FOURTH_KEYS = ("n", "s", "ss", "s3", "s4", "x", "xt", "xx", "xxs", "xxs2", "xs2"
                "r2s", "r2s2")
 
 
-def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.ndarray, tau: float) -> np.ndarray:
+def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.ndarray,
+                          tau: float | np.ndarray) -> np.ndarray:
     """sum |q - a - beta s|^4 over one bucket's queries (s = t - tau, tau the bucket's midpoint), from its SPEC 12.1
     sums, for G fits at once: ``s`` maps :data:`FOURTH_KEYS` to (G, ...) arrays (one bucket of G sets of sums),
-    ``a`` and ``beta`` are (G, d).
+    ``a`` and ``beta`` are (G, d), ``tau`` one midpoint or one per fit (G,).
 
     With v = a + beta s: |y|^2 = |q|^2 - 2 q.v + |v|^2 =: A - 2 B + C, so sum |y|^4 = sum A^2 + 4 B^2 + C^2
     - 4 A B + 2 A C - 4 B C, each a contraction of a, beta with sums of q, q q^T, |q|^2 times powers of s.
@@ -275,7 +276,7 @@ def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.n
     def quad(x: np.ndarray, M: np.ndarray, y: np.ndarray) -> np.ndarray:
         return (x[:, :, None] * M * y[:, None, :]).sum(axis=(1, 2))
 
-    xs = s["xt"] - tau * s["x"]  # sum s x
+    xs = s["xt"] - np.asarray(tau, dtype=np.float64)[..., None] * s["x"]  # sum s x
     c0, c1, c2 = dot(a, a), 2.0 * dot(a, beta), dot(beta, beta)
     S0, S1, S2, S3, S4 = (s[k] for k in ("n", "s", "ss", "s3", "s4"))
     B2 = quad(a, s["xx"], a) + 2.0 * quad(a, s["xxs"], beta) + quad(beta, s["xxs2"], beta)
@@ -285,6 +286,61 @@ def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.n
     BC = (dot(a, c0[:, None] * s["x"] + c1[:, None] * xs + c2[:, None] * s["xs2"])
           + dot(beta, c0[:, None] * xs + c1[:, None] * s["xs2"] + c2[:, None] * s["xs3"]))
     return s["r4"] + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
+
+
+#: bytes of one (units, d, d) float64 block of :func:`shrunk_bucket_covariances` (its memory: a few such blocks)
+_BLOCK_BYTES = 16 * 2**20
+
+
+def shrunk_bucket_covariances(sums: Mapping[str, np.ndarray], beta: np.ndarray, B: int
+                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per query bucket of G sets of per-bucket sums at once (SPEC 4.1 ``full``, 12.2): ``sums`` maps the keys of
+    :func:`fit_query_model_from_moments` to (G, J, ...) arrays, ``beta`` (G, d) is each set's slope on position.
+
+    Returns (xb, cov, shrink, level): the bucket means (G, J, d); the Ledoit-Wolf-shrunk ML covariance of the
+    bucket's detrended queries q - beta t in the original basis (G, J, d, d); the intensity (G, J), exact when the
+    sums hold the exact terms (:func:`bucket_fourth_moments`), else from a Gaussian fourth moment; level = tr / d
+    (G, J), NaN where the covariance is not finite. Buckets without queries give NaN; callers mask them (too few
+    queries). Buckets are taken a block at a time, so memory stays a few ``_BLOCK_BYTES``."""
+    nb = np.asarray(sums["n"], dtype=np.float64)
+    G, J = nb.shape
+    d = int(sums["x"].shape[-1])
+    exact_lw = "xxs" in sums
+    eye = np.eye(d)
+    bt = np.asarray(beta, dtype=np.float64)[:, None, :]  # (G, 1, d)
+    xb, cov = np.empty((G, J, d)), np.empty((G, J, d, d))
+    shrink, level = np.empty((G, J)), np.empty((G, J))
+    step = max(1, _BLOCK_BYTES // (G * d * d * 8))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for j0 in range(0, J, step):
+            sl = slice(j0, min(j0 + step, J))
+            m = nb[:, sl]
+            x = sums["x"][:, sl]
+            xm = x / m[..., None]
+            Sb = sums["xx"][:, sl] - x[..., :, None] * xm[..., None, :]  # the bucket's centred scatter
+            sxt = sums["xt"][:, sl] - x * (sums["t"][:, sl] / m)[..., None]
+            stt = sums["ss"][:, sl] - sums["s"][:, sl] ** 2 / m
+            Syy = (Sb - bt[..., :, None] * sxt[..., None, :] - sxt[..., :, None] * bt[..., None, :]
+                   + stt[..., None, None] * bt[..., :, None] * bt[..., None, :])
+            S_o = 0.5 * (Syy + np.swapaxes(Syy, -1, -2)) / m[..., None, None]
+            mu = np.trace(S_o, axis1=-2, axis2=-1) / d
+            F2 = (S_o * S_o).sum(axis=(-2, -1))
+            if exact_lw:
+                a = xm - bt * (sums["s"][:, sl] / m)[..., None]  # bucket mean of q - beta s
+                tau = np.tile((np.arange(sl.start, sl.stop) + 0.5) * B, G)
+                fourth = bucket_fourth_moments(
+                    {k: sums[k][:, sl].reshape(-1, *sums[k].shape[2:]) for k in FOURTH_KEYS}, a.reshape(-1, d),
+                    np.broadcast_to(bt, a.shape).reshape(-1, d), tau).reshape(m.shape)
+            else:
+                fourth = m * ((d * mu) ** 2 + 2.0 * F2)
+            dev = ((S_o - mu[..., None, None] * eye) ** 2).sum(axis=(-2, -1)) / d
+            beta_bar = (fourth / m - F2) / (d * m)
+            lam = np.where(dev <= 0.0, 0.0, np.minimum(np.maximum(beta_bar, 0.0), dev) / dev)
+            shrunk = (1.0 - lam)[..., None, None] * S_o + (lam * mu)[..., None, None] * eye
+            xb[:, sl], cov[:, sl], shrink[:, sl] = xm, shrunk, lam
+            level[:, sl] = np.where(np.isfinite(shrunk).all(axis=(-2, -1)),
+                                    np.trace(shrunk, axis1=-2, axis2=-1) / d, np.nan)
+    return xb, cov, shrink, level
 
 
 def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, covariance: str = "full",
@@ -342,6 +398,9 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     shrink = np.full(J, np.nan)
     level = np.full(J, np.nan)
     orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    if covariance == "full":
+        _, shrunk, lams, levels = (a[0] for a in shrunk_bucket_covariances({k: v[None] for k, v in sums.items()},
+                                                                           beta[None], B))
     for b in range(J):
         m_b = nb[b]
         if counts[b] < min_queries:
@@ -350,28 +409,12 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
         mu = reflect_rows(xb, u, h)
         mu[0] = alpha_pos + beta_pos * tau[b]
         mean[b] = mu
-        Sb = sums["xx"][b] - np.outer(sums["x"][b], xb)  # the bucket's centred scatter
         if covariance == "full":
-            sxt_b = sums["xt"][b] - sums["x"][b] * (sums["t"][b] / m_b)
-            stt_b = float(sums["ss"][b] - sums["s"][b] ** 2 / m_b)
-            Syy = Sb - np.outer(beta, sxt_b) - np.outer(sxt_b, beta) + stt_b * np.outer(beta, beta)
-            S_o = 0.5 * (Syy + Syy.T) / m_b
-            a = xb - beta * (sums["s"][b] / m_b) if exact_lw else None  # bucket mean of q - beta s
-            mu_lw = float(np.trace(S_o)) / d
-            if exact_lw:
-                fourth = float(bucket_fourth_moments({k: sums[k][b][None] for k in FOURTH_KEYS}, a[None], beta[None],
-                                                     float(tau[b]))[0])
-            else:
-                fourth = m_b * ((d * mu_lw) ** 2 + 2.0 * float((S_o * S_o).sum()))
-            delta = float(((S_o - mu_lw * np.eye(d)) ** 2).sum()) / d
-            beta_bar = float((fourth / m_b - (S_o * S_o).sum()) / (d * m_b))
-            shrink[b] = 0.0 if delta <= 0.0 else min(max(beta_bar, 0.0), delta) / delta
-            S_o = (1.0 - shrink[b]) * S_o
-            S_o[np.diag_indices(d)] += shrink[b] * mu_lw
-            level[b] = float(np.trace(S_o)) / d if np.all(np.isfinite(S_o)) else np.nan
-            cov[b] = reflect_both(S_o, u, h)
-            orig[b] = (reflect_rows(mu, u, h), S_o)
+            shrink[b], level[b] = lams[b], levels[b]
+            cov[b] = reflect_both(shrunk[b], u, h)
+            orig[b] = (reflect_rows(mu, u, h), shrunk[b])
         else:
+            Sb = sums["xx"][b] - np.outer(sums["x"][b], xb)  # the bucket's centred scatter
             cov[b] = np.diag(reflect_both(Sb, u, h)) / (m_b - 1)
             cov[b, 0] = sigma_pos2
             level[b] = float(cov[b].sum()) / d if np.all(np.isfinite(cov[b])) else np.nan
