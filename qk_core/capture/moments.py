@@ -230,6 +230,19 @@ def _weighted(w: Any, X: Any) -> Any:
     return (w.unsqueeze(-2) @ X).squeeze(-2)
 
 
+def _grouped_order(kv_index: Any, Hq: int, Hk: int) -> bool:
+    """Whether ``kv_index`` is grouped-query order, query head h on KV row h // (Hq / Hk) (the capture's case: the
+    pairs then broadcast each KV head over its query heads, no gathered copy). An index on an accelerator is not
+    read back (that would wait for the device): it counts as not grouped."""
+    import torch
+
+    if isinstance(kv_index, torch.Tensor):
+        if kv_index.device.type != "cpu":
+            return False
+        kv_index = kv_index.numpy()
+    return Hq % Hk == 0 and np.array_equal(np.asarray(kv_index), np.arange(Hq) // (Hq // Hk))
+
+
 def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: Any, bucket: int,
                n_buckets: int, dtype: Any = None, lw_intensity: str = "exact") -> dict[str, Any]:
     """SPEC 12.1 sums of one document: torch tensors on the device of ``q`` (keys: module doc).
@@ -256,14 +269,9 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     B, J = int(bucket), int(n_buckets)
     Hq, Hk, d = q.shape[0], k.shape[0], q.shape[-1]
     exact = lw_intensity == "exact"
-    host_kv = (kv_index.numpy() if isinstance(kv_index, torch.Tensor) and kv_index.device.type == "cpu"
-               else None if isinstance(kv_index, torch.Tensor) else np.asarray(kv_index, dtype=np.int64))
-    # grouped-query order (query head h on KV row h // (Hq / Hk), the capture's case): the pairs broadcast each
-    # KV head over its query heads, no gathered copy
-    grouped = (host_kv is not None and Hq % Hk == 0
-               and np.array_equal(host_kv, np.arange(Hq) // (Hq // Hk)))
+    grouped = _grouped_order(kv_index, Hq, Hk)
     kv = (kv_index.to(dev) if isinstance(kv_index, torch.Tensor)
-          else torch.as_tensor(host_kv, device=dev))
+          else torch.as_tensor(np.asarray(kv_index, dtype=np.int64), device=dev))
     q_pos, k_pos = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
     out: dict[str, Any] = {}
 
