@@ -109,8 +109,10 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict, mon
         runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfill_id}))
         # when each run's last materialization was recorded (the backfill launches a partition on its inputs'
         # materializations; the run's own end is stamped a few ms later, and a downstream run may start before it)
-        written = {r.dagster_run.run_id: max(e.timestamp for e in instance.get_records_for_run(
-            r.dagster_run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records) for r in runs}
+        # (a run without one counts as never written, so the order check below fails naming its partition)
+        written = {r.dagster_run.run_id: max((e.timestamp for e in instance.get_records_for_run(
+            r.dagster_run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records), default=float("inf"))
+            for r in runs}
     assert runs and all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in runs)
     by_part = {r.dagster_run.tags.get("dagster/partition"): r for r in runs}
     upstream = {f"{c}|{m}": [c] for m in MODELS for c in CORPORA} | {m: [f"{c}|{m}" for c in CORPORA] for m in MODELS}

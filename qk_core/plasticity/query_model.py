@@ -411,13 +411,13 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     level = np.full(J, np.nan)
     orig: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     if covariance == "full":
-        _, shrunk, lams, levels = (a[0] for a in shrunk_bucket_covariances({k: v[None] for k, v in sums.items()},
+        xbs, shrunk, lams, levels = (a[0] for a in shrunk_bucket_covariances({k: v[None] for k, v in sums.items()},
                                                                            beta[None], B))
     for b in range(J):
         m_b = nb[b]
         if counts[b] < min_queries:
             continue
-        xb = sums["x"][b] / m_b
+        xb = xbs[b] if covariance == "full" else sums["x"][b] / m_b
         mu = reflect_rows(xb, u, h)
         mu[0] = alpha_pos + beta_pos * tau[b]
         mean[b] = mu
