@@ -69,10 +69,7 @@ def measure(model: str, storage: Any, repeats: int) -> list[dict[str, Any]]:
         print(f"{model} {corpus} plasticity: {cost['wall_s']:.1f} s wall, {cost['cpu_s']:.1f} s CPU", flush=True)
     if len(entry.corpora) >= 2:
         inputs = [load_corpus(storage, model, c)[0] for c in entry.corpora]
-        opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci,
-                                  interval="jackknife_t" if popts.interval == "jackknife_t" else "basic",
-                                  inflation=popts.interval_inflation, covariance=popts.covariance,
-                                  min_queries_per_bucket=popts.min_queries_per_bucket)
+        opts = CrossCorpusOptions.of_plasticity(popts)
         res, cost = _timed(lambda: compare_corpora(model, inputs, opts, {}), repeats)
         rows.append({"model": model, "stage": "cross_corpus", "corpus": " vs ".join(entry.corpora),
                      "heads": int(res.heads[["layer", "q_head"]].drop_duplicates().shape[0]), "heads_ok": None,

@@ -315,3 +315,14 @@ def test_hashed_document_ids_give_the_same_comparison(corpora: dict) -> None:
     hashed = compare_corpora("planted", [prose, _relabelled(code, 7)], opts)
     assert plain.metrics["value"].notna().any()
     pd.testing.assert_frame_equal(plain.metrics, hashed.metrics)
+
+
+def test_options_follow_the_models_plasticity_options() -> None:
+    """The asset's and the bench's one mapping: jackknife-t stays jackknife-t, the percentile rule becomes the basic
+    bootstrap of the same resamples, and the query model, inflation and thresholds are the plasticity's."""
+    p = PlasticityOptions(interval="percentile", covariance="diagonal", interval_inflation=1.5, bootstrap=300, seed=7,
+                          ci=0.9, min_queries_per_bucket=5)
+    o = CrossCorpusOptions.of_plasticity(p)
+    assert (o.interval, o.covariance, o.inflation, o.bootstrap, o.seed, o.ci, o.min_queries_per_bucket) == \
+        ("basic", "diagonal", 1.5, 300, 7, 0.9, 5)
+    assert CrossCorpusOptions.of_plasticity(PlasticityOptions()).interval == "jackknife_t"

@@ -161,10 +161,7 @@ def cross_corpus(context: AssetExecutionContext, storage: StorageResource):
             inputs.append(inp)
     popts = resolve_options("plasticity", entry.analysis)
     # SPEC 4.6 / 10 (revised): the model's plasticity interval rule; its query model is refitted per left-out document
-    opts = CrossCorpusOptions(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci,
-                              interval="jackknife_t" if popts.interval == "jackknife_t" else "basic",
-                              inflation=popts.interval_inflation, covariance=popts.covariance,
-                              min_queries_per_bucket=popts.min_queries_per_bucket)
+    opts = CrossCorpusOptions.of_plasticity(popts)
     res = compare_corpora(model, inputs, opts, missing)
     figures = _figures(res, model)
     folder = f"cross_corpus/{model}"

@@ -143,6 +143,15 @@ class CrossCorpusOptions:
         if self.covariance not in COVARIANCES:
             raise CrossCorpusError(f"cross-corpus option covariance = {self.covariance!r}: expected {COVARIANCES}")
 
+    @classmethod
+    def of_plasticity(cls, popts: Any) -> CrossCorpusOptions:
+        """The options that reproduce the model's plasticity intervals (SPEC 4.6, 10): its bootstrap, seed,
+        level, interval rule (``jackknife_t``, else the basic bootstrap), inflation and query model."""
+        return cls(bootstrap=popts.bootstrap, seed=popts.seed, ci=popts.ci,
+                   interval="jackknife_t" if popts.interval == "jackknife_t" else "basic",
+                   inflation=popts.interval_inflation, covariance=popts.covariance,
+                   min_queries_per_bucket=popts.min_queries_per_bucket)
+
     def record(self) -> dict[str, Any]:
         return {**asdict(self), "interval_method": INTERVAL_METHODS[self.interval],
                 "calibration": INTERVAL_CALIBRATION if self.interval == "jackknife_t" else None}

@@ -30,6 +30,7 @@ from qk_core.plasticity.query_model import (
     QueryModelError,
     fit_query_model_from_moments,
     fit_sorted_queries,
+    position_regressions,
     shrunk_bucket_covariances,
 )
 
@@ -260,30 +261,17 @@ def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, 
     mean m = xbar . delta + (alpha_pos + beta_pos tau - bhat . xbar)(bhat . delta) and the Ledoit-Wolf-shrunk
     covariance of the detrended queries, exact or Gaussian fourth moment, from the refit's own
     :func:`shrunk_bucket_covariances` (every group and bucket in one call)."""
-    d = s["x"].shape[-1]
     nb = np.asarray(s["n"], dtype=np.float64)  # (G, J)
     counts = np.rint(nb).astype(np.int64)
-    n = nb.sum(axis=1)
-    st, stt_raw = s["t"].sum(axis=1), s["tt"].sum(axis=1)
-    sx, sxt, sxx = s["x"].sum(axis=1), s["xt"].sum(axis=1), s["xx"].sum(axis=1)
-    eye = np.eye(d)
+    reg = position_regressions(s)  # the refit's regression on position, every group at once
+    fitted, beta = reg.fitted, reg.beta  # not fitted: QueryModelError, the row is left as it is
+    norm = np.linalg.norm(beta, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        tm = st / n
-        stt = stt_raw - st * tm
-        fitted = (n >= 3) & (stt > 1e-12 * stt_raw)  # else QueryModelError: the row is left as it is
-        qbar = sx / n[:, None]
-        S = sxx - n[:, None, None] * qbar[:, :, None] * qbar[:, None, :]
-        xty = sxt - sx * tm[:, None]
-        beta = xty / stt[:, None]
-        alpha = qbar - beta * tm[:, None]
-        norm = np.linalg.norm(beta, axis=1)
-        sst = np.trace(S, axis1=1, axis2=2)
-        negligible = (norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(sst / n + 1e-300)) | (norm <= 1e-12)
-        bhat = np.where(negligible[:, None], eye[0], beta / np.where(norm > 0, norm, 1.0)[:, None])
-        S_res = (S - beta[:, :, None] * xty[:, None, :] - xty[:, :, None] * beta[:, None, :]
-                 + stt[:, None, None] * beta[:, :, None] * beta[:, None, :])
-        floor = 1e-10 * np.maximum(np.trace(S_res, axis1=1, axis2=2) / (n * d), 1e-300)
-    alpha_pos, beta_pos = (bhat * alpha).sum(axis=1), (bhat * beta).sum(axis=1)
+        # bhat: the fit's Householder row H[0] = beta / |beta|, e_1 where the drift is negligible
+        flat = reg.negligible | (norm <= 1e-12)
+        bhat = np.where(flat[:, None], np.eye(beta.shape[1])[0], beta / np.where(norm > 0, norm, 1.0)[:, None])
+        floor = 1e-10 * np.maximum(np.trace(reg.S_res, axis1=1, axis2=2) / (reg.n * beta.shape[1]), 1e-300)
+    alpha_pos, beta_pos = (bhat * reg.alpha).sum(axis=1), (bhat * beta).sum(axis=1)
     # every group's bucket means and shrunk covariances at once; a bucket has a model where the group's fit exists,
     # it has enough queries and its covariance is not degenerate
     xbs, covs, _, levels = shrunk_bucket_covariances(s, beta, B)

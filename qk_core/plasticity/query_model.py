@@ -288,6 +288,58 @@ def bucket_fourth_moments(s: Mapping[str, np.ndarray], a: np.ndarray, beta: np.n
     return s["r4"] + 4 * B2 + C2 - 4 * AB + 2 * AC - 4 * BC
 
 
+@dataclass(frozen=True)
+class PositionRegressions:
+    """SPEC 4.1's per-coordinate OLS of the queries on raw position t for G sets of query sums at once, every
+    array with a leading G axis: n, stt (centred sum of t^2) and stt_raw (uncentred), qbar, the centred scatter S,
+    xty (centred cross products with t), the slopes beta and intercepts alpha, and the residual scatter S_res of
+    q - alpha - beta t."""
+
+    n: np.ndarray
+    stt: np.ndarray
+    stt_raw: np.ndarray
+    qbar: np.ndarray
+    S: np.ndarray
+    xty: np.ndarray
+    beta: np.ndarray
+    alpha: np.ndarray
+    S_res: np.ndarray
+
+    @property
+    def fitted(self) -> np.ndarray:
+        """(G,) the regression exists: at least 3 queries, not all at one position."""
+        with np.errstate(invalid="ignore"):
+            return (self.n >= 3) & (self.stt > 1e-12 * self.stt_raw)
+
+    @property
+    def negligible(self) -> np.ndarray:
+        """(G,) the drift beta t is below 1e-9 of the queries' spread: no direction is positional."""
+        norm = np.linalg.norm(self.beta, axis=-1)
+        sst = np.trace(self.S, axis1=-2, axis2=-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return norm * np.sqrt(self.stt / self.n) <= 1e-9 * np.sqrt(sst / self.n + 1e-300)
+
+
+def position_regressions(sums: Mapping[str, np.ndarray]) -> PositionRegressions:
+    """:class:`PositionRegressions` of ``sums`` (the keys of :func:`fit_query_model_from_moments`, (G, J, ...)
+    arrays), pooled over the J buckets. Sets that cannot carry a regression (:attr:`PositionRegressions.fitted`
+    false) hold non-finite values."""
+    n = np.asarray(sums["n"], dtype=np.float64).sum(axis=1)
+    st, stt_raw = sums["t"].sum(axis=1), sums["tt"].sum(axis=1)
+    sx, sxt, sxx = sums["x"].sum(axis=1), sums["xt"].sum(axis=1), sums["xx"].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tm = st / n
+        stt = stt_raw - st * tm
+        qbar = sx / n[:, None]
+        S = sxx - n[:, None, None] * (qbar[:, :, None] * qbar[:, None, :])
+        xty = sxt - sx * tm[:, None]
+        beta = xty / stt[:, None]
+        alpha = qbar - beta * tm[:, None]
+        S_res = (S - beta[:, :, None] * xty[:, None, :] - xty[:, :, None] * beta[:, None, :]
+                 + stt[:, None, None] * (beta[:, :, None] * beta[:, None, :]))
+    return PositionRegressions(n, stt, stt_raw, qbar, S, xty, beta, alpha, S_res)
+
+
 #: bytes of one (G, buckets, d, d) float64 block of :func:`shrunk_bucket_covariances`
 _BLOCK_BYTES = 4 * 2**20
 
@@ -377,30 +429,19 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     exact_lw = "xxs" in sums
     if n < 3:
         raise QueryModelError(f"{int(n)} queries: a per-coordinate regression on position needs at least 3")
-    st, stt_raw = float(sums["t"].sum()), float(sums["tt"].sum())
-    tm = st / n
-    stt = stt_raw - st * tm
-    if not stt > 1e-12 * stt_raw:
+    reg = position_regressions({k: sums[k][None] for k in ("n", "t", "tt", "x", "xt", "xx")})
+    if not reg.fitted[0]:
         raise QueryModelError("every query sits at one position: the slope on position is undefined")
-    sx, sxt, sxx = sums["x"].sum(axis=0), sums["xt"].sum(axis=0), sums["xx"].sum(axis=0)
-    qbar = sx / n
-    S = sxx - n * np.outer(qbar, qbar)
-    xty = sxt - sx * tm  # centred cross products with t
-    beta = xty / stt
-    alpha = qbar - beta * tm
+    stt, S, beta, alpha, S_res = reg.stt[0], reg.S[0], reg.beta[0], reg.alpha[0], reg.S_res[0]
     sst = np.diag(S).copy()
     ssr = beta * beta * stt
     scale = max(float(sst.max()), 1e-300)
     r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
-    beta_norm = float(np.linalg.norm(beta))
-    negligible = beta_norm * np.sqrt(stt / n) <= 1e-9 * np.sqrt(float(sst.sum()) / n + 1e-300)
-    u, h = (np.zeros(d), 0.0) if negligible else householder_vector(beta)
+    u, h = (np.zeros(d), 0.0) if reg.negligible[0] else householder_vector(beta)
     H = np.eye(d) - h * np.outer(u, u)
     bhat = H[0]
     alpha_pos = float(bhat @ alpha)
     beta_pos = float(bhat @ beta)
-    # residual scatter of the detrended queries q - alpha - beta t over all queries
-    S_res = S - np.outer(beta, xty) - np.outer(xty, beta) + stt * np.outer(beta, beta)
     sigma_pos2 = float(bhat @ S_res @ bhat) / max(n - 2, 1)
     rss = float(np.trace(S_res))
 
