@@ -376,21 +376,18 @@ class MomentMerger:
     """Adds one layer's per-document moments in the order given (the caller's fixed order: sorted example
     ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer.
 
-    The sums are kept as a moments file stores them, the symmetric d x d ones (:data:`SYMMETRIC`) as upper
-    triangles: a document read from its file is added without unpacking (:meth:`add_stored`), and the merge is
-    written as it is kept (:meth:`arrays`). :attr:`merged` unpacks them."""
+    Documents come in as a moments file stores a layer (:func:`stored_layer`; :func:`stored_form` of one in
+    memory), and the sums are kept that way, the symmetric d x d ones (:data:`SYMMETRIC`) as upper triangles: a
+    document read from its file is added without unpacking, and the merge is written as it is kept
+    (:meth:`arrays`). :attr:`merged` unpacks them."""
 
     def __init__(self) -> None:
         self._kept: LayerMoments | None = None  # the merge so far, symmetric sums packed
         self._rank = 0
 
-    def add(self, m: LayerMoments) -> None:
-        """Add one document's moments (its rank in the order of the calls decides its parity); its symmetric
-        sums contribute their upper triangles."""
-        self._add(replace(m, sums={k: _pack(np.asarray(v)) if k in SYMMETRIC else v for k, v in m.sums.items()}))
-
-    def add_stored(self, layer: int, stored: Mapping[str, np.ndarray]) -> None:
-        """Add one document's ``layer`` as its moments file stores it (:func:`stored_layer`)."""
+    def add(self, layer: int, stored: Mapping[str, np.ndarray]) -> None:
+        """Add one document's ``layer`` as its moments file stores it (its rank in the order of the calls decides
+        its parity)."""
         self._add(_stored_moments(layer, stored))
 
     @property
@@ -481,7 +478,7 @@ def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
         raise ValueError("no documents to merge")
     merger = MomentMerger()
     for m in sorted(docs, key=lambda m: m.docs[0]):
-        merger.add(m)
+        merger.add(m.layer, stored_form(m))
     merged = merger.merged
     assert merged is not None
     return merged
@@ -542,6 +539,12 @@ def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, 
         if v.dtype not in (np.float32, np.float64):
             raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
         yield f"{p}.{k}", _pack(v) if k in SYMMETRIC and not packed else v
+
+
+def stored_form(m: LayerMoments) -> dict[str, np.ndarray]:
+    """One layer's arrays by key as its moments file would store them (:func:`stored_layer` of the written file)."""
+    cut = len(f"L{m.layer}.")
+    return {name[cut:]: v for name, v in _layer_arrays(m)}
 
 
 def write_moments(fh: BinaryIO, layers: Sequence[LayerMoments]) -> None:

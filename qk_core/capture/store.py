@@ -541,7 +541,7 @@ class CaptureWriter:
                                    plan.get("dtype", "float64"))
                 for rank, z in enumerate(opened):
                     own = stored_layer(z, layer)
-                    merger.add_stored(layer, own)
+                    merger.add(layer, own)
                     group.add(own, bool(ends[rank]))
                 merged, grouped = moments_file(self.prefix, layer), moment_groups_file(self.prefix, layer)
                 return {merged: self.storage.write_stream(merged, lambda fh: write_npz(fh, merger.arrays())),
