@@ -4,7 +4,8 @@
 
 One trial = one prompt (``--window`` tokens, a SOTU document with a needle) scored under each condition the
 demo's study runs: ``baseline`` (recording the mean head outputs), then ``ablate`` (mean) and ``debias`` on
-three head sets of ``--k`` heads each (the demo: lowest, highest, 1 random) = 7 conditions. The head sets
+three head sets of ``--k`` heads each (lowest, highest, 1 random) = 7 conditions (the demo's study until
+2026-11-27; it now runs ``ablate`` only, 4 conditions: data/registry.toml). The head sets
 are drawn from the model's full-attention heads with a seeded RNG and the debias axes are random unit
 vectors: the cost of a condition does not depend on which heads it touches. Each condition is timed as in
 :func:`qk_core.interventions.study.run_trials` (an :class:`InterventionSession` around
