@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import tiny_models as tm
 import torch
@@ -372,3 +373,31 @@ def test_cross_corpus_refits_follow_plasticity_coverage_all(setup: dict[str, Any
     rows = corpus_values(dataclasses.replace(inp, query_sums=None), 0, CrossCorpusOptions(min_queries_per_bucket=5),
                          "m")  # the rows' refits around every position's values: not the same interval
     assert not np.allclose(rows.loo["ap_overall"], got.loo["ap_overall"], rtol=0, atol=1e-6)
+
+
+def test_cross_corpus_reads_plasticity_refits_instead_of_refitting(setup: dict[str, Any]) -> None:
+    """The leave-one-group-out AP that plasticity_profiles stores (ap_loo) is what the cross-corpus comparison would
+    refit from the capture: reading it gives the same jackknife, and a damaged table is an error naming the head."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.cross_corpus.compare import CorpusInputs, CrossCorpusError, CrossCorpusOptions, corpus_values
+    from qk_core.plasticity.analysis import CaptureQuerySums, analyse_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    opts = PlasticityOptions(pairs_per_bucket=32, min_queries_per_bucket=5)
+    plast = analyse_capture("m", storage, res.prefix, heads, opts)
+    reader = CaptureReader(storage, res.prefix)
+    rot = pd.DataFrame({"layer": [h[0] for h in heads], "q_head": [h[1] for h in heads], "status": "skipped",
+                        "bias_strength": np.nan})
+    inp = CorpusInputs("tiny", reader.doc_tokens()["example_id"].to_numpy(), plast.pairs, rot, reader.window,
+                       reader.bucket, reader.read_head, CaptureQuerySums(reader))
+    copts = CrossCorpusOptions(min_queries_per_bucket=5)
+    refit = corpus_values(inp, 0, copts, "m")
+    stored = dataclasses.replace(inp, loo_profiles=plast.profiles[["layer", "q_head", "bucket", "ap_loo"]])
+    read = corpus_values(dataclasses.replace(stored, read_head=None), 0, copts, "m")  # no capture rows needed
+    assert read.query_model == "refitted" and np.isfinite(read.loo["ap_overall"]).all()
+    for key in ("ap_overall", "ap_drop", "profile"):
+        np.testing.assert_allclose(read.loo[key], refit.loo[key], rtol=1e-9, atol=1e-12)
+    damaged = plast.profiles[["layer", "q_head", "bucket", "ap_loo"]].iloc[1:]  # head 0 lost its bucket 0
+    with pytest.raises(CrossCorpusError, match=r"head \(.*\) has ap_loo for buckets"):
+        corpus_values(dataclasses.replace(inp, loo_profiles=damaged), 0, copts, "m")

@@ -1,8 +1,9 @@
 """Is the geometry the model's or the text's? The cross-corpus asset per model (SPEC 10).
 
 Partitioned by the ``model`` dimension alone. For a model whose registry entry lists two or more corpora it
-reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_heads`` and
-``plasticity_pairs`` from the storage root and calls :func:`qk_core.cross_corpus.compare.compare_corpora`. Outputs:
+reads, for every listed corpus, that (model, corpus) pair's capture, ``rotation_heads``, ``plasticity_pairs`` and
+``plasticity_profiles`` (whose ``ap_loo`` holds plasticity's leave-one-out refits: read, not refitted again) from the
+storage root and calls :func:`qk_core.cross_corpus.compare.compare_corpora`. Outputs:
 
 - ``cross_corpus_metrics``: AP_overall, AP_drop, bias_strength per corpus with 95% intervals, and the
   difference of every corpus to the first one with an interval (documents left out within each corpus), its
@@ -55,7 +56,7 @@ from qk_core.plasticity.analysis import CaptureQuerySums
 
 GROUP = "cross_corpus"
 CAPTURE = "qk_capture"
-UPSTREAM = (CAPTURE, "rotation_heads", "plasticity_pairs")
+UPSTREAM = (CAPTURE, "rotation_heads", "plasticity_pairs", "plasticity_profiles")
 
 # For the models that list two or more corpora, after one of the model's listed (model, corpus) analyses
 # changes, once nothing upstream runs; a new capture alone does not trigger it (its analyses will), a corpus
@@ -104,7 +105,11 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     # bias_strength is resampled from the capture's rows, so over the heads it sampled (coverage "all" of
     # rotation_heads lists every eligible head)
     rotation = rotation.merge(reader.heads()[["layer", "q_head"]], on=["layer", "q_head"])
-    return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head, sums), ""
+    loo = _read(storage, "plasticity_profiles", model, corpus)  # its refits (ap_loo), where it has them
+    if loo is not None:
+        loo = loo[[c for c in ("layer", "q_head", "bucket", "ap_loo") if c in loo.columns]]
+    return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head, sums,
+                        loo), ""
 
 
 def difference_values(metrics: pd.DataFrame) -> dict[str, float]:

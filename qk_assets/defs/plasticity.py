@@ -88,7 +88,8 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
             "counterparts, closed-form vs empirical gap, diagnostics, counts, status/reason, options (SPEC 4).")),
         "plasticity_profiles": AssetOut(**OUT, description=(
             "Per head and query bucket: tau (raw tokens, / L), AP closed form + interval, AP empirical, pairs, "
-            "queries, keys, status (SPEC 4.4).")),
+            "queries, keys, status (SPEC 4.4); ap_loo: the jackknife's leave-one-document (group)-out AP behind the "
+            "interval (4.6), which the cross-corpus comparison reads.")),
         "plasticity_bins": AssetOut(**OUT, description=(
             "Per head and bin: quintiles, deciles, length bins, RULER bins, absolute position bins; missing "
             "bins carry their reason (SPEC 4.5).")),

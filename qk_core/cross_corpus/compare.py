@@ -171,6 +171,9 @@ class CorpusInputs:
     # the capture's query moments when plasticity used coverage "all" (SPEC 12.2): the refits then leave out
     # document groups of every position's query model, as plasticity's jackknife did
     query_sums: QuerySums | None = None
+    # plasticity_profiles (layer, q_head, bucket, ap_loo): plasticity's own leave-one-out refits (SPEC 4.6), read
+    # instead of refitting here when they exist; None (or a profile table from before them): refitted
+    loo_profiles: pd.DataFrame | None = None
 
 
 @dataclass
@@ -334,7 +337,10 @@ def corpus_values(inp: CorpusInputs, stream: int, opts: CrossCorpusOptions, mode
     how = ""
     if opts.interval == "jackknife_t":
         L1 = 1.0 - np.eye(len(doc_ids))  # weights of the D leave-one-document-out samples
-        if inp.read_head is not None and {"t_i", "t_j"} <= set(inp.pairs.columns) and aps.heads:
+        stored = stored_loo(inp, aps.heads, J=len(agg.bucket_tau(L, B)), where=where) if aps.heads else None
+        if stored is not None:
+            loo_ap, how = stored, "refitted"
+        elif inp.read_head is not None and {"t_i", "t_j"} <= set(inp.pairs.columns) and aps.heads:
             loo_ap, how = ap_loo_refit(inp, aps.heads, doc_ids, opts), "refitted"
         else:  # SPEC 4.6 revised wants the model refitted; without the capture only the pairs can be left out
             loo_ap, how = ap_resamples(inp.pairs, doc_ids, L1, L, B, where).boot, "fixed"
@@ -387,6 +393,31 @@ def _key_rows(k_doc: np.ndarray, k_pos: np.ndarray, doc: np.ndarray, pos: np.nda
         raise ValueError(f"{what}: {int((~known).sum())} stored pairs name keys the capture does not hold, "
                          f"first document {int(doc[i])} position {int(pos[i])}")
     return order[idx]
+
+
+def stored_loo(inp: CorpusInputs, heads: list[tuple[int, int]], J: int, where: str = "") -> np.ndarray | None:
+    """(H, G, J) leave-one-out AP_j of ``heads`` as the plasticity asset refitted them (``plasticity_profiles``'
+    ``ap_loo``: G documents or document groups, SPEC 4.6), NaN for a head it lacks; None when the table has none
+    (interval not ``jackknife_t``, or materialised before the column). A head whose rows do not hold one value per
+    bucket and unit, all of one length, is an error naming it."""
+    prof = inp.loo_profiles
+    if prof is None or "ap_loo" not in prof.columns or not len(prof) or prof["ap_loo"].isna().all():
+        return None
+    by_head = {key: g for key, g in prof.groupby(["layer", "q_head"], sort=False)}
+    units = {len(v) for v in prof["ap_loo"] if v is not None}
+    if len(units) != 1:
+        raise CrossCorpusError(f"{where}plasticity_profiles: ap_loo has lengths {sorted(units)}, expected one")
+    out = np.full((len(heads), units.pop(), J), np.nan)
+    for h, key in enumerate(heads):
+        g = by_head.get(key)
+        if g is None:
+            continue
+        buckets = g["bucket"].to_numpy(np.int64)
+        if len(buckets) != J or sorted(buckets) != list(range(J)) or g["ap_loo"].isna().any():
+            raise CrossCorpusError(f"{where}plasticity_profiles: head {key} has ap_loo for buckets "
+                                   f"{sorted(buckets.tolist())}, expected one per bucket 0..{J - 1}")
+        out[h][:, buckets] = np.stack([np.asarray(v, np.float64) for v in g["ap_loo"]], axis=1)
+    return out
 
 
 def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.ndarray,

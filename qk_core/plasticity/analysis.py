@@ -299,6 +299,9 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         "n_eligible_pairs": n_eligible, "n_queries": model.n_queries, "n_keys": kidx.n_bucket,
         "n_keys_below": np.concatenate([[0], np.cumsum(kidx.n_bucket)[:-1]]),
         "shrinkage": model.shrinkage, "status": status, "L": L, "B": B,
+        # the jackknife's leave-one-out AP_j behind ap_lo / ap_hi (4.6 revised), one per document (group) left out:
+        # what the cross-corpus comparison (SPEC 10) reads instead of refitting
+        "ap_loo": list(loo.T) if loo is not None else None,
     })
     bins = _head_bins(base, ap, ap_emp_ok, boot, ok, L, B, opts, loo)
     components = pd.DataFrame({"layer": base["layer"], "q_head": base["q_head"], "coord": np.arange(model.d),
