@@ -8,7 +8,9 @@ each document group, SPEC 4.6, 12.2):
 - plasticity (SPEC 4) of every head of each (model, corpus) capture: :func:`qk_core.plasticity.analyse_capture`,
   what the ``plasticity`` asset runs;
 - the cross-corpus comparison (SPEC 10): :func:`qk_core.cross_corpus.compare.compare_corpora` on the inputs the
-  ``cross_corpus`` asset reads (:func:`qk_assets.defs.cross_corpus.load_corpus`).
+  ``cross_corpus`` asset reads (:func:`qk_assets.defs.cross_corpus.load_corpus`). Since 2026-11-27 those include
+  plasticity's stored leave-one-out refits (``plasticity_profiles.ap_loo``), which the comparison reads instead of
+  refitting; a storage root written before that column times the refits, as the recorded results did.
 
 Wall and process CPU seconds, the median of ``--repeats`` runs in this process (the first run of each stage also
 pays its imports and the page cache). Run on a quiet machine after a demo::
