@@ -125,7 +125,9 @@ def render(records: list[dict]) -> str:
              "23 calibration trials. The study's own baseline (the demo's 4 trials: 2 documents x 2 depths) "
              "then reads 1.00 [0.51, 1.00] and 0.25 [0.05, 0.70]: with 4 trials its interval is wide and overlaps "
              "the band on both; more study documents (n_docs) narrow it at the cost of more forwards per "
-             "condition.", ""]
+             "condition. The 2026-11-27 records use the demo's settings of that day (the ladder starts at near "
+             "distractors, 2 held-out documents, 4 trials a setting): the same choices, SmolLM2-135M at 3 decoys "
+             "after 12 calibration trials and Gemma 3 270M at 1 decoy after 7.", ""]
     for r in records:
         lines += [f"## {r['model']} — {r['time']} ({r['commit']}{', ' + r['label'] if r['label'] else ''})", "",
                   f"`{r['command']}`", "",
