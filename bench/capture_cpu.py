@@ -6,7 +6,8 @@ SmolLM2-135M (the GGUF demo model) at an 8K-token window.
 
 Each mode runs in a fresh child process (its own peak RSS), loads the model once (not timed), then:
 
-- ``plain``: one backbone forward per document, under ``torch.inference_mode()``.
+- ``plain``: per document, its text tokenized as the capture tokenizes it and one backbone forward, under
+  ``torch.inference_mode()``.
 - ``capture``: :func:`qk_core.capture.capture_model` on the same documents with the registry entry of
   ``smollm2-135m`` at window 8192 (bucket 512, per_bucket 8, all 270 heads): probe forward, one
   forward per document under the capture function, one host transfer per document, per-document
@@ -19,7 +20,9 @@ table reports each run and the ratio of the medians.
 
 ``--moments``: the capture also accumulates the SPEC 12.1 moments of every eligible head over every position
 (``capture.moments = true``, what ``coverage = "all"`` analyses read); results go to
-``capture_cpu_moments_<tokens>.{json,md}`` with the bytes of the per-document and merged moment files (issue 22.4).
+``capture_cpu_moments_<tokens>.{json,md}`` with the bytes of the per-document and merged moment files (issue 22.4),
+and the timing run also rotates the sampled-row capture without moments in, so what the moments add is measured
+in the same run.
 
 Run (on a quiet machine; about 35 s per 8K forward on 2 cores)::
 
@@ -85,13 +88,16 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
     return entry, docs, loaded, ids, load_s
 
 
-def _plain(loaded, ids: list[list[int]]) -> tuple[float, list[float]]:
+def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], float]:
+    """One backbone forward per document, from its text: tokenized as the capture tokenizes it (SPEC 1.2; 0.10-0.13 s
+    of a 2K-token SOTU document, ~3% of its forward, in both passes)."""
     import torch
 
     per_doc = []
     t, c = time.perf_counter(), time.process_time()
-    for x in ids:
+    for text in texts:
         t1 = time.perf_counter()
+        x = loaded.tokenizer(text, truncation=True, max_length=window, add_special_tokens=True)["input_ids"]
         with torch.inference_mode():
             loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
         per_doc.append(time.perf_counter() - t1)
@@ -130,26 +136,35 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
     """``timing``: plain and capture passes alternated in one process; ``plain``/``capture``: one pass
     in a fresh process for its peak RSS."""
     entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads, moments)
+    texts = list(docs["text"])
     base = {"mode": mode, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
             "rss_after_load_mb": _vm("VmRSS")}
     if mode == "timing":
-        _plain(loaded, ids[:1])  # warm-up (first-call allocations), not timed
+        _plain(loaded, texts[:1], tokens)  # warm-up (first-call allocations), not timed
+        # with moments, the sampled-row capture alone ("rows") runs in the same rotation: what the moments add
+        rows_entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=False))
+        modes = ("plain", "capture", "rows") if moments else ("plain", "capture")
         pairs = []
         for r in range(repeats):
-            order = ("plain", "capture") if r % 2 == 0 else ("capture", "plain")
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
             rec: dict = {"order": list(order)}
             for m in order:
                 if m == "plain":
-                    rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"] = _plain(loaded, ids)
-                else:
+                    rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"] = _plain(loaded, texts, tokens)
+                elif m == "capture":
                     rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded)
+                else:
+                    rec["rows_s"], rec["rows_per_doc_s"], rec["rows_extra"] = _capture(rows_entry, docs, loaded)
             rec["ratio"] = rec["capture_s"] / rec["plain_s"]
             rec["cpu_ratio"] = rec["capture_extra"]["cpu_s"] / rec["plain_cpu_s"]
+            if moments:
+                rec["rows_ratio"] = rec["rows_s"] / rec["plain_s"]
+                rec["moments_over_rows"] = rec["capture_s"] / rec["rows_s"]
             pairs.append(rec)
         return {**base, "pairs": pairs}
     reset = _reset_peak()
     if mode == "plain":
-        wall, per_doc, _ = _plain(loaded, ids)
+        wall, per_doc, _ = _plain(loaded, texts, tokens)
         extra: dict = {}
     else:
         wall, per_doc, extra = _capture(entry, docs, loaded)
@@ -170,7 +185,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--docs", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="alternated plain/capture pairs of the timing run")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rotations of the timing run's passes (plain, capture and, with --moments, rows only)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--moments", action="store_true", help="the capture also accumulates every head's moments")
@@ -184,7 +200,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1"}
     timing = _run_child("timing", a, env)
     for p in timing["pairs"]:
-        print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s ratio {p['ratio']:.3f}"
+        rows = f" rows only {p['rows_s']:.1f}s" if a.moments else ""
+        print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s{rows} ratio {p['ratio']:.3f}"
               f" cpu ratio {p['cpu_ratio']:.3f}", flush=True)
     mem = {m: _run_child(m, a, env) for m in ("plain", "capture")}
     for m, r in mem.items():
@@ -205,6 +222,9 @@ def main() -> None:
         "peak_rss_phase_ratio": mem["capture"]["peak_rss_phase_mb"] / mem["plain"]["peak_rss_phase_mb"],
         "peak_rss_lifetime_ratio": mem["capture"]["peak_rss_lifetime_mb"] / mem["plain"]["peak_rss_lifetime_mb"],
     }
+    if a.moments:
+        summary["rows_ratio_median_of_pairs"] = statistics.median(p["rows_ratio"] for p in timing["pairs"])
+        summary["moments_over_rows_median"] = statistics.median(p["moments_over_rows"] for p in timing["pairs"])
     cmd = "python bench/capture_cpu.py" + "".join(
         f" --{k} {v}" for k, v in (("tokens", a.tokens), ("docs", a.docs), ("repeats", a.repeats),
                                    ("threads", a.threads)) if v != ap.get_default(k))
@@ -223,7 +243,9 @@ def main() -> None:
         f"| {i + 1} | {' then '.join(p['order'])} | {p['plain_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['plain_per_doc_s'])} | {p['capture_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['capture_per_doc_s'])} | {p['capture_extra']['finalize_s']:.2f} | "
-        f"{p['ratio']:.3f} | {p['cpu_ratio']:.3f} |" for i, p in enumerate(timing["pairs"]))
+        f"{p['ratio']:.3f} | {p['cpu_ratio']:.3f} |" + (f" {p['rows_s']:.2f} | {p['moments_over_rows']:.3f} |"
+                                                         if a.moments else "")
+        for i, p in enumerate(timing["pairs"]))
     mem_rows = "\n".join(
         f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
         f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
@@ -233,6 +255,15 @@ Every-head moments (SPEC 12.1, `capture.moments = true` with the default `moment
 head during the same forwards; per-document moment files {extra.get('moments_doc_mb', 0):.1f} MB
 for {a.docs} documents (all per-document files, rows and moments, {extra.get('doc_files_mb', 0):.1f} MB at the last
 commit; removed after the verified finalize), merged moments kept {extra['moments_merged_mb']:.1f} MB.
+The same rotation also runs the sampled-row capture without moments ("rows only"), so what the moments add is
+measured against it in the same run.
+"""
+    table_head = ("| pair | order | plain s | plain per doc s | capture s | capture per doc s | finalize s "
+                  "| wall ratio | CPU ratio |" + (" rows only s | capture / rows only |" if a.moments else "") + "\n"
+                  + "|---" * (11 if a.moments else 9) + "|")
+    rows_line = "" if not a.moments else f"""
+Capture with moments / sampled-row capture alone: **{summary['moments_over_rows_median']:.3f}x** (median of the
+rotations; the row capture alone is {summary['rows_ratio_median_of_pairs']:.3f}x the plain forward).
 """
     title = "Q/K capture with every-head moments" if a.moments else "Q/K capture"
     md = f"""# {title} vs plain backbone forward, CPU (SPEC 1.3{', 12' if a.moments else ''})
@@ -245,10 +276,9 @@ Capture: all {extra['heads']} heads, bucket {a.tokens // 16}, 8 positions per bu
 ({extra['disk_mb']:.1f} MB on disk with the per-head fan-out).
 Target: capture <= 1.05x the plain forward in wall time and in peak memory.
 {moments}
-## Wall time (one process, plain and capture passes alternated)
+## Wall time (one process, the passes alternated)
 
-| pair | order | plain s | plain per doc s | capture s | capture per doc s | finalize s | wall ratio | CPU ratio |
-|---|---|---|---|---|---|---|---|---|
+{table_head}
 {pair_rows}
 
 Capture / plain: **{summary['wall_ratio_median_of_pairs']:.3f}x** (median of the pair ratios;
@@ -256,9 +286,10 @@ ratio of the medians {summary['wall_ratio_of_medians']:.3f}x); process CPU time
 **{summary['cpu_ratio_median_of_pairs']:.3f}x** (median of the pairs; less sensitive to other jobs on the machine).
 The capture pass is everything after loading:
 the probe forward, the forwards under the capture function, one host transfer per document, the
-per-document Parquet commits and `finalize()`; the plain pass is only the forwards. The first per-document
-time of the capture includes the probe and the head sampling.
-
+per-document Parquet commits and `finalize()`; the plain pass tokenizes each document as the capture does and
+runs its forward (until 2026-11-27 it was handed token ids: its ratios were ~3% higher at 2K, <1% at 8K).
+The first per-document time of the capture includes the probe and the head sampling.
+{rows_line}
 Apart: per document (forward under the capture function, host transfer, commit; from the second document on,
 capture / plain of the same document, median) **{summary['per_document_ratio']:.3f}x**; `finalize()` (fan-out,
 moment merge, verification; it reads every document once) {summary['finalize_s']:.2f} s, i.e.

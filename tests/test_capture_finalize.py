@@ -3,13 +3,23 @@ head files, legacy document files without a group index still finalize, empty he
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, HeadRows, head_file, row_schema
+from qk_core.capture.store import (
+    CaptureError,
+    CaptureReader,
+    CaptureWriter,
+    HeadRows,
+    head_file,
+    row_schema,
+    vec_to_numpy,
+)
 from qk_core.io.storage import Storage
 
 D = 8
@@ -89,3 +99,28 @@ def test_duplicate_head_rows_rejected(tmp_path: Path) -> None:
     with pytest.raises(CaptureError, match="q layer 0 head 0 given twice"):
         w.write_document(1, 10, [r, r])
     assert w.committed_doc_ids() == set()
+
+
+def test_document_file_holds_one_row_group_per_head(tmp_path: Path) -> None:
+    """Heads of equal row count are written together, still one row group each, as the footer's index says; an
+    empty head between two of them has none."""
+    counts = {("k", 0, 0): 3, ("q", 0, 0): 3, ("q", 0, 1): 0, ("q", 3, 2): 3, ("q", 5, 3): 5, ("k", 3, 1): 5,
+              ("k", 5, 1): 2, ("q", 0, 2): 2}
+    rng = np.random.default_rng(3)
+    rows = {key: HeadRows(*key, np.sort(rng.choice(64, size=n, replace=False)).astype(np.int32),
+                          rng.standard_normal((n, D)).astype(np.float32)) for key, n in counts.items()}
+    w = CaptureWriter(Storage(tmp_path), "m", manifest())
+    w.write_document(4, 64, list(rows.values()))
+    pf = pq.ParquetFile(tmp_path / w.prefix / "docs" / "doc-4.parquet")
+    index = json.loads(pf.schema_arrow.metadata[b"groups"])
+    assert [g[:4] for g in index] == sorted([[*key, n] for key, n in counts.items()])
+    assert pf.num_row_groups == sum(n > 0 for n in counts.values())
+    for kind, layer, head, n, rg in index:
+        if n == 0:
+            assert rg == -1
+            continue
+        got = pf.read_row_group(rg)
+        assert got.column("kind").to_pylist() == [kind] * n and set(got.column("layer").to_pylist()) == {layer}
+        assert set(got.column("head").to_pylist()) == {head}
+        np.testing.assert_array_equal(got.column("position").to_numpy(), rows[(kind, layer, head)].positions)
+        np.testing.assert_array_equal(vec_to_numpy(got.column("vec")), rows[(kind, layer, head)].vectors)

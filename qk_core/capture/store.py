@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import resource
@@ -287,18 +288,20 @@ class CaptureWriter:
                 self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
             moments_written = pool.submit(self.storage.write_stream, self._moments_doc(example_id),
                                           lambda fh: write_moments(fh, layers)) if layers else None
-            for r in rows:
-                n = len(r.positions)
-                if not n:
-                    continue
+            # heads of equal row count in a row go out in one table cut into one row group per head (a write
+            # per head cost ~0.15 s of a 2K-token SmolLM2 document's 360 heads: bench/capture_cpu.py)
+            kept = [r for r in rows if len(r.positions)]
+            for _, run in itertools.groupby(kept, key=lambda r: len(r.positions)):
+                run = list(run)
+                n = len(run[0].positions)
                 writer.write_table(pa.table({
-                    "kind": pa.array([r.kind] * n, pa.string()),
-                    "layer": pa.array(np.full(n, r.layer, dtype=np.int32)),
-                    "head": pa.array(np.full(n, r.head, dtype=np.int32)),
-                    "example_id": pa.array(np.full(n, example_id, dtype=np.int64)),
-                    "position": pa.array(np.asarray(r.positions, dtype=np.int32)),
-                    "vec": _vec_array(np.asarray(r.vectors, dtype=np.float32)),
-                }, schema=schema))
+                    "kind": pa.array(np.repeat([r.kind for r in run], n), pa.string()),
+                    "layer": pa.array(np.repeat(np.array([r.layer for r in run], np.int32), n)),
+                    "head": pa.array(np.repeat(np.array([r.head for r in run], np.int32), n)),
+                    "example_id": pa.array(np.full(n * len(run), example_id, dtype=np.int64)),
+                    "position": pa.array(np.concatenate([np.asarray(r.positions, np.int32) for r in run])),
+                    "vec": _vec_array(np.concatenate([np.asarray(r.vectors, np.float32) for r in run])),
+                }, schema=schema), row_group_size=n)
             if moments_written is not None:
                 writer.add_key_value_metadata({"moments_sha256": moments_written.result()["sha256"]})
 
