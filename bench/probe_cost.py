@@ -148,7 +148,8 @@ def render(records: list[dict]) -> str:
     lines = ["# Cost of a probe trial (SPEC 11.1-11.2), CPU, real demo weights", "",
              "Written by `bench/probe_cost.py` (one record per run, newest last). One forward = one condition of "
              "one trial: the prompt forward (KV cache kept, logits of the last position) + one batched forward "
-             "of the K = 10 continuations over that cache. A trial = 7 conditions (the demo's study). CPU "
+             "of the K = 10 continuations over that cache. A trial = 7 conditions (baseline, then ablate and debias "
+             "on 3 head sets: the demo's study until 2026-11-27; it now runs ablate only, 4 conditions). CPU "
              "seconds are process time over the 2 torch threads; wall seconds depend on what else runs on the "
              "(shared) machine, whose load averages are given.", "",
              "| time | model | label | code | prompt tokens | forward CPU s (prompt + continuations) | forward wall s "

@@ -73,11 +73,15 @@ CHECKS = checks.check_specs([("cross_corpus_metrics", checks.VALUES_FINITE),
                              ("cross_corpus_metrics", checks.INTERVALS_FORMED)], model_partitions())
 
 
-def _read(storage: Storage, asset: str, model: str, corpus: str, columns: list[str] | None = None
-          ) -> pd.DataFrame | None:
+def _read(storage: Storage, asset: str, model: str, corpus: str, columns: list[str] | None = None,
+          if_present: bool = False) -> pd.DataFrame | None:
+    """One pair's table (its ``columns``; ``if_present``: those of them the table has), None when not materialised."""
     rel = asset_rel([asset], str(pair_key(model, corpus)))
     if not storage.exists(rel):
         return None
+    if columns is not None and if_present:
+        return storage.with_parquet_file(
+            rel, lambda pf: pf.read(columns=[c for c in columns if c in pf.schema_arrow.names])).to_pandas()
     return storage.read_parquet(rel, columns=columns).to_pandas()
 
 
@@ -105,9 +109,8 @@ def load_corpus(storage: Storage, model: str, corpus: str) -> tuple[CorpusInputs
     # bias_strength is resampled from the capture's rows, so over the heads it sampled (coverage "all" of
     # rotation_heads lists every eligible head)
     rotation = rotation.merge(reader.heads()[["layer", "q_head"]], on=["layer", "q_head"])
-    loo = _read(storage, "plasticity_profiles", model, corpus)  # its refits (ap_loo), where it has them
-    if loo is not None:
-        loo = loo[[c for c in ("layer", "q_head", "bucket", "ap_loo") if c in loo.columns]]
+    # its refits (ap_loo), where it has them
+    loo = _read(storage, "plasticity_profiles", model, corpus, ["layer", "q_head", "bucket", "ap_loo"], if_present=True)
     return CorpusInputs(corpus, doc_ids, pairs, rotation, reader.window, reader.bucket, reader.read_head, sums,
                         loo), ""
 

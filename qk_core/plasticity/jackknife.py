@@ -264,12 +264,8 @@ def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, 
     nb = np.asarray(s["n"], dtype=np.float64)  # (G, J)
     counts = np.rint(nb).astype(np.int64)
     reg = position_regressions(s)  # the refit's regression on position, every group at once
-    fitted, beta = reg.fitted, reg.beta  # not fitted: QueryModelError, the row is left as it is
-    norm = np.linalg.norm(beta, axis=1)
+    fitted, beta, bhat = reg.fitted, reg.beta, reg.bhat  # not fitted: QueryModelError, the row is left as it is
     with np.errstate(invalid="ignore", divide="ignore"):
-        # bhat: the fit's Householder row H[0] = beta / |beta|, e_1 where the drift is negligible
-        flat = reg.negligible | (norm <= 1e-12)
-        bhat = np.where(flat[:, None], np.eye(beta.shape[1])[0], beta / np.where(norm > 0, norm, 1.0)[:, None])
         floor = 1e-10 * np.maximum(np.trace(reg.S_res, axis1=1, axis2=2) / (reg.n * beta.shape[1]), 1e-300)
     alpha_pos, beta_pos = (bhat * reg.alpha).sum(axis=1), (bhat * beta).sum(axis=1)
     # every group's bucket means and shrunk covariances at once; a bucket has a model where the group's fit exists,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -311,13 +312,27 @@ class PositionRegressions:
         with np.errstate(invalid="ignore"):
             return (self.n >= 3) & (self.stt > 1e-12 * self.stt_raw)
 
+    @cached_property
+    def beta_norm(self) -> np.ndarray:
+        """(G,) |beta|."""
+        return np.linalg.norm(self.beta, axis=-1)
+
     @property
     def negligible(self) -> np.ndarray:
         """(G,) the drift beta t is below 1e-9 of the queries' spread: no direction is positional."""
-        norm = np.linalg.norm(self.beta, axis=-1)
         sst = np.trace(self.S, axis1=-2, axis2=-1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return norm * np.sqrt(self.stt / self.n) <= 1e-9 * np.sqrt(sst / self.n + 1e-300)
+            return self.beta_norm * np.sqrt(self.stt / self.n) <= 1e-9 * np.sqrt(sst / self.n + 1e-300)
+
+    @property
+    def bhat(self) -> np.ndarray:
+        """(G, d) the first row of each fit's Householder matrix H (:func:`householder_vector`): beta / |beta|, or
+        e_1 where the drift is negligible or |beta| is below the Householder's tolerance."""
+        norm = self.beta_norm
+        with np.errstate(invalid="ignore"):
+            flat = self.negligible | (norm <= 1e-12)
+        e1 = np.eye(self.beta.shape[-1])[0]
+        return np.where(flat[:, None], e1, self.beta / np.where(norm > 0, norm, 1.0)[:, None])
 
 
 def position_regressions(sums: Mapping[str, np.ndarray]) -> PositionRegressions:
