@@ -60,6 +60,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
 def case(name: str, n: int, repeats: int) -> dict[str, Any]:
     import torch
 
+    from qk_core.capture.hook import copy_on_side_stream
     from qk_core.capture.moments import accumulate, to_host
 
     hq, hk, d = SHAPES[name]
@@ -78,13 +79,8 @@ def case(name: str, n: int, repeats: int) -> dict[str, Any]:
     pinned = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for key, t in sums.items()}
     stream = torch.cuda.Stream()
 
-    def to_pinned() -> None:
-        s = acc()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for key, t in s.items():
-                pinned[key].copy_(t, non_blocking=True)
-                t.record_stream(stream)
+    def to_pinned() -> None:  # the capture's copy (qk_core.capture.hook), waited for at the end
+        copy_on_side_stream(acc(), pinned, stream)
         torch.cuda.current_stream().wait_stream(stream)
 
     row = {"shape": name, "tokens": n, "q_heads": hq, "kv_heads": hk, "d": d, "bytes": nbytes,

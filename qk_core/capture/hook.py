@@ -39,6 +39,18 @@ def _heads(x: torch.Tensor, heads: list[int], index: torch.Tensor) -> torch.Tens
     return x[0].index_select(0, index.to(x.device))
 
 
+def copy_on_side_stream(sums: dict[str, torch.Tensor], store: dict[str, torch.Tensor], stream: torch.cuda.Stream
+                        ) -> None:
+    """Copy device ``sums`` into the pinned host buffers ``store`` (same keys and shapes) on ``stream``, once the
+    device's current stream has formed them; the caller's stream goes on. Each sum is kept by the allocator until
+    its copy is done; wait on ``stream`` before reading ``store``."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        for k, v in sums.items():
+            store[k].copy_(v, non_blocking=True)
+            v.record_stream(stream)
+
+
 class CaptureSession(AttentionHook):
     """Records sampled Q/K rows of one text backbone while it runs under the capture function.
 
@@ -153,11 +165,7 @@ class CaptureSession(AttentionHook):
             stream = self._copy_streams.get(dev)
             if stream is None:
                 stream = self._copy_streams[dev] = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                for k, v in sums.items():
-                    store[k].copy_(v, non_blocking=True)
-                    v.record_stream(stream)  # the allocator keeps v until the copy is done
+            copy_on_side_stream(sums, store, stream)
         else:
             for k, v in sums.items():
                 store[k].copy_(v)
