@@ -61,7 +61,7 @@ def case(name: str, n: int, repeats: int) -> dict[str, Any]:
     import torch
 
     from qk_core.capture.hook import copy_on_side_stream
-    from qk_core.capture.moments import accumulate, to_host
+    from qk_core.capture.moments import BucketLayouts, accumulate, to_host
 
     hq, hk, d = SHAPES[name]
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -71,8 +71,10 @@ def case(name: str, n: int, repeats: int) -> dict[str, Any]:
     kv = torch.arange(hq, device="cuda") // (hq // hk)
     bucket, J = n // 16, 16
 
+    layouts = BucketLayouts()  # as in a capture: the layout is formed once, for every layer
+
     def acc() -> dict[str, Any]:
-        return accumulate(q[0], pos, k[0], pos, kv, bucket, J, torch.float32, "gaussian")
+        return accumulate(q[0], pos, k[0], pos, kv, bucket, J, torch.float32, "gaussian", layouts)
 
     sums = acc()
     nbytes = sum(t.numel() * t.element_size() for t in sums.values())

@@ -21,7 +21,7 @@ import torch
 
 from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 from qk_core.capture.layers import CallInfo
-from qk_core.capture.moments import MomentPlan, accumulate, to_host
+from qk_core.capture.moments import BucketLayouts, MomentPlan, accumulate, to_host
 from qk_core.capture.store import HeadRows
 
 
@@ -77,6 +77,7 @@ class CaptureSession(AttentionHook):
         self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device))
                          for layer, (q, kv, _) in (moments.layers if moments else {}).items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
+        self._layouts = BucketLayouts()  # a document's bucket layout, formed by its first layer for the others
         # every document's sums, reused (_moment_store): one host store on the CPU; from a CUDA device two pinned
         # ones, alternated per document (the sums of one stay valid while the next forward fills the other)
         self._m_store: list[dict[int, dict[str, torch.Tensor]]] = [{}, {}]
@@ -158,7 +159,7 @@ class CaptureSession(AttentionHook):
         pos = np.arange(int(query.shape[-2]))
         sums = accumulate(_heads(query, q_heads, q_idx), pos, _heads(key, kv_heads, kv_idx), pos,
                           np.asarray(kv_index, dtype=np.int64), m.bucket, m.n_buckets, getattr(torch, m.dtype),
-                          m.lw_intensity)
+                          m.lw_intensity, self._layouts)
         pinned = dev.type == "cuda"
         store = self._moment_store(layer, sums, pinned)
         if pinned:  # device -> pinned host on a side stream, after the sums are formed; the forward goes on

@@ -149,8 +149,8 @@ def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class _Buckets:
     """How a set of positions regroups into buckets (:func:`_padded`), with its device tensors: formed once per
-    document and reused by every layer (no host-to-device copy per layer). ``order`` / ``flat`` are None for
-    every position of a document (0..n-1, the capture's case: a zero-padded reshape)."""
+    document and reused by every layer (:class:`BucketLayouts`). ``order`` / ``flat`` are None for every position
+    of a document (0..n-1, the capture's case: a zero-padded reshape)."""
 
     n: int
     U: int  # buckets holding a position
@@ -164,48 +164,54 @@ class _Buckets:
     sums: dict[str, Any]  # :func:`_pos_sums` as float64 tensors on the device
 
 
-_BUCKETS: dict[tuple[Any, ...], _Buckets] = {}
-_BUCKETS_KEPT = 8
+class BucketLayouts:
+    """The bucket layouts (:class:`_Buckets`) of the position sets a capture hands :func:`accumulate`, kept for the
+    next layers of the same document: each is formed once, with no host-to-device copy per layer. Holds the last
+    ``kept`` sets, by (positions, B, J, device, dtype); a :class:`qk_core.capture.hook.CaptureSession` owns one."""
 
+    def __init__(self, kept: int = 8) -> None:
+        self.kept = int(kept)
+        self._layouts: dict[tuple[Any, ...], _Buckets] = {}
 
-def _buckets(pos: np.ndarray, B: int, J: int, dev: Any, dtype: Any) -> _Buckets:
-    """:class:`_Buckets` of ``pos``, cached per (positions, B, J, device, dtype) for the next layers."""
-    import torch
+    def get(self, pos: np.ndarray, B: int, J: int, dev: Any, dtype: Any) -> _Buckets:
+        """The layout of positions ``pos`` in buckets of width ``B`` (J of them) on ``dev``, positions in ``dtype``."""
+        import torch
 
-    pos = np.asarray(pos, dtype=np.int64)
-    n = len(pos)
-    every = bool(n and n <= J * B and pos[0] == 0 and pos[-1] == n - 1 and np.all(np.diff(pos) == 1))
-    key = (("every", n) if every else hashlib.blake2b(pos.tobytes(), digest_size=16).digest(), n, B, J, str(dev),
-           str(dtype))
-    hit = _BUCKETS.get(key)
-    if hit is not None:
-        return hit
-    b = np.clip(np.floor_divide(pos, B), 0, J - 1)
-    counts = np.bincount(b, minlength=J)
-    used = np.flatnonzero(counts)
-    U, M = len(used), max(int(counts.max()) if n else 0, 1)
-    order = flat = None
-    if every:  # bucket u holds rows u B .. u B + B - 1: already in order
-        slots, ordered = np.arange(n), pos
-    else:
-        ordering = np.argsort(b, kind="stable")
-        rank = np.zeros(J, dtype=np.int64)
-        rank[used] = np.arange(len(used))
-        slots = rank[b[ordering]] * M + np.arange(n) - np.repeat(np.cumsum(counts[used]) - counts[used], counts[used])
-        ordered = pos[ordering]
-        order, flat = torch.as_tensor(ordering, device=dev), torch.as_tensor(slots, device=dev)
-    t = np.zeros(U * M)
-    t[slots] = ordered
-    s = np.zeros(U * M)
-    s[slots] = ordered - (np.repeat(used, counts[used]) + 0.5) * B
-    out = _Buckets(n, U, M, used, torch.as_tensor(used, device=dev), order, flat,
-                   torch.as_tensor(t.reshape(U, M), device=dev).to(dtype),
-                   torch.as_tensor(s.reshape(U, M), device=dev).to(dtype),
-                   {k: torch.as_tensor(v, device=dev) for k, v in _pos_sums(pos, B, J).items()})
-    if len(_BUCKETS) >= _BUCKETS_KEPT:
-        _BUCKETS.pop(next(iter(_BUCKETS)))
-    _BUCKETS[key] = out
-    return out
+        pos = np.asarray(pos, dtype=np.int64)
+        n = len(pos)
+        every = bool(n and n <= J * B and pos[0] == 0 and pos[-1] == n - 1 and np.all(np.diff(pos) == 1))
+        key = (("every", n) if every else hashlib.blake2b(pos.tobytes(), digest_size=16).digest(), n, B, J,
+               str(dev), str(dtype))
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit
+        b = np.clip(np.floor_divide(pos, B), 0, J - 1)
+        counts = np.bincount(b, minlength=J)
+        used = np.flatnonzero(counts)
+        U, M = len(used), max(int(counts.max()) if n else 0, 1)
+        order = flat = None
+        if every:  # bucket u holds rows u B .. u B + B - 1: already in order
+            slots, ordered = np.arange(n), pos
+        else:
+            ordering = np.argsort(b, kind="stable")
+            rank = np.zeros(J, dtype=np.int64)
+            rank[used] = np.arange(len(used))
+            slots = (rank[b[ordering]] * M + np.arange(n)
+                     - np.repeat(np.cumsum(counts[used]) - counts[used], counts[used]))
+            ordered = pos[ordering]
+            order, flat = torch.as_tensor(ordering, device=dev), torch.as_tensor(slots, device=dev)
+        t = np.zeros(U * M)
+        t[slots] = ordered
+        s = np.zeros(U * M)
+        s[slots] = ordered - (np.repeat(used, counts[used]) + 0.5) * B
+        out = _Buckets(n, U, M, used, torch.as_tensor(used, device=dev), order, flat,
+                       torch.as_tensor(t.reshape(U, M), device=dev).to(dtype),
+                       torch.as_tensor(s.reshape(U, M), device=dev).to(dtype),
+                       {k: torch.as_tensor(v, device=dev) for k, v in _pos_sums(pos, B, J).items()})
+        if len(self._layouts) >= self.kept:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = out
+        return out
 
 
 def _padded(x: Any, bk: _Buckets, dtype: Any) -> Any:
@@ -244,7 +250,8 @@ def _grouped_order(kv_index: Any, Hq: int, Hk: int) -> bool:
 
 
 def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: Any, bucket: int,
-               n_buckets: int, dtype: Any = None, lw_intensity: str = "exact") -> dict[str, Any]:
+               n_buckets: int, dtype: Any = None, lw_intensity: str = "exact",
+               layouts: BucketLayouts | None = None) -> dict[str, Any]:
     """SPEC 12.1 sums of one document: torch tensors on the device of ``q`` (keys: module doc).
 
     ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
@@ -253,8 +260,8 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     sums are formed in ``dtype`` (default: the dtype of ``q`` promoted to at least float32), each over the rows
     of one bucket; the per-bucket query sums are returned in ``dtype``, the pooled and position-only sums in
     float64. Heads and buckets are batched (no Python loop over either, nor over positions); the bucket layout
-    of a set of positions is formed once and reused by the next layers. ``lw_intensity = "exact"`` adds the
-    ``LW_KEYS`` sums.
+    of a set of positions is taken from ``layouts`` (formed there once for the next layers; default: for this
+    call only). ``lw_intensity = "exact"`` adds the ``LW_KEYS`` sums.
     """
     import torch
 
@@ -276,7 +283,8 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     out: dict[str, Any] = {}
 
     # position-only sums in float64, from the layout of the positions (broadcast over heads)
-    qb, kb = _buckets(q_pos, B, J, dev, acc), _buckets(k_pos, B, J, dev, acc)
+    layouts = BucketLayouts() if layouts is None else layouts
+    qb, kb = layouts.get(q_pos, B, J, dev, acc), layouts.get(k_pos, B, J, dev, acc)
     for name in ("n", "t", "tt", "s", "ss", *(("s3", "s4") if exact else ())):
         out[f"q_{name}"] = qb.sums[name].repeat(Hq, 1)
     for name in ("n", "t", "tt"):
@@ -324,7 +332,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
             diff = (Qp.to(acc).unflatten(0, (Hk, Hq // Hk)) - Kp.to(acc).unsqueeze(1)).flatten(0, 1)
         else:
             diff = Qp.to(acc) - Kp.index_select(0, kv).to(acc)
-        D = _padded(diff, _buckets(p_pos, B, J, dev, acc), acc)
+        D = _padded(diff, layouts.get(p_pos, B, J, dev, acc), acc)
         out["p_x"] = D.sum(2).to(f64).sum(1)
         out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
     else:
