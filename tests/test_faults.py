@@ -248,6 +248,7 @@ def test_asset_write_killed(world: dict[str, Any], table: FaultTable) -> None:
     row.outputs_intact = (root / "assets/pca/part.parquet").read_bytes() == before
     row.rows_lost = abs(storage.read_parquet("assets/pca/part.parquet").num_rows - 500)
     with storage.atomic_local_file("assets/pca/other.parquet") as mine:  # a live writer's temporary
+        mine.write_bytes(b"being written")
         removed = storage.clean_stale_temporaries()
         assert mine.exists()
     row.notes.append(f"{len(temps)} temporary of the killed writer, {len(removed)} removed by the cleanup")

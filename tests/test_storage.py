@@ -141,6 +141,15 @@ def test_failed_atomic_write_never_becomes_visible(storage: Storage, previous: b
         assert not storage.exists("f/data.bin")
 
 
+def test_atomic_write_that_writes_nothing_fails(storage: Storage) -> None:
+    """The temporary is the caller's to create: one that never does gets an error, not an empty file."""
+    storage.write_bytes("f/data.bin", b"old")
+    with pytest.raises((FileNotFoundError, StorageError)), storage.atomic_local_file("f/data.bin") as tmp:
+        assert not tmp.exists()
+    assert storage.read_bytes("f/data.bin") == b"old"
+    assert raw_names(storage) == ["f/data.bin"]
+
+
 @pytest.mark.parametrize("previous", [False, True])
 def test_failed_parquet_writer_leaves_previous_version(storage: Storage, previous: bool) -> None:
     old = table(2, offset=50)

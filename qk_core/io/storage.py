@@ -171,7 +171,11 @@ class Storage:
     # ---- atomic writes -----------------------------------------------------------------------
     @contextlib.contextmanager
     def atomic_local_file(self, rel: str) -> Iterator[Path]:
-        """Yield a local temporary path; on success it becomes ``rel`` in one atomic step.
+        """Yield a local temporary path for the caller to create; on success it becomes ``rel`` in one atomic step.
+
+        It is not created here: a writer opening an existing empty file truncates it, and ext4 then writes the file
+        back when it is closed (auto_da_alloc), about 0.2-0.3 ms per MB on this project's machines. A caller that
+        writes nothing fails at the rename instead of committing an empty file.
 
         On error the temporary is deleted and ``rel`` (if it existed) stays as it was. Temporaries of
         killed writers (in the target folder, or in the system temp folder for an S3 root) are deleted
@@ -182,7 +186,6 @@ class Storage:
         clean_folder_once(folder, own_names_only=self.is_s3)  # the system temp folder is shared
         tmp = str(folder / temp_name(rel.rsplit("/", 1)[-1]))
         try:
-            Path(tmp).touch()
             yield Path(tmp)
             if self.is_s3:
                 self._put(tmp, rel)
