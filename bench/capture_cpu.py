@@ -89,8 +89,8 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
 
 
 def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], float]:
-    """One backbone forward per document, from its text: tokenized as the capture tokenizes it (SPEC 1.2; 0.10-0.13 s
-    of a 2K-token SOTU document, ~3% of its forward, in both passes)."""
+    """One backbone forward per document, from its text, tokenized as the capture tokenizes it (0.10-0.13 s of a
+    2K-token SOTU document, ~3% of its forward: the same in both passes)."""
     import torch
 
     per_doc = []
@@ -133,8 +133,8 @@ def _mb(root: Path, part: str) -> float:
 
 
 def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, moments: bool = False) -> dict:
-    """``timing``: plain and capture passes alternated in one process; ``plain``/``capture``: one pass
-    in a fresh process for its peak RSS."""
+    """``timing``: plain and capture passes (and rows-only captures, with moments) rotated in one process;
+    ``plain``/``capture``: one pass in a fresh process for its peak RSS."""
     entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads, moments)
     texts = list(docs["text"])
     base = {"mode": mode, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
