@@ -46,15 +46,12 @@ HEADER = ("| shape | layers x heads (q/kv) x d | moments MB per document | commi
           + "|---" * 11 + "|")
 
 
-def _mb(root: Path, part: str) -> float:
-    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and part in f.as_posix()) / 2**20
-
-
 def case(name: str, n_docs: int) -> dict[str, Any]:
     """Commit ``n_docs`` documents of ``name``'s shape and finalize them; seconds and bytes."""
     import torch
+    from capture_cpu import _mb  # this folder: MB of the files under a root whose path holds a part
 
-    from qk_core.capture.moments import LayerMoments, accumulate, to_host
+    from qk_core.capture.moments import LayerMoments, MomentPlan, accumulate, to_host
     from qk_core.capture.store import CaptureWriter, HeadRows, host_threads
     from qk_core.io.storage import Storage
 
@@ -64,11 +61,10 @@ def case(name: str, n_docs: int) -> dict[str, Any]:
     q, k = torch.randn((hq, tokens, d), generator=g), torch.randn((hk, tokens, d), generator=g)
     pos, kv = np.arange(tokens), np.arange(hq) // (hq // hk)
     sums = to_host({0: accumulate(q, pos, k, pos, kv, tokens // J, J, torch.float32, "gaussian")})[0]
-    layers = {str(la): [list(range(hq)), list(range(hk)), kv.tolist()] for la in range(n_layers)}
+    plan = MomentPlan({la: (list(range(hq)), list(range(hk)), kv.tolist()) for la in range(n_layers)}, tokens // J,
+                      J, "float32", "gaussian")
     manifest = {"fingerprint": f"moment-host-{name}", "window": tokens, "bucket": tokens // J,
-                "heads": [{"layer": 0, "q_head": 0, "kv_head": 0, "d": d}],
-                "moments": {"layers": layers, "bucket": tokens // J, "n_buckets": J, "dtype": "float32",
-                            "lw_intensity": "gaussian", "groups": 16}}
+                "heads": [{"layer": 0, "q_head": 0, "kv_head": 0, "d": d}], "moments": plan.manifest()}
     rows = [HeadRows(kind, 0, 0, np.arange(1, dtype=np.int32), np.zeros((1, d), np.float32)) for kind in "qk"]
     with tempfile.TemporaryDirectory(prefix="moment-host-") as tmp:
         writer = CaptureWriter(Storage(tmp), name, manifest)
