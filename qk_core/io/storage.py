@@ -174,7 +174,7 @@ class Storage:
         """Yield a local temporary path for the caller to create; on success it becomes ``rel`` in one atomic step.
 
         It is not created here: a writer opening an existing empty file truncates it, and ext4 then writes the file
-        back when it is closed (auto_da_alloc): 0.2-0.3 ms per MB on the 2-core development machine (2026-11-28).
+        back when it is closed (auto_da_alloc): 0.1-0.5 ms per MB on the 2-core development machine (2026-11-28).
         A caller that writes nothing fails at the rename instead of committing an empty file.
 
         On error the temporary is deleted and ``rel`` (if it existed) stays as it was. Temporaries of
