@@ -12,7 +12,14 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
-from qk_core.capture.moments import DOC_KEYS, LW_KEYS, LayerMoments, document_moments, merge_documents
+from qk_core.capture.moments import (
+    DOC_KEYS,
+    LW_KEYS,
+    LayerMoments,
+    accumulate,
+    document_moments,
+    merge_documents,
+)
 from qk_core.capture.store import CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
@@ -235,6 +242,39 @@ def test_accumulate_matches_a_float64_brute_force_and_bounds_float32(layout: str
         assert got32[key].dtype == np.float64, key
         bound = 32 * np.sqrt(B) * 2.0**-24 * np.abs(w).max()  # float32 inputs (to the 4th power) and sums
         assert np.abs(got32[key] - w).max() <= bound, key
+
+
+@pytest.mark.parametrize(("n", "B", "J", "kv_index"), [
+    (256, 32, 8, [0, 0, 1, 1]),  # every bucket full, grouped-query heads
+    (1000, 300, 4, [1, 0, 1, 0, 0, 1]),  # a partial last bucket, offsets of two base-256 digits, KV rows gathered
+    (40, 64, 2, [0, 1, 2, 3]),  # shorter than one bucket: one partial bucket, buckets without a position
+])
+def test_native_accumulation_of_bf16_rows_matches_a_float64_brute_force(n: int, B: int, J: int,
+                                                                        kv_index: list[int]) -> None:
+    """The native path (bf16 rows multiplied as they are, float32 sums; the tensor cores on CUDA, here the same
+    algebra on widened operands) gives every Gaussian-form key of :func:`accumulate` with the widened path's keys,
+    shapes and dtypes, within the float32 bound of one bucket's sums, against float64 sums of the same bf16 rows
+    laid out as attention hands them (heads of a (L, H, d) projection). Its pair sums are expanded (sum q q^T -
+    sum q k^T - sum k q^T + sum k k^T): their bound is relative to those terms' size (module doc)."""
+    rng = np.random.default_rng(n)
+    Hq, Hk, d = len(kv_index), max(kv_index) + 1, 16
+    q = rng.normal(size=(Hq, n, d)) * 2 + rng.normal(size=d) * 3 + np.arange(n)[None, :, None] * 0.01
+    k = rng.normal(size=(Hk, n, d)) + 1.0
+    q, k = (torch.tensor(x).bfloat16().transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k))
+    pos, kv = np.arange(n), np.asarray(kv_index)
+    want = accumulate(q.double(), pos, k.double(), pos, kv, B, J, torch.float64, "gaussian")
+    native = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian", native=True)
+    widened = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian", native=False)
+    assert set(native) == set(widened) == set(want) == set(DOC_KEYS)
+    qq, kk = want["q_xx"].abs().amax(), want["k_xx"].abs().amax()
+    for key, w in want.items():
+        assert native[key].dtype == widened[key].dtype and native[key].shape == widened[key].shape, key
+        scale = (qq + kk) * 2 if key == "p_xx" else w.abs().amax()
+        err = (native[key].double() - w).abs().amax()
+        assert err <= 32 * np.sqrt(B) * 2.0**-24 * scale, (key, float(err / scale))
+    # not forced: on a CPU the rows are widened (the native path runs only where it runs on tensor cores)
+    auto = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian")
+    assert all(torch.equal(auto[key], widened[key]) for key in want)
 
 
 @pytest.mark.parametrize("tails", ["gaussian", "heavy"])

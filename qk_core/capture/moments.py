@@ -32,7 +32,9 @@ subtract one group from the merged sums (:func:`qk_core.plasticity.jackknife.loo
 Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-only sums (n, t, t^2, s^k) are
 formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
 capture's device in ``dtype`` over the positions of one bucket of one document (at most B terms); buckets,
-documents and shards are added in float64. float32 (the default) has a relative error of order sqrt(B) 2^-24
+documents and shards are added in float64. From bf16 / fp16 rows on a CUDA device the float32 sums are formed on
+the tensor cores from the rows as they are (every product exact, float32 accumulation: :func:`_accumulate_native`),
+the same error class as widening them first. float32 (the default) has a relative error of order sqrt(B) 2^-24
 per bucket sum (bench/results/moments_accuracy.md, SmolLM2 at 2K and 8K: below 1e-6 of each head's largest sum
 for every sum the Gaussian form keeps, 5e-6 for the exact term q_xxs); float64 is exact to rounding. A
 document's per-bucket query sums stay in the accumulation dtype up to its file (they are exactly those
@@ -251,7 +253,7 @@ def _grouped_order(kv_index: Any, Hq: int, Hk: int) -> bool:
 
 def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: Any, bucket: int,
                n_buckets: int, dtype: Any = None, lw_intensity: str = "exact",
-               layouts: BucketLayouts | None = None) -> dict[str, Any]:
+               layouts: BucketLayouts | None = None, native: bool | None = None) -> dict[str, Any]:
     """SPEC 12.1 sums of one document: torch tensors on the device of ``q`` (keys: module doc).
 
     ``q`` (Hq, n_q, d) query vectors at positions ``q_pos`` (n_q,), ``k`` (Hk, n_k, d) key vectors at
@@ -262,6 +264,12 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     float64. Heads and buckets are batched (no Python loop over either, nor over positions); the bucket layout
     of a set of positions is taken from ``layouts`` (formed there once for the next layers; default: for this
     call only). ``lw_intensity = "exact"`` adds the ``LW_KEYS`` sums.
+
+    ``native``: form the vector sums from bf16 / fp16 inputs as they are, products exact and accumulated in
+    float32 (:func:`_accumulate_native`: the tensor cores on a CUDA device), instead of widening the rows to
+    ``dtype`` first. None (default): where it applies and runs on the tensor cores (a CUDA device, bf16 / fp16
+    rows, float32 sums, the Gaussian form, every position of a document with the same query and key positions).
+    True forces it where it applies (on a CPU it widens the operands, same algebra: the tests' path).
     """
     import torch
 
@@ -289,6 +297,10 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
         out[f"q_{name}"] = qb.sums[name].repeat(Hq, 1)
     for name in ("n", "t", "tt"):
         out[f"k_{name}"] = kb.sums[name].sum().repeat(Hk)
+    if (native is not False and _native_applies(q, k, acc, exact, qb, kb, q_pos, k_pos)
+            and (native or (dev.type == "cuda" and _out_dtype_supported(dev)))):
+        _accumulate_native(q, k, kv, grouped, qb, B, J, out)
+        return out
 
     # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, U, M, d) over the U buckets
     # that hold a position, so every bucket's sums come from one batched product per quantity
@@ -339,6 +351,120 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
         out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
         out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)
     return out
+
+
+def _native_applies(q: Any, k: Any, acc: Any, exact: bool, qb: _Buckets, kb: _Buckets, q_pos: np.ndarray,
+                    k_pos: np.ndarray) -> bool:
+    """Whether :func:`_accumulate_native` computes this call's sums: bf16 / fp16 rows of one dtype, float32 sums,
+    the Gaussian form, every position of the document in order (no reordering), the same positions for Q and K."""
+    import torch
+
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and acc == torch.float32
+            and not exact and qb.order is None and kb.order is None and np.array_equal(q_pos, k_pos))
+
+
+@cache
+def _out_dtype_supported(dev: Any) -> bool:
+    """Whether ``torch.bmm(a, b, out_dtype=torch.float32)`` takes bf16 operands on ``dev`` (torch >= 2.8, CUDA)."""
+    import torch
+
+    a = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=dev)
+    try:
+        return bool(torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _mm32(a: Any, b: Any) -> Any:
+    """Batched ``a @ b`` of bf16 / fp16 operands with float32 products and sums: on a CUDA device the tensor cores
+    (exact products, float32 accumulation, float32 out); elsewhere the operands widened to float32 (exact too)."""
+    import torch
+
+    if a.device.type == "cuda":
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
+
+
+def _bucket_major(x: Any, U: int, M: int) -> Any:
+    """Rows of ``x`` (H, n, d), every position in order, as (U, H, M, d) in their own dtype: bucket u holds rows
+    u M .. u M + M - 1, zero rows after the last position (one copy, whatever the strides of ``x``)."""
+    import torch
+
+    H, n, d = x.shape
+    full = n // M
+    X = (torch.empty if full == U else torch.zeros)((U, H, M, d), dtype=x.dtype, device=x.device)
+    if full:
+        X[:full].copy_(x[:, : full * M].unflatten(1, (full, M)).transpose(0, 1))
+    if full < U:
+        X[full, :, : n - full * M].copy_(x[:, full * M:])
+    return X
+
+
+def _accumulate_native(q: Any, k: Any, kv: Any, grouped: bool, qb: _Buckets, B: int, J: int,
+                       out: dict[str, Any]) -> None:
+    """The vector sums of :func:`accumulate` (Gaussian form) from bf16 / fp16 rows of every position, into ``out``.
+
+    Every product is exact in float32 (two bf16 / fp16 significands, or one and an integer below 256) and every
+    sum over one bucket's rows (<= B terms) is accumulated in float32, as the widened path's; on a CUDA device
+    the batched products run on the tensor cores (``_mm32``) and read the rows in their own dtype. Rows are laid
+    out bucket-major once per tensor (``_bucket_major``). Position weights enter exactly: sum x t over bucket u
+    is u B sum x + sum_i 256^i sum x m_i, m_i the base-256 digits of the row's offset m = t - u B in its bucket,
+    added in float64. Same-position pairs delta = q - k are expanded, sum delta delta^T = sum q q^T - sum q k^T
+    - sum k q^T + sum k k^T, each summed per bucket in float32 and the four added in float64: the error is that
+    of the float32 sums of the four terms (relative to their size, not to |sum delta delta^T|).
+    """
+    import torch
+
+    f32, f64 = torch.float32, torch.float64
+    dev = q.device
+    Hq, _, d = q.shape
+    Hk = k.shape[0]
+    U, M = qb.U, qb.M
+    X, K = _bucket_major(q, U, M), _bucket_major(k, U, M)
+    Xr, Kr = X.view(U * Hq, M, d), K.view(U * Hk, M, d)
+    digits = 1
+    while 256**digits < M:  # base-256 digits of the offsets 0 .. M - 1
+        digits += 1
+    m = torch.arange(M, device=dev)
+    W = torch.stack([torch.ones(M, device=dev, dtype=torch.long)]
+                    + [(m // 256**i) % 256 for i in reversed(range(digits))]).to(q.dtype)  # (1 + digits, M)
+    start = (qb.used_t.to(f64) * B)  # (U,) first position of each bucket
+
+    def weighted(R: Any, H: int) -> tuple[Any, Any]:
+        """sum x and sum x t per (bucket, head) of R (U H, M, d): float64 (U, H, d) each."""
+        S = _mm32(W.expand(U * H, *W.shape), R).view(U, H, 1 + digits, d).to(f64)
+        scale = torch.tensor([256.0**i for i in reversed(range(digits))], dtype=f64, device=dev)
+        offset = (S[:, :, 1:] * scale[:, None]).sum(2)
+        return S[:, :, 0], start[:, None, None] * S[:, :, 0] + offset
+
+    def per_bucket(v: Any, tail: tuple[int, ...]) -> Any:
+        """(U, Hq, *tail) -> (Hq, J, *tail) float32, zero in the buckets without a position."""
+        if U == J:
+            return v.transpose(0, 1).to(f32).contiguous()
+        full = torch.zeros((Hq, J, *tail), dtype=f32, device=dev)
+        full[:, qb.used_t] = v.transpose(0, 1).to(f32)
+        return full
+
+    qx, qxt = weighted(Xr, Hq)
+    qxx = _mm32(Xr.mT, Xr).view(U, Hq, d, d)
+    out["q_x"], out["q_xt"], out["q_xx"] = per_bucket(qx, (d,)), per_bucket(qxt, (d,)), per_bucket(qxx, (d, d))
+    kx, kxt = weighted(Kr, Hk)
+    kxx = _mm32(Kr.mT, Kr).view(U, Hk, d, d).to(f64).sum(0)
+    out["k_x"], out["k_xt"], out["k_xx"] = kx.sum(0), kxt.sum(0), kxx
+
+    # sum q k^T of each query head with its KV head, per bucket: by group (query heads g, g + G, ... of a KV head
+    # are a strided batch of the bucket-major rows, no copy), else the KV rows gathered per query head
+    if grouped:
+        G = Hq // Hk
+        Xg = X.view(U * Hk, G, M, d)
+        cross = torch.stack([_mm32(Xg[:, g].mT, Kr).view(U, Hk, d, d).to(f64).sum(0) for g in range(G)], 1)
+        cross = cross.flatten(0, 1)
+    else:
+        Kq = K.index_select(1, kv).view(U * Hq, M, d)
+        cross = _mm32(Xr.mT, Kq).view(U, Hq, d, d).to(f64).sum(0)
+    out["p_n"] = qb.sums["n"].sum().repeat(Hq)
+    out["p_x"] = qx.sum(0) - kx.sum(0)[kv]
+    out["p_xx"] = qxx.to(f64).sum(0) - cross - cross.mT + kxx[kv]
 
 
 def to_host(per_layer: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, np.ndarray]]:
