@@ -93,7 +93,8 @@ def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
     # the rows as attention is handed them: heads of a (1, L, H, d) projection
     q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
 
-    def acc(native: bool | None = None) -> dict[str, Any]:
+    def acc(native: bool | None = None if dev == "cuda" else True) -> dict[str, Any]:
+        """The capture's call (on the CPU smoke run the native path forced: its algebra on widened operands)."""
         return accumulate(q[0], pos, k[0], pos, kv, bucket, J, torch.float32, "gaussian", layouts, native)
 
     sums = acc()

@@ -87,3 +87,17 @@ def test_logit_check_fails_for_wrong_rows() -> None:
     ok, _, n = gpu_capture.logit_error(q, pos, k, pos, 0.25, w, None)
     bad, _, _ = gpu_capture.logit_error(np.roll(q, 1, axis=0), pos, k, pos, 0.25, w, None)
     assert ok < 1e-9 and n == 78 and bad > 0.1
+
+
+def test_accumulate_bench_smoke_checks_both_paths(tmp_path: Path) -> None:
+    """bench/gpu_accumulate.py on the CPU (--tiny): both accumulation paths run on a real head layout and their
+    sums stay within float32's bound of one bucket against float64 (the error columns the GPU run reports)."""
+    import gpu_accumulate
+
+    rc = gpu_accumulate.main(["--tiny", "--shapes", "llama-3.2-1b", "--lengths", "1024", "--repeats", "1",
+                              "--out", str(tmp_path)])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "gpu_accumulate.json").read_text())["results"]
+    bound = 32 * math.sqrt(1024 // 16) * 2.0**-24
+    assert 0 < row["error"] <= bound and 0 < row["error_widened"] <= bound, row
+    assert set(row["error_by_key"]) >= {"q_xx", "q_xt", "k_xx", "p_xx"}
