@@ -16,9 +16,11 @@ from qk_core.capture.moments import (
     DOC_KEYS,
     LW_KEYS,
     LayerMoments,
+    Stacked,
     accumulate,
     document_moments,
     merge_documents,
+    write_npz,
 )
 from qk_core.capture.store import CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
@@ -275,6 +277,22 @@ def test_native_accumulation_of_bf16_rows_matches_a_float64_brute_force(n: int, 
     # not forced: on a CPU the rows are widened (the native path runs only where it runs on tensor cores)
     auto = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian")
     assert all(torch.equal(auto[key], widened[key]) for key in want)
+
+
+def test_stacked_arrays_are_written_byte_for_byte_as_their_stack() -> None:
+    """The groups file's sums are written part after part (:class:`Stacked`): the same file bytes as the stacked
+    array, so its checksum does not depend on how it was written; parts of another shape are refused."""
+    import io
+
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        parts = [rng.normal(size=(3, 4, 5)).astype(dtype) for _ in range(4)]
+        stacked, streamed = io.BytesIO(), io.BytesIO()
+        write_npz(stacked, [("L0.x", np.stack(parts)), ("L0.n", np.arange(3))])
+        write_npz(streamed, [("L0.x", Stacked(parts)), ("L0.n", np.arange(3))])
+        assert streamed.getvalue() == stacked.getvalue()
+    with pytest.raises(ValueError, match="stacked parts differ"):
+        write_npz(io.BytesIO(), [("L0.x", Stacked([np.zeros(3), np.zeros(4)]))])
 
 
 @pytest.mark.parametrize("tails", ["gaussian", "heavy"])

@@ -506,6 +506,10 @@ def document_moments(layer: int, q_heads: Sequence[int], kv_heads: Sequence[int]
 # ---- merge -----------------------------------------------------------------------------------------
 
 
+#: per-document sums :meth:`MomentMerger.add` adds to its float64 merge in their stored dtype
+_ADDED_AS_STORED = ("q_xx", "q_xxs", "q_xxs2")
+
+
 class MomentMerger:
     """Adds one layer's per-document moments in the order given (the caller's fixed order: sorted example
     ids) in float64, with the split-half parity sums by rank (SPEC 3 (i), 12.1); memory: one merged layer.
@@ -542,7 +546,10 @@ class MomentMerger:
     def _add(self, m: LayerMoments) -> None:
         if len(m.docs) != 1:
             raise ValueError("MomentMerger takes per-document moments (one example id each)")
-        m = replace(m, sums={key: np.asarray(v, dtype=np.float64) for key, v in m.sums.items()})
+        # the per-bucket d x d query sums (most of a document's bytes) are added as stored: each value is widened
+        # exactly inside the float64 addition, with no float64 copy of the array first (same bits)
+        m = replace(m, sums={key: v if key in _ADDED_AS_STORED else np.asarray(v, dtype=np.float64)
+                             for key, v in m.sums.items()})
         if self._kept is None:
             s = m.sums
             sums = {key: np.zeros(s[key].shape) for key in (*DOC_KEYS, *(k for k in LW_KEYS if k in s))}
@@ -583,7 +590,7 @@ class MomentMerger:
         """
         s = m.sums
         d = s["q_x"].shape[-1]
-        q = {k: s[f"q_{k}"].sum(axis=1) for k in ("n", "t", "tt", "x", "xx")}
+        q = {k: s[f"q_{k}"].sum(axis=1, dtype=np.float64) for k in ("n", "t", "tt", "x", "xx")}
         q["xx"] = _unpack(q["xx"], d)  # the symmetric sums come packed (upper triangles)
         k_xx, p_xx = _unpack(s["k_xx"], d), _unpack(s["p_xx"], d)
         kv = m.kv_index
@@ -650,15 +657,40 @@ LAYOUT_KEYS = ("q_heads", "kv_heads", "kv_index", "layout", "docs")
 POSITION_KEYS = ("q_n", "q_t", "q_tt", "q_s", "q_ss", "q_s3", "q_s4")
 
 
-def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+@dataclass(frozen=True)
+class Stacked:
+    """Arrays of one shape and dtype that :func:`write_npz` writes as one array on a new leading axis, part after
+    part: the bytes of ``np.stack(parts)`` without that copy in memory."""
+
+    parts: Sequence[np.ndarray]
+
+
+def _write_stacked(out: BinaryIO, parts: Sequence[np.ndarray]) -> None:
+    """The .npy of ``np.stack(parts)`` (format 1.0, C order: what ``np.lib.format.write_array`` writes for it)."""
+    if not parts:
+        raise ValueError("nothing to stack")
+    first = np.asarray(parts[0])
+    for part in parts:
+        if part.shape != first.shape or part.dtype != first.dtype:
+            raise ValueError(f"stacked parts differ: {part.shape} {part.dtype} after {first.shape} {first.dtype}")
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(first.dtype),
+                                               "fortran_order": False, "shape": (len(parts), *first.shape)})
+    for part in parts:
+        out.write(np.ascontiguousarray(part).data)
+
+
+def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) -> None:
     """``(name, array)`` pairs into ``fh`` as an npz (a stored zip of .npy arrays, no pickled objects), one array
-    at a time (nothing but the array being written is held)."""
+    at a time (nothing but the array being written is held; a :class:`Stacked` one part at a time)."""
     import zipfile
 
     with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, arr in arrays:
             with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
-                np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
+                if isinstance(arr, Stacked):
+                    _write_stacked(out, arr.parts)
+                else:
+                    np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
 
 
 def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
@@ -733,15 +765,16 @@ class GroupStack:
         if ends_group:
             self._open, self._members = None, 0
 
-    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The file's arrays for :func:`write_npz`: layout, every document in order, each sum on a group axis."""
+    def arrays(self) -> Iterator[tuple[str, np.ndarray | Stacked]]:
+        """The file's arrays for :func:`write_npz`: layout, every document in order, each sum on a group axis
+        (written group after group, never stacked in memory)."""
         if self._members:
             raise ValueError(f"layer {self.layer}: the last document group was not closed")
         p = f"L{self.layer}."
         yield from ((p + k, v) for k, v in self.layout.items())
         yield p + "docs", np.asarray(self.docs, np.int64)
         for k in self.keys:
-            yield p + k, np.stack(self.stacked[k])
+            yield p + k, Stacked(self.stacked[k])
 
 
 def stored_layer(z: Any, layer: int) -> dict[str, np.ndarray]:
