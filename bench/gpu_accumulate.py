@@ -11,11 +11,11 @@ of ``--repeats`` after warm-up):
   rows multiplied on the tensor cores with float32 accumulation, ``_accumulate_native``);
 - ``error``: each path's largest |sum - float64 sum| / max |float64 sum| over every key, against
   :func:`accumulate` of the same rows in float64;
-- ``pageable``: accumulate, then the sums to pageable host memory in one synchronous transfer (the capture's
-  transfer up to 50e8584: ``to_host`` of device tensors);
-- ``pinned``: accumulate, then the sums into pinned host buffers on a side stream (the capture's transfer since),
-  waited for at the end of the timed region;
-- ``bytes``: the bytes of one layer's sums.
+- ``pageable``: accumulate and pack, then the sums to pageable host memory in one synchronous transfer (the
+  capture's transfer up to 50e8584: ``to_host`` of device tensors);
+- ``pinned``: accumulate and pack, then the sums into pinned host buffers on a side stream (the capture's transfer
+  since), waited for at the end of the timed region;
+- ``bytes``: the bytes of one layer's sums as the capture moves them (symmetric sums packed on the device).
 
 Run (CUDA only; about a minute)::
 
@@ -78,7 +78,7 @@ def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
     import torch
 
     from qk_core.capture.hook import copy_on_side_stream
-    from qk_core.capture.moments import BucketLayouts, accumulate, to_host
+    from qk_core.capture.moments import BucketLayouts, accumulate, pack_symmetric, to_host, triangle_index
 
     hq, hk, d = SHAPES[name]
     g = torch.Generator(device=dev).manual_seed(n)
@@ -100,6 +100,12 @@ def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
     sums = acc()
     err_native, err_widened = errors(accumulate(q[0].double(), pos, k[0].double(), pos, kv, bucket, J,
                                                 torch.float64, "gaussian"), sums, acc(False))
+    tri = triangle_index(d, dev)
+
+    def packed() -> dict[str, Any]:  # what the capture moves: symmetric sums packed on the device (hook.py)
+        return pack_symmetric(acc(), tri)
+
+    sums = packed()
     nbytes = sum(t.numel() * t.element_size() for t in sums.values())
     cuda = dev == "cuda"
     pinned = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for key, t in sums.items()}
@@ -108,7 +114,7 @@ def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
     def to_pinned() -> None:  # the capture's copy (qk_core.capture.hook), waited for at the end
         if stream is None:
             return
-        copy_on_side_stream(acc(), pinned, stream)
+        copy_on_side_stream(packed(), pinned, stream)
         torch.cuda.current_stream().wait_stream(stream)
 
     row = {"shape": name, "tokens": n, "q_heads": hq, "kv_heads": hk, "d": d, "bytes": nbytes,
@@ -118,7 +124,7 @@ def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
            "accumulate_ms": timed(acc, repeats),
            "error": max(err_native.values()), "error_widened": max(err_widened.values()),
            "error_by_key": err_native, "error_widened_by_key": err_widened,
-           "pageable_ms": timed(lambda: to_host({0: acc()}), repeats),
+           "pageable_ms": timed(lambda: to_host({0: packed()}), repeats),
            "pinned_ms": timed(to_pinned, repeats)}
     return row
 
@@ -145,9 +151,9 @@ the capture's path now (bf16 rows on the tensor cores, float32 accumulation; the
 sums of one bucket: 32 sqrt(B) 2^-24 = {32 * (rows[0]['tokens'] // 16) ** 0.5 * 2**-24:.1e} at the first L).
 
 *attention*: the layer's causal SDPA alone (the forward's layer also runs its projections and MLP).
-*+ pageable transfer*: accumulate, then the sums to pageable host memory in one synchronous copy.
-*+ pinned side-stream*: accumulate, then the sums into pinned host buffers on a side stream (in a forward the copy
-overlaps the next layers; here it is waited for).
+*+ pageable transfer*: accumulate and pack, then the sums to pageable host memory in one synchronous copy.
+*+ pinned side-stream*: accumulate and pack, then the sums into pinned host buffers on a side stream (in a forward
+the copy overlaps the next layers; here it is waited for).
 """
 
 

@@ -2,7 +2,7 @@
 
 On the GPU the moments cost little in the forward (bench/results/gpu_accumulate.md), but each document's sums are
 as large as layers x query heads x 16 buckets x d (d + 1) / 2 float32 values whatever its length (qwen3-8b: 0.7 GB)
-and all host work on them is the capture's: the commit of each document's moments file (packing, zip, SHA-256,
+and all host work on them is the capture's: the commit of each document's moments file (zip, SHA-256,
 atomic rename) and, in ``finalize()``, the checked read of every document's file, the float64 merge per layer, the
 document groups' file, the merged file and the verification of everything written. That host work does not
 depend on the device, so it is measured here, through the capture's own writer (``CaptureWriter``), on sums of
@@ -51,7 +51,7 @@ def case(name: str, n_docs: int) -> dict[str, Any]:
     import torch
     from capture_cpu import _mb  # this folder: MB of the files under a root whose path holds a part
 
-    from qk_core.capture.moments import LayerMoments, MomentPlan, accumulate, to_host
+    from qk_core.capture.moments import LayerMoments, MomentPlan, accumulate, pack_symmetric, to_host, triangle_index
     from qk_core.capture.store import CaptureWriter, HeadRows, host_threads
     from qk_core.io.storage import Storage
 
@@ -60,7 +60,9 @@ def case(name: str, n_docs: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn((hq, tokens, d), generator=g), torch.randn((hk, tokens, d), generator=g)
     pos, kv = np.arange(tokens), np.arange(hq) // (hq // hk)
-    sums = to_host({0: accumulate(q, pos, k, pos, kv, tokens // J, J, torch.float32, "gaussian")})[0]
+    # as the capture hands them over: symmetric sums packed where they were formed (CaptureSession._accumulate)
+    sums = to_host({0: pack_symmetric(accumulate(q, pos, k, pos, kv, tokens // J, J, torch.float32, "gaussian"),
+                                      triangle_index(d, "cpu"))})[0]
     plan = MomentPlan({la: (list(range(hq)), list(range(hk)), kv.tolist()) for la in range(n_layers)}, tokens // J,
                       J, "float32", "gaussian")
     manifest = {"fingerprint": f"moment-host-{name}", "window": tokens, "bucket": tokens // J,

@@ -1,14 +1,14 @@
 """The capture: a read hook on the backbone's attention session (SPEC 1.1-1.3).
 
-A :class:`CaptureSession` rides on :mod:`qk_core.capture.attention`: it records the sampled rows of the
-query/key tensors each attention call hands the kernel - after projections, q/k norm, RoPE, any
-pre-attention query scaling and any write hook (``debias``) - exactly what the kernel sees. Rows are
-gathered on the model's device with ``index_select`` and moved to host once per document by
-:meth:`CaptureSession.collect` (SPEC 1.3). In the same read, for every head of the layers in ``moments``
-and every position, the SPEC 12.1 sums are formed on the device (:func:`qk_core.capture.moments.accumulate`).
-On a CUDA device each layer's sums are copied into pinned host buffers on a side stream as soon as they are
-formed, so the transfer runs beside the next layers' compute; :meth:`CaptureSession.collect_moments` waits for
-those copies once per document. On the CPU they are written into reused host buffers.
+A :class:`CaptureSession` rides on :mod:`qk_core.capture.attention`: it records the sampled rows of the query/key
+tensors each attention call hands the kernel - after projections, q/k norm, RoPE, any pre-attention query scaling
+and any write hook (``debias``) - exactly what the kernel sees. Rows are gathered on the model's device with
+``index_select`` and moved to host once per document by :meth:`CaptureSession.collect` (SPEC 1.3). In the same read,
+for every head of the layers in ``moments`` and every position, the SPEC 12.1 sums are formed on the device
+(:func:`qk_core.capture.moments.accumulate`), their symmetric d x d sums packed there as the upper triangles the
+moments file stores. On a CUDA device each layer's sums are copied into pinned host buffers on a side stream as soon
+as they are formed, so the transfer runs beside the next layers' compute; :meth:`CaptureSession.collect_moments`
+waits for those copies once per document. On the CPU they are written into reused host buffers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 from qk_core.capture.layers import CallInfo
-from qk_core.capture.moments import BucketLayouts, MomentPlan, accumulate, to_host
+from qk_core.capture.moments import BucketLayouts, MomentPlan, accumulate, pack_symmetric, to_host, triangle_index
 from qk_core.capture.store import HeadRows
 
 
@@ -78,6 +78,7 @@ class CaptureSession(AttentionHook):
                          for layer, (q, kv, _) in (moments.layers if moments else {}).items()}
         self._moments: dict[int, dict[str, torch.Tensor]] = {}
         self._layouts = BucketLayouts()  # a document's bucket layout, formed by its first layer for the others
+        self._triangles: dict[tuple[int, str], torch.Tensor] = {}  # upper-triangle index per (d, device)
         # every document's sums, reused (_moment_store): one host store on the CPU; from a CUDA device two pinned
         # ones, alternated per document (the sums of one stay valid while the next forward fills the other)
         self._m_store: list[dict[int, dict[str, torch.Tensor]]] = [{}, {}]
@@ -160,6 +161,11 @@ class CaptureSession(AttentionHook):
         sums = accumulate(_heads(query, q_heads, q_idx), pos, _heads(key, kv_heads, kv_idx), pos,
                           np.asarray(kv_index, dtype=np.int64), m.bucket, m.n_buckets, getattr(torch, m.dtype),
                           m.lw_intensity, self._layouts)
+        d = int(query.shape[-1])
+        index = self._triangles.get((d, str(dev)))
+        if index is None:
+            index = self._triangles[(d, str(dev))] = triangle_index(d, dev)
+        sums = pack_symmetric(sums, index)  # packed on the device: half the bytes to move, none to pack on the host
         pinned = dev.type == "cuda"
         store = self._moment_store(layer, sums, pinned)
         if pinned:  # device -> pinned host on a side stream, after the sums are formed; the forward goes on
@@ -199,10 +205,11 @@ class CaptureSession(AttentionHook):
 
     def collect_moments(self, copy: bool = False) -> dict[int, dict[str, np.ndarray]]:
         """Every moment layer's sums of the last forward on the host (SPEC 12.1): per-bucket query sums in the
-        accumulation dtype, the others float64. They are views of the session's host buffers. On the CPU the
-        next forward overwrites them: write them before it, or ask for a ``copy``. From a CUDA device (after
-        waiting for the side-stream copies) they stay valid through the next forward, which fills the other
-        pinned buffers, and are overwritten by the one after it."""
+        accumulation dtype, the others float64; the symmetric d x d sums as the upper triangles a moments
+        file stores (:func:`qk_core.capture.moments.pack_symmetric`). They are views of the session's host
+        buffers. On the CPU the next forward overwrites them: write them before it, or ask for a ``copy``.
+        From a CUDA device (after waiting for the side-stream copies) they stay valid through the next
+        forward, which fills the other pinned buffers, and are overwritten by the one after it."""
         missing = sorted(set(self._m_index) - set(self._moments))
         if missing:
             raise CaptureHookError(f"layer(s) {missing} yielded no vectors: their attention never reached the "

@@ -646,6 +646,20 @@ def _pack(a: np.ndarray) -> np.ndarray:
     return np.take(a.reshape(*a.shape[:-2], d * d), _triangle(d)[0], axis=-1)
 
 
+def triangle_index(d: int, device: Any) -> Any:
+    """The flat d x d index of each upper-triangle entry as a torch tensor on ``device`` (:func:`pack_symmetric`)."""
+    import torch
+
+    return torch.as_tensor(_triangle(d)[0], device=device)
+
+
+def pack_symmetric(sums: Mapping[str, Any], index: Any) -> dict[str, Any]:
+    """Torch sums of :func:`accumulate` with their symmetric d x d sums as the upper triangles a moments file
+    stores (:data:`SYMMETRIC`; ``index``: :func:`triangle_index` on their device): half the bytes to move and
+    write; :func:`write_moments` takes them as they are."""
+    return {k: v.flatten(-2).index_select(-1, index) if k in SYMMETRIC else v for k, v in sums.items()}
+
+
 def _unpack(packed: np.ndarray, d: int) -> np.ndarray:
     """float64 (..., d, d) from the upper triangles (..., d (d + 1) / 2)."""
     return np.asarray(np.take(packed, _triangle(d)[1], axis=-1), dtype=np.float64)
@@ -694,17 +708,24 @@ def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) 
 
 
 def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-    """A layer's arrays as a moments file stores them; ``packed``: its symmetric sums are upper triangles already."""
+    """A layer's arrays as a moments file stores them; ``packed``: its symmetric sums are upper triangles already.
+    Otherwise each symmetric sum is packed unless it comes packed (a last axis of d (d + 1) / 2: a capture's
+    sums, :func:`pack_symmetric`)."""
     p = f"L{m.layer}"
     layout = {"q_heads": m.q_heads, "kv_heads": m.kv_heads, "kv_index": m.kv_index,
               "layout": np.array([m.bucket, m.n_buckets], np.int64), "docs": np.asarray(m.docs, np.int64)}
     for k, v in layout.items():
         yield f"{p}.{k}", np.asarray(v)
+    d = m.d
     for k, v in m.sums.items():
         v = np.asarray(v)
         if v.dtype not in (np.float32, np.float64):
             raise ValueError(f"layer {m.layer}: moment sum {k} is {v.dtype}, not a float32/float64 array")
-        yield f"{p}.{k}", _pack(v) if k in SYMMETRIC and not packed else v
+        if k in SYMMETRIC and not packed and v.shape[-2:] == (d, d):
+            v = _pack(v)
+        elif k in SYMMETRIC and v.shape[-1] != d * (d + 1) // 2:
+            raise ValueError(f"layer {m.layer}: symmetric sum {k} of shape {v.shape} is neither d x d nor packed")
+        yield f"{p}.{k}", v
 
 
 def stored_form(m: LayerMoments) -> dict[str, np.ndarray]:
