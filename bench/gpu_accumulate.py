@@ -137,7 +137,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         for r in rows)
     return f"""# Moment accumulation per layer on the device (SPEC 12.1, issue 22)
 
-Command: `{meta['command']}`, {meta['started']}. Device: {meta['device']}; torch {meta['torch']}.
+Command: `{meta['command']}`, {meta['started']}. Device: {meta['device']}; torch {meta['torch']}; the native
+path's self-check (`native_works`) {'passed' if meta['native_path'] else 'FAILED: the capture widens the rows'}.
 Median of {meta['repeats']} CUDA-event timings after warm-up; random bf16 tensors; one layer, every position.
 
 | shape | L | heads x d | sums MB | attention ms | widened ms | accumulate ms | + pageable ms | + pinned ms \
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the script's path at a small L, no timings")
     a = ap.parse_args(argv)
+    from qk_core.capture.moments import native_works
+
     if not torch.cuda.is_available() and not a.tiny:
         print("no CUDA device visible (--tiny runs the CPU smoke version)", file=sys.stderr)
         return 2
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python bench/gpu_accumulate.py" + "".join(f" {x}" for x in (argv or sys.argv[1:])),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-            "torch": torch.__version__, "repeats": a.repeats}
+            "torch": torch.__version__, "repeats": a.repeats,
+            "native_path": native_works(dev)}  # False: the device keeps the widened path (its self-check failed)
     rows = []
     for n in (int(x) for x in a.lengths.split(",")):
         for name in a.shapes.split(","):

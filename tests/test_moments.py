@@ -279,6 +279,24 @@ def test_native_accumulation_of_bf16_rows_matches_a_float64_brute_force(n: int, 
     assert all(torch.equal(auto[key], widened[key]) for key in want)
 
 
+def test_native_path_is_used_only_where_its_self_check_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`native_works` runs the native path on a small layer of the device and compares it with the widened
+    one: it passes here, and fails for a product that is off by one part in 1e4 or that raises (an older torch
+    without ``bmm(out_dtype=...)``), so such a device keeps the widened path."""
+    from qk_core.capture import moments
+
+    assert moments.native_works.__wrapped__("cpu")
+    real = moments._mm32
+    monkeypatch.setattr(moments, "_mm32", lambda a, b: real(a, b) * (1 + 1e-4))
+    assert not moments.native_works.__wrapped__("cpu")
+
+    def old_torch(a: Any, b: Any) -> Any:
+        raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
+
+    monkeypatch.setattr(moments, "_mm32", old_torch)
+    assert not moments.native_works.__wrapped__("cpu")
+
+
 def test_stacked_arrays_are_written_byte_for_byte_as_their_stack() -> None:
     """The groups file's sums are written part after part (:class:`Stacked`): the same file bytes as the stacked
     array, so its checksum does not depend on how it was written; parts of another shape are refused."""

@@ -267,9 +267,10 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
 
     ``native``: form the vector sums from bf16 / fp16 inputs as they are, products exact and accumulated in
     float32 (:func:`_accumulate_native`: the tensor cores on a CUDA device), instead of widening the rows to
-    ``dtype`` first. None (default): where it applies and runs on the tensor cores (a CUDA device, bf16 / fp16
-    rows, float32 sums, the Gaussian form, every position of a document with the same query and key positions).
-    True forces it where it applies (on a CPU it widens the operands, same algebra: the tests' path).
+    ``dtype`` first. None (default): where it applies and runs on the tensor cores (a CUDA device that passes
+    :func:`native_works`, bf16 / fp16 rows, float32 sums, the Gaussian form, every position of a document with
+    the same query and key positions). True forces it where it applies (on a CPU it widens the operands, same
+    algebra: the tests' path).
     """
     import torch
 
@@ -298,7 +299,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     for name in ("n", "t", "tt"):
         out[f"k_{name}"] = kb.sums[name].sum().repeat(Hk)
     if (native is not False and _native_applies(q, k, acc, exact, qb, kb, q_pos, k_pos)
-            and (native or (dev.type == "cuda" and _out_dtype_supported(dev)))):
+            and (native or (dev.type == "cuda" and native_works(dev)))):
         _accumulate_native(q, k, kv, grouped, qb, B, J, out)
         return out
 
@@ -364,15 +365,25 @@ def _native_applies(q: Any, k: Any, acc: Any, exact: bool, qb: _Buckets, kb: _Bu
 
 
 @cache
-def _out_dtype_supported(dev: Any) -> bool:
-    """Whether ``torch.bmm(a, b, out_dtype=torch.float32)`` takes bf16 operands on ``dev`` (torch >= 2.8, CUDA)."""
+def native_works(dev: Any) -> bool:
+    """Whether :func:`_accumulate_native` runs on ``dev`` (on CUDA: torch >= 2.8's ``bmm(out_dtype=float32)`` on
+    the operand layouts it uses) and gives the widened path's sums there within float32 rounding, on a small random
+    bf16 layer with a partial last bucket and an empty one. Checked once per device; where it fails, :func:`accumulate`
+    widens the rows (same sums, slower)."""
     import torch
 
-    a = torch.ones((1, 2, 2), dtype=torch.bfloat16, device=dev)
+    dev = torch.device(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    Hq, Hk, n, d, B, J = 4, 2, 80, 16, 32, 4
+    q, k = (torch.randn((n, h, d), generator=g, device=dev).to(torch.bfloat16).transpose(0, 1) for h in (Hq, Hk))
+    pos, kv = np.arange(n), np.arange(Hq) // (Hq // Hk)
     try:
-        return bool(torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+        native = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian", native=True)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
+    widened = accumulate(q, pos, k, pos, kv, B, J, torch.float32, "gaussian", native=False)
+    return all(bool(((native[key].double() - w.double()).abs().max() <= 1e-5 * w.double().abs().max()).item())
+               for key, w in widened.items())
 
 
 def _mm32(a: Any, b: Any) -> Any:
@@ -381,7 +392,7 @@ def _mm32(a: Any, b: Any) -> Any:
     import torch
 
     if a.device.type == "cuda":
-        return torch.bmm(a, b, out_dtype=torch.float32)
+        return torch.bmm(a, b, out_dtype=torch.float32)  # native_works(device) checked that this runs and is right
     return torch.bmm(a.float(), b.float())
 
 
@@ -432,7 +443,7 @@ def _accumulate_native(q: Any, k: Any, kv: Any, grouped: bool, qb: _Buckets, B: 
 
     def weighted(R: Any, H: int) -> tuple[Any, Any]:
         """sum x and sum x t per (bucket, head) of R (U H, M, d): float64 (U, H, d) each."""
-        S = _mm32(W.expand(U * H, *W.shape), R).view(U, H, 1 + digits, d).to(f64)
+        S = _mm32(W.expand(U * H, *W.shape).contiguous(), R).view(U, H, 1 + digits, d).to(f64)
         scale = torch.tensor([256.0**i for i in reversed(range(digits))], dtype=f64, device=dev)
         offset = (S[:, :, 1:] * scale[:, None]).sum(2)
         return S[:, :, 0], start[:, None, None] * S[:, :, 0] + offset
