@@ -36,9 +36,10 @@ Correctness on the device (thresholds in ``TOL``)
     (Ministral 3), exactly 1 for llama3 / default / linear RoPE; NoPE layers (SmolLM3) give the raw
     projection itself; with unit q/k-norm weights every row norm is sqrt(d) x that factor;
   - moments: the device-accumulated per-bucket sums n, x, x x^T of the first and last moment layer's first
-    and last query head against a float64 brute force over that head's whole query tensor (tapped in a
-    forward), max |error| / max |sum| within 32 sqrt(B) 2^-24 (float32 accumulation of B rows; TF32 or a
-    lost position would exceed it);
+    and last query head, its KV head's k k^T and the pairs' (q - k)(q - k)^T, against a float64 brute force over
+    the heads' whole query and key tensors (tapped in a forward), max |error| / max |sum| within 32 sqrt(B) 2^-24
+    (float32 accumulation of B rows; rounded operands or a lost position would exceed it; the pairs' error
+    relative to sum q q^T + sum k k^T);
   - the layer metadata in the manifest (RoPE type and factor, NoPE layers, sliding layers, q/k norm,
     query scaling); which attention mask each layer was handed: ``None`` (the kernel's ``is_causal``, no
     L x L matrix) or the shape of what was materialised.
@@ -410,22 +411,27 @@ def available_backends(device: str) -> list[str]:
 
 @dataclass
 class QueryTap:
-    """A read hook keeping whole query tensors (float64, host) of chosen (layer, head)s of one forward."""
+    """A read hook keeping whole query tensors of chosen (layer, head)s, and of their KV heads' keys, of one forward
+    (float64, host)."""
 
-    want: dict[int, list[int]]
+    want: dict[int, list[tuple[int, int]]]  # layer -> (query head, its KV head)
     rows: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    keys: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     writes: ClassVar[bool] = False
 
     def read(self, module: Any, layer: int, query: Any, key: Any, value: Any, mask: Any,
              kwargs: dict[str, Any]) -> None:
-        for h in self.want.get(layer, []):
+        for h, kv in self.want.get(layer, []):
             self.rows[(layer, h)] = query[0, h].double().cpu().numpy()
+            self.keys[(layer, kv)] = key[0, kv].double().cpu().numpy()
 
 
 def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict[str, Any]]:
     """The stored per-bucket query sums n, x, x x^T (SPEC 12.1) of the first and last moment layer's first and last
-    head against float64 sums over the head's whole query tensor, tapped in one forward (module docstring)."""
+    head, its KV head's pooled k k^T and the pairs' sum (q - k)(q - k)^T, against float64 sums over the heads' whole
+    query and key tensors, tapped in one forward (module docstring). The pairs' bound is relative to the size of
+    sum q q^T + sum k k^T (the native path forms it from those terms: qk_core.capture.moments)."""
     import torch
 
     from qk_core.capture.attention import attach
@@ -434,26 +440,38 @@ def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict
     reader = CaptureReader(store, prefix)
     layers = reader.moment_layers()
     moments = {layer: reader.read_moments(layer) for layer in sorted({layers[0], layers[-1]})}
-    tap = QueryTap({layer: sorted({int(m.q_heads[0]), int(m.q_heads[-1])}) for layer, m in moments.items()})
+    want = {}
+    for layer, m in moments.items():
+        heads = sorted({int(m.q_heads[0]), int(m.q_heads[-1])})
+        want[layer] = [(h, int(m.kv_heads[m.kv_index[m.head_index(h)]])) for h in heads]
+    tap = QueryTap(want)
     with attach(backbone, tap), torch.inference_mode():
         backbone(input_ids=ids, use_cache=False)
     out = []
-    for (layer, head), x in sorted(tap.rows.items()):
+    for layer, pairs in sorted(want.items()):
         m = moments[layer]
-        i, B, J = m.head_index(head), m.bucket, m.n_buckets
-        b = np.minimum(np.arange(len(x)) // B, J - 1)
-        ref = {"n": np.bincount(b, minlength=J).astype(np.float64), "x": np.zeros((J, x.shape[1])),
-               "xx": np.zeros((J, x.shape[1], x.shape[1]))}
-        for j in range(J):
-            xb = x[b == j]
-            ref["x"][j], ref["xx"][j] = xb.sum(axis=0), xb.T @ xb
-        bound = 32 * math.sqrt(B) * 2.0**-24
-        row = {"layer": layer, "q_head": head, "bucket": B, "bound": bound}
-        for k, r in ref.items():
-            got = np.asarray(m.sums[f"q_{k}"][i], dtype=np.float64)
-            row[f"{k}_rel_err"] = float(np.abs(got - r).max() / max(np.abs(r).max(), 1e-300))
-        row["ok"] = bool(row["n_rel_err"] == 0 and row["x_rel_err"] <= bound and row["xx_rel_err"] <= bound)
-        out.append(row)
+        for head, kv in pairs:
+            x, k = tap.rows[(layer, head)], tap.keys[(layer, kv)]
+            i, B, J = m.head_index(head), m.bucket, m.n_buckets
+            b = np.minimum(np.arange(len(x)) // B, J - 1)
+            ref = {"n": np.bincount(b, minlength=J).astype(np.float64), "x": np.zeros((J, x.shape[1])),
+                   "xx": np.zeros((J, x.shape[1], x.shape[1]))}
+            for j in range(J):
+                xb = x[b == j]
+                ref["x"][j], ref["xx"][j] = xb.sum(axis=0), xb.T @ xb
+            bound = 32 * math.sqrt(B) * 2.0**-24
+            row = {"layer": layer, "q_head": head, "kv_head": kv, "bucket": B, "bound": bound}
+            for key, r in ref.items():
+                got = np.asarray(m.sums[f"q_{key}"][i], dtype=np.float64)
+                row[f"{key}_rel_err"] = float(np.abs(got - r).max() / max(np.abs(r).max(), 1e-300))
+            kk, delta = k.T @ k, x - k
+            row["k_xx_rel_err"] = float(np.abs(m.sums["k_xx"][int(m.kv_index[i])] - kk).max()
+                                        / max(np.abs(kk).max(), 1e-300))
+            scale = np.abs(ref["xx"].sum(axis=0)).max() + np.abs(kk).max()
+            row["p_xx_rel_err"] = float(np.abs(m.sums["p_xx"][i] - delta.T @ delta).max() / max(scale, 1e-300))
+            row["ok"] = bool(row["n_rel_err"] == 0 and all(row[f"{key}_rel_err"] <= bound
+                                                           for key in ("x", "xx", "k_xx", "p_xx")))
+            out.append(row)
     return out
 
 
@@ -735,7 +753,8 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"| {r['shape']} | {r['backend']} | {r['tokens']} | {r['moment_layers']} | {f(min(r['moments_s']), 2)} | "
         f"{f(r['moments_wall_ratio'])} | {f(r['moments_forward_ratio'])} | {f(max(r['moments_peak_mb']), 0)} | "
         f"{f(r['moments_peak_ratio'])} | {f(r['moments_peak_ratio_above_baseline'])} | "
-        f"{max(c['xx_rel_err'] for c in r['moments_check']):.1e} / {r['moments_check'][0]['bound']:.1e} |"
+        f"{max(c['xx_rel_err'] for c in r['moments_check']):.1e} / "
+        f"{max(c.get('p_xx_rel_err', 0) for c in r['moments_check']):.1e} / {r['moments_check'][0]['bound']:.1e} |"
         for r in results if "moments_check" in r)
     scaling = memory_scaling(results)
     scaling_md = "" if not scaling else "\n## Peak memory against L (is there a quadratic term?)\n\n" + "\n".join(
@@ -771,14 +790,16 @@ Peak memory: {meta['memory_note']}
 ## Every-head moments (SPEC 12.1; target <= 1.02x the plain forward on the GPU)
 
 | shape | backend | L | moment layers | capture + moments s | wall ratio | forward ratio | peak MB | peak ratio \
-| peak ratio above weights | x x^T max rel. error / bound |
+| peak ratio above weights | x x^T / pairs max rel. error / bound |
 |---|---|---|---|---|---|---|---|---|---|---|
 {moments}
 
 The same `capture_model` call with `capture.moments = true`: every eligible head's SPEC 12.1 sums over every
 position, accumulated on the device inside the same attention call (float32 per-bucket sums, the default), moved
 to host once per document, merged in float64. Ratios against the plain forward as above. The error column
-compares the stored per-bucket x x^T of four heads with float64 sums over the heads' whole query tensors.
+compares the stored per-bucket x x^T of four heads with float64 sums over the heads' whole query tensors, and
+their pairs' sum (q - k)(q - k)^T with float64 sums over the query and key tensors (relative to the size of the
+q q^T and k k^T sums it is formed from on the native path).
 
 ## Correctness
 
