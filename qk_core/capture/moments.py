@@ -439,7 +439,7 @@ def _accumulate_native(q: Any, k: Any, kv: Any, grouped: bool, qb: _Buckets, B: 
     m = torch.arange(M, device=dev)
     W = torch.stack([torch.ones(M, device=dev, dtype=torch.long)]
                     + [(m // 256**i) % 256 for i in reversed(range(digits))]).to(q.dtype)  # (1 + digits, M)
-    start = (qb.used_t.to(f64) * B)  # (U,) first position of each bucket
+    start = qb.used_t.to(f64) * B  # (U,) first position of each bucket
 
     def weighted(R: Any, H: int) -> tuple[Any, Any]:
         """sum x and sum x t per (bucket, head) of R (U H, M, d): float64 (U, H, d) each."""
@@ -690,18 +690,22 @@ class Stacked:
     parts: Sequence[np.ndarray]
 
 
-def _write_stacked(out: BinaryIO, parts: Sequence[np.ndarray]) -> None:
-    """The .npy of ``np.stack(parts)`` (format 1.0, C order: what ``np.lib.format.write_array`` writes for it)."""
-    if not parts:
-        raise ValueError("nothing to stack")
+def _write_npy(out: BinaryIO, parts: Sequence[np.ndarray], stacked: bool) -> None:
+    """The .npy that ``np.lib.format.write_array`` writes for the array, or for ``np.stack(parts)`` when ``stacked``
+    (format 1.0, C order, the same bytes), its data written from the arrays' own memory: ``write_array`` copies
+    every chunk (``tobytes``) when the file is not a real one, as a zip member is not."""
     first = np.asarray(parts[0])
+    if first.dtype.hasobject:
+        raise ValueError("object arrays are not written (no pickles)")
     for part in parts:
         if part.shape != first.shape or part.dtype != first.dtype:
             raise ValueError(f"stacked parts differ: {part.shape} {part.dtype} after {first.shape} {first.dtype}")
+    shape = (len(parts), *first.shape) if stacked else first.shape
     np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(first.dtype),
-                                               "fortran_order": False, "shape": (len(parts), *first.shape)})
+                                               "fortran_order": False, "shape": shape})
     for part in parts:
-        out.write(np.ascontiguousarray(part).data)
+        if part.size:
+            out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
 
 
 def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) -> None:
@@ -711,11 +715,13 @@ def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) 
 
     with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, arr in arrays:
+            if isinstance(arr, Stacked) and not arr.parts:
+                raise ValueError(f"{name}: nothing to stack")
             with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
                 if isinstance(arr, Stacked):
-                    _write_stacked(out, arr.parts)
+                    _write_npy(out, arr.parts, stacked=True)
                 else:
-                    np.lib.format.write_array(out, np.ascontiguousarray(arr), allow_pickle=False)
+                    _write_npy(out, [np.ascontiguousarray(arr)], stacked=False)
 
 
 def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
