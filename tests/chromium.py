@@ -8,12 +8,16 @@ and the flags that keep it from reaching the network on its own.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +57,39 @@ def chromium() -> str:
     return exe
 
 
+@contextlib.contextmanager
+def _profile() -> Iterator[str]:
+    """A fresh Chromium profile folder, removed once nothing writes into it any more: a helper process of the
+    browser that outlives it for a moment once made the removal fail ("Directory not empty: 'Default'")."""
+    folder = tempfile.mkdtemp(prefix="qk-chromium-")
+    try:
+        yield folder
+    finally:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                shutil.rmtree(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop a browser started in its own session and every process it started."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="qk-chromium-") as profile:
+    with _profile() as profile:
         return subprocess.run([chromium(), *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
                               text=True, timeout=timeout)
 
@@ -125,10 +160,10 @@ def click_and_probe(url: str, click: str, probe: str, width: int = 1440, height:
     value of the expression ``probe``; with ``shot``, a screenshot of the window is written there."""
     from websockets.sync.client import connect
 
-    with tempfile.TemporaryDirectory(prefix="qk-chromium-") as profile:
+    with _profile() as profile:
         proc = subprocess.Popen([chromium(), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
                                  f"--window-size={width},{height}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port_file, deadline = Path(profile) / "DevToolsActivePort", time.monotonic() + 30
             while not (port_file.exists() and port_file.read_text().strip()):
@@ -167,5 +202,4 @@ def click_and_probe(url: str, click: str, probe: str, width: int = 1440, height:
                     shot.write_bytes(base64.b64decode(call("Page.captureScreenshot", session, format="png")["data"]))
                 return value
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            _end(proc)
