@@ -15,6 +15,7 @@ from qk_core.capture import capture_model
 from qk_core.capture.moments import (
     DOC_KEYS,
     LW_KEYS,
+    BucketLayouts,
     LayerMoments,
     Stacked,
     accumulate,
@@ -244,6 +245,37 @@ def test_accumulate_matches_a_float64_brute_force_and_bounds_float32(layout: str
         assert got32[key].dtype == np.float64, key
         bound = 32 * np.sqrt(B) * 2.0**-24 * np.abs(w).max()  # float32 inputs (to the 4th power) and sums
         assert np.abs(got32[key] - w).max() <= bound, key
+
+
+def test_row_buffers_kept_across_calls_leave_no_trace_of_earlier_rows() -> None:
+    """:func:`accumulate` copies rows into buffers its bucket layouts keep for the next layers: a run of calls on
+    one :class:`BucketLayouts` (new rows at the same positions, another length, sampled positions, keys at positions
+    of their own, then the first positions again) gives each call the sums a call on fresh layouts gives, bit for
+    bit; the pairs of keys at their own positions are those of the positions both hold (a float64 brute force)."""
+    rng = np.random.default_rng(11)
+    Hq, Hk, d, B, J = 6, 2, 8, 32, 8
+    kv = np.arange(Hq) // (Hq // Hk)
+    kept = BucketLayouts(kept=2)
+
+    def rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = rng.normal(size=(n, Hq, d)) + 2.0, rng.normal(size=(n, Hk, d))
+        return tuple(torch.tensor(x, dtype=torch.float32).transpose(0, 1) for x in (q, k))  # strided, as attention's
+
+    every, short = np.arange(200), np.arange(150)
+    # two samples of 8 positions in each bucket: layouts of the same shape, other positions
+    one, two = (np.concatenate([np.sort(rng.choice(np.arange(b * B, min(b * B + B, 200)), 8, replace=False))
+                                for b in range(7)]) for _ in range(2))
+    for q_pos, k_pos in ((every, every), (every, every), (short, short), (one, one), (two, two), (one, two),
+                         (every, every)):
+        q, k = rows(len(q_pos))[0], rows(len(k_pos))[1]
+        got = accumulate(q, q_pos, k, k_pos, kv, B, J, torch.float32, "gaussian", kept)
+        fresh = accumulate(q, q_pos, k, k_pos, kv, B, J, torch.float32, "gaussian")
+        assert all(torch.equal(got[key], fresh[key]) for key in fresh), (len(q_pos), len(k_pos))
+        common, iq, ik = np.intersect1d(q_pos, k_pos, return_indices=True)
+        delta = q.double()[:, iq] - k.double()[kv][:, ik]
+        assert got["p_n"][0] == len(common)
+        np.testing.assert_allclose(got["p_x"], delta.sum(1), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got["p_xx"], delta.mT @ delta, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize(("n", "B", "J", "kv_index"), [

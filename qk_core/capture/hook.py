@@ -32,8 +32,7 @@ class CaptureHookError(AttentionHookError):
 def _heads(x: torch.Tensor, heads: list[int], index: torch.Tensor) -> torch.Tensor:
     """The rows of ``heads`` of a (1, H, n, d) query or key tensor: a view of the tensor when they are all of its
     heads in order, else gathered with ``index_select``. The view avoids a gather, not a copy: :func:`accumulate`
-    makes its rows contiguous either way (on this machine's CPU an ``index_select`` of the strided keys was
-    pathologically slow under load)."""
+    copies the rows into its bucket-major buffers either way."""
     if list(heads) == list(range(x.shape[1])):
         return x[0]
     return x[0].index_select(0, index.to(x.device))

@@ -36,7 +36,7 @@ documents and shards are added in float64. From bf16 / fp16 rows on a CUDA devic
 the tensor cores from the rows as they are (every product exact, float32 accumulation: :func:`_accumulate_native`),
 the same error class as widening them first. float32 (the default) has a relative error of order sqrt(B) 2^-24
 per bucket sum (bench/results/moments_accuracy.md, SmolLM2 at 2K and 8K: below 1e-6 of each head's largest sum
-for every sum the Gaussian form keeps, 5e-6 for the exact term q_xxs); float64 is exact to rounding. A
+for every sum the Gaussian form keeps, 5.1e-6 for the exact term q_xxs); float64 is exact to rounding. A
 document's per-bucket query sums stay in the accumulation dtype up to its file (they are exactly those
 numbers); every sum read back, and every merged sum, is float64.
 Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
@@ -148,9 +148,9 @@ def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
             (("n", np.ones_like(t)), ("t", t), ("tt", t * t), ("s", s), ("ss", s * s), ("s3", s**3), ("s4", s**4))}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Buckets:
-    """How a set of positions regroups into buckets (:func:`_padded`), with its device tensors: formed once per
+    """How a set of positions regroups into buckets (:func:`_augmented`), with its device tensors: formed once per
     document and reused by every layer (:class:`BucketLayouts`). ``order`` / ``flat`` are None for every position
     of a document (0..n-1, the capture's case: a zero-padded reshape)."""
 
@@ -164,6 +164,7 @@ class _Buckets:
     t: Any  # (U, M) positions, 0 at the padding, in the accumulation dtype
     s: Any  # (U, M) t - tau_b
     sums: dict[str, Any]  # :func:`_pos_sums` as float64 tensors on the device
+    rows: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # :func:`_augmented` buffers, reused per layer
 
 
 class BucketLayouts:
@@ -187,6 +188,8 @@ class BucketLayouts:
         hit = self._layouts.get(key)
         if hit is not None:
             return hit
+        for held in self._layouts.values():  # row buffers (_rows_buffer) are kept for the newest layouts only
+            held.rows.clear()
         b = np.clip(np.floor_divide(pos, B), 0, J - 1)
         counts = np.bincount(b, minlength=J)
         used = np.flatnonzero(counts)
@@ -216,20 +219,39 @@ class BucketLayouts:
         return out
 
 
-def _padded(x: Any, bk: _Buckets, dtype: Any) -> Any:
-    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d) in ``dtype`` for the U buckets of ``bk`` that
-    hold a position (zero rows as padding, M = the largest bucket count)."""
+def _rows_buffer(bk: _Buckets, name: str, H: int, d: int, extra: int, dtype: Any, dev: Any) -> Any:
+    """The (H, U, M, d + extra) buffer ``name`` of layout ``bk``: zeros, then the columns [1, t][:extra] after the d
+    of the rows (written once: a caller writes only the rows' real positions, so the padding's rows stay zero)."""
     import torch
 
-    H, _, d = x.shape
-    if bk.order is None:
-        X = x.to(dtype)
-        if bk.n < bk.U * bk.M:
-            X = torch.nn.functional.pad(X, (0, 0, 0, bk.U * bk.M - bk.n))
-    else:
-        X = torch.zeros((H, bk.U * bk.M, d), dtype=dtype, device=x.device)
-        X[:, bk.flat] = x.index_select(1, bk.order).to(dtype)
-    return X.reshape(H, bk.U, bk.M, d)
+    key = (name, H, d, extra, dtype, str(dev))
+    Y = bk.rows.get(key)
+    if Y is None:
+        Y = torch.zeros((H, bk.U, bk.M, d + extra), dtype=dtype, device=dev)
+        if extra:
+            Y[..., d] = 1
+        if extra > 1:
+            Y[..., d + 1] = bk.t
+        bk.rows[key] = Y
+    return Y
+
+
+def _augmented(x: Any, bk: _Buckets, dtype: Any, extra: int, name: str) -> Any:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d + extra) in ``dtype`` for the U buckets of ``bk``
+    that hold a position, followed by the columns [1, t][:extra], zero rows as padding (M = the largest bucket
+    count): the Gram Y^T Y of a bucket's rows holds sum x x^T, sum x and sum x t. One copy from ``x``, whatever its
+    strides, into the buffer ``name`` of ``bk`` (:func:`_rows_buffer`), reused by the next layers."""
+    H, n, d = x.shape
+    Y = _rows_buffer(bk, name, H, d, extra, dtype, x.device)
+    if bk.order is None:  # every position in order: bucket u holds rows u M .. u M + M - 1
+        full = n // bk.M
+        if full:
+            Y[:, :full, :, :d].copy_(x[:, : full * bk.M].unflatten(1, (full, bk.M)))
+        if full < bk.U:
+            Y[:, full, : n - full * bk.M, :d].copy_(x[:, full * bk.M:])
+    else:  # (a gather from the strided view attention hands over was pathologically slow on a loaded CPU)
+        Y.view(H, bk.U * bk.M, d + extra)[:, bk.flat, :d] = x.contiguous().index_select(1, bk.order).to(dtype)
+    return Y
 
 
 def _weighted(w: Any, X: Any) -> Any:
@@ -276,9 +298,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
 
     if lw_intensity not in LW_INTENSITIES:
         raise ValueError(f"lw_intensity must be one of {LW_INTENSITIES}, got {lw_intensity!r}")
-    # contiguous rows: on the strided view attention hands over (heads of a (1, L, H, d) projection), the batched
-    # products below ran 4-5x slower on a CPU (SmolLM2 shape, 8K: 58-69 against 12-15 ms a layer)
-    q, k = torch.as_tensor(q).contiguous(), torch.as_tensor(k).contiguous()
+    q, k = torch.as_tensor(q), torch.as_tensor(k)
     dev = q.device
     acc = dtype or torch.promote_types(q.dtype, torch.float32)
     f64 = torch.float64
@@ -303,51 +323,52 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
         _accumulate_native(q, k, kv, grouped, qb, B, J, out)
         return out
 
-    # query sums per bucket: rows padded (with zeros, which add nothing) into (Hq, U, M, d) over the U buckets
-    # that hold a position, so every bucket's sums come from one batched product per quantity
-    X, tp, sp, used = _padded(q, qb, acc), qb.t, qb.s, qb.used
-    Xt = X.transpose(-1, -2)
-    vals = {"q_x": X.sum(2), "q_xt": _weighted(tp, X), "q_xx": Xt @ X}
+    # every vector sum comes from Grams of rows augmented with [1, t] (_augmented): per (head, bucket) Y^T Y holds
+    # sum x x^T, sum x and sum x t in one batched product (the padding's zero rows add nothing); the rows are copied
+    # once into buffers kept for the next layers (on a CPU faster than a contiguous copy, a padded
+    # one and separate products: bench/results/accumulate_cpu.md)
+    Y = _augmented(q, qb, acc, 2, "q")  # (Hq, U, M, d + 2)
+    Gq = Y.mT @ Y
+    vals = {"q_x": Gq[..., d, :d], "q_xt": Gq[..., d + 1, :d], "q_xx": Gq[..., :d, :d]}
     if exact:
-        r2 = (X * X).sum(-1)  # (Hq, U, M)
+        X, sp = Y[..., :d], qb.s
+        Xt, r2 = X.transpose(-1, -2), (X * X).sum(-1)  # (Hq, U, M)
         vals.update({
             "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
             "q_xs2": _weighted(sp * sp, X), "q_xs3": _weighted(sp * sp * sp, X),
             "q_r2x": _weighted(r2, X), "q_r2xs": _weighted(r2 * sp, X),
             "q_r4": (r2 * r2).sum(2), "q_r2": r2.sum(2), "q_r2s": (r2 * sp).sum(2), "q_r2s2": (r2 * sp * sp).sum(2)})
     for key, v in vals.items():
-        if len(used) == J:
+        if len(qb.used) == J:
             out[key] = v
         else:  # buckets without a position sum to 0
             out[key] = torch.zeros((Hq, J, *v.shape[2:]), dtype=v.dtype, device=dev)
             out[key][:, qb.used_t] = v
-    del X, Xt, vals
+    del vals
 
     # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
-    X = _padded(k, kb, acc)
-    out["k_x"] = X.sum(2).to(f64).sum(1)
-    out["k_xt"] = _weighted(kb.t, X).to(f64).sum(1)
-    out["k_xx"] = (X.transpose(-1, -2) @ X).to(f64).sum(1)
-    del X
+    K = _augmented(k, kb, acc, 2, "k")
+    Gk = (K.mT @ K).sum(1, dtype=f64)
+    out["k_x"], out["k_xt"], out["k_xx"] = Gk[:, d, :d], Gk[:, d + 1, :d], Gk[:, :d, :d]
 
-    # same-position pairs delta = q - k(kv head), per bucket
+    # same-position pairs delta = q - k(kv head), per bucket, augmented with [1]
     paired = np.array_equal(q_pos, k_pos)  # the capture's case: rows already paired, none to select
     common, iq, ik = ((q_pos, None, None) if paired else
                       np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True))
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
+    if len(common) and paired and qb is kb:  # the rows laid out above: subtract them as they are (padding stays 0)
+        D = _rows_buffer(qb, "p", Hq, d, 1, acc, dev)
+        Kq = K[..., :d].unsqueeze(1) if grouped else K[..., :d].index_select(0, kv)
+        torch.sub(Y[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else Y[..., :d], Kq,
+                  out=D[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else D[..., :d])
+    elif len(common):
+        Qp, Kp = (q.index_select(1, torch.as_tensor(iq, device=dev)),
+                  k.index_select(1, torch.as_tensor(ik, device=dev))) if not paired else (q, k)
+        diff = Qp.to(acc) - Kp.index_select(0, kv).to(acc)
+        D = _augmented(diff, layouts.get(common, B, J, dev, acc), acc, 1, "p")
     if len(common):
-        if paired:
-            Qp, Kp, p_pos = q, k, q_pos
-        else:
-            Qp, Kp, p_pos = (q.index_select(1, torch.as_tensor(iq, device=dev)),
-                             k.index_select(1, torch.as_tensor(ik, device=dev)), common)
-        if grouped:
-            diff = (Qp.to(acc).unflatten(0, (Hk, Hq // Hk)) - Kp.to(acc).unsqueeze(1)).flatten(0, 1)
-        else:
-            diff = Qp.to(acc) - Kp.index_select(0, kv).to(acc)
-        D = _padded(diff, layouts.get(p_pos, B, J, dev, acc), acc)
-        out["p_x"] = D.sum(2).to(f64).sum(1)
-        out["p_xx"] = (D.transpose(-1, -2) @ D).to(f64).sum(1)
+        Gp = (D.mT @ D).sum(1, dtype=f64)
+        out["p_x"], out["p_xx"] = Gp[:, d, :d], Gp[:, :d, :d]
     else:
         out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
         out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)

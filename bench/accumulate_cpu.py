@@ -1,0 +1,167 @@
+"""CPU time of one layer's SPEC 12.1 moment accumulation against the layer's share of the forward (issue 22, item 4).
+
+At the SmolLM2-135M head layout (9 query / 3 KV heads x 64, 30 layers), every position of one document of L tokens
+(bucket L/16, the bench/capture_cpu.py setting), float32 rows as attention hands them (heads of a (1, L, H, d)
+projection), the Gaussian Ledoit-Wolf form: the capture's call, :func:`qk_core.capture.moments.accumulate` and the
+on-device packing (:func:`qk_core.capture.moments.pack_symmetric`), the minimum and median of ``--repeats``.
+
+For scale: the plain backbone forward of a randomly initialised model of SmolLM2-135M's configuration (same compute
+as the real weights) over the same L, divided by its 30 layers.
+
+``--against REF``: the same call from the code of git revision REF (a temporary worktree), run alternately with
+this tree's in the same process tree (child processes take turns, so a shared host disturbs both alike).
+
+Run (2 cores: a minute or two)::
+
+    .venv/bin/python bench/accumulate_cpu.py --against 809c4a2     # writes bench/results/accumulate_cpu.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+HQ, HK, D, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
+
+
+def _times(fn: Any, repeats: int) -> list[float]:
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from qk_core.capture.moments import BucketLayouts, accumulate, pack_symmetric, triangle_index
+
+    g = torch.Generator().manual_seed(n)
+    q, k = ((torch.randn((1, n, h, D), generator=g)).transpose(1, 2)[0] for h in (HQ, HK))  # strided heads
+    pos, kv, layouts, tri = np.arange(n), np.arange(HQ) // (HQ // HK), BucketLayouts(), triangle_index(D, "cpu")
+
+    def call() -> Any:
+        return pack_symmetric(accumulate(q, pos, k, pos, kv, n // 16, 16, torch.float32, "gaussian", layouts,
+                                         native=False), tri)
+
+    out = {"accumulate_ms": _times(call, repeats)}
+    if forward:
+        from transformers import LlamaConfig, LlamaModel
+
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=LAYERS,
+                          num_attention_heads=HQ, num_key_value_heads=HK, max_position_embeddings=8192,
+                          tie_word_embeddings=True, attn_implementation="sdpa")
+        model = LlamaModel(cfg).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, n), generator=g)
+        with torch.inference_mode():
+            out["forward_ms"] = _times(lambda: model(input_ids=ids, use_cache=False), max(3, repeats // 4))
+    return out
+
+
+def child(root: str, lengths: list[int], repeats: int, forward: bool) -> dict[str, Any]:
+    """Milliseconds of accumulate + pack per length, with the qk_core under ``root``."""
+    sys.path.insert(0, root)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    return {str(n): _one(n, repeats, forward) for n in lengths}
+
+
+def _stats(runs: list[dict[str, Any]], n: int) -> tuple[float, float]:
+    """(min, median) ms of accumulate at length n over the runs of one side."""
+    xs = [x for run in runs for x in run[str(n)]["accumulate_ms"]]
+    return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of this tree and --against")
+    ap.add_argument("--against", help="a git revision to time beside this tree")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--forward", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    lengths = [int(x) for x in a.lengths.split(",")]
+    if a.child:
+        print("RESULT " + json.dumps(child(a.child, lengths, a.repeats, a.forward)))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
+
+    def run(root: Path, forward: bool = False) -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, __file__, "--child", str(root), "--lengths", a.lengths, "--repeats",
+                               str(a.repeats), *(["--forward"] if forward else [])],
+                              env=env, cwd=root, capture_output=True, text=True, check=True)
+        return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_root = None
+        if a.against:
+            ref_root = Path(tmp) / "ref"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(ref_root), a.against],
+                           check=True, capture_output=True)
+        try:
+            runs: dict[str, list[dict[str, Any]]] = {"this": [], "ref": []}
+            for r in range(a.rounds):
+                runs["this"].append(run(REPO, forward=r == 0))
+                if ref_root is not None:
+                    runs["ref"].append(run(ref_root))
+        finally:
+            if ref_root is not None:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(ref_root)], check=False)
+    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    rows = []
+    for n in lengths:
+        fwd = statistics.median(runs["this"][0][str(n)]["forward_ms"]) / LAYERS
+        (mn, md), (rmn, rmd) = _stats(runs["this"], n), _stats(runs["ref"], n)
+        rows.append({"tokens": n, "min_ms": mn, "median_ms": md, "ref_min_ms": rmn, "ref_median_ms": rmd,
+                     "forward_layer_ms": fwd, "share_of_forward": md / fwd, "ref_share_of_forward": rmd / fwd})
+    cmd = "python bench/accumulate_cpu.py" + (f" --against {a.against}" if a.against else "")
+    meta = {"command": cmd, "started": started, "revision": rev, "against": a.against, "cpus": os.cpu_count(),
+            "load_avg_start": load0, "load_avg_end": os.getloadavg(), "repeats": a.repeats, "rounds": a.rounds}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "accumulate_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2))
+    body = "\n".join(
+        f"| {r['tokens']} | {r['ref_min_ms']:.1f} / {r['ref_median_ms']:.1f} | "
+        f"{r['min_ms']:.1f} / {r['median_ms']:.1f} "
+        f"| {r['forward_layer_ms']:.0f} | {100 * r['ref_share_of_forward']:.1f}% | {100 * r['share_of_forward']:.1f}% |"
+        for r in rows)
+    (out / "accumulate_cpu.md").write_text(f"""# Moment accumulation per layer on a CPU (SPEC 12.1, issue 22)
+
+Command: `{cmd}` at {rev}, started {started}. {meta['cpus']} CPUs, torch threads {env['OMP_NUM_THREADS']}; load average
+{[round(x, 2) for x in load0]} at start, {[round(x, 2) for x in meta['load_avg_end']]} at end (a shared host).
+SmolLM2-135M's head layout ({HQ}/{HK} heads x {D}), every position of one document, bucket L/16, float32 rows as
+attention hands them, Gaussian form: `accumulate` + `pack_symmetric`, the capture's per-layer call.
+{a.rounds} alternating rounds of {a.repeats} calls per side, each side in its own child process.
+
+| L | {a.against or '-'} min / median ms | {rev} min / median ms | forward ms per layer | {a.against or '-'} share \
+| {rev} share |
+|---|---|---|---|---|---|
+{body}
+
+*forward ms per layer*: a plain backbone forward of a random SmolLM2-135M-shaped model over L tokens / {LAYERS}
+(median), for scale; *share*: median accumulate / that. The capture pays the share once per layer and document.
+""")
+    print((out / "accumulate_cpu.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
