@@ -356,15 +356,14 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     common, iq, ik = ((q_pos, None, None) if paired else
                       np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True))
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
-    if len(common) and paired and qb is kb:  # the rows laid out above: subtract them as they are (padding stays 0)
+    if len(common) and paired:  # one layout (qb is kb): subtract the rows laid out above (padding stays 0)
         D = _rows_buffer(qb, "p", Hq, d, 1, acc, dev)
         Kq = K[..., :d].unsqueeze(1) if grouped else K[..., :d].index_select(0, kv)
         torch.sub(Y[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else Y[..., :d], Kq,
                   out=D[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else D[..., :d])
     elif len(common):
-        Qp, Kp = (q.index_select(1, torch.as_tensor(iq, device=dev)),
-                  k.index_select(1, torch.as_tensor(ik, device=dev))) if not paired else (q, k)
-        diff = Qp.to(acc) - Kp.index_select(0, kv).to(acc)
+        diff = (q.index_select(1, torch.as_tensor(iq, device=dev)).to(acc)
+                - k.index_select(1, torch.as_tensor(ik, device=dev)).index_select(0, kv).to(acc))
         D = _augmented(diff, layouts.get(common, B, J, dev, acc), acc, 1, "p")
     if len(common):
         Gp = (D.mT @ D).sum(1, dtype=f64)
