@@ -17,11 +17,9 @@ from qk_core.capture.moments import (
     LW_KEYS,
     BucketLayouts,
     LayerMoments,
-    Stacked,
     accumulate,
     document_moments,
     merge_documents,
-    write_npz,
 )
 from qk_core.capture.store import CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
@@ -327,32 +325,6 @@ def test_native_path_is_used_only_where_its_self_check_passes(monkeypatch: pytes
 
     monkeypatch.setattr(moments, "_mm32", old_torch)
     assert not moments.native_works.__wrapped__("cpu")
-
-
-def test_npz_bytes_are_numpys_and_stacked_arrays_their_stack() -> None:
-    """:func:`write_npz` writes each array from its own memory (no chunked copies) and a :class:`Stacked` one part
-    after part: the same file bytes as numpy's own writer of the arrays and of their stack (so checksums do not
-    depend on how a file was written), for every kind of array a moments file holds and some it does not; parts
-    of another shape are refused."""
-    import io
-    import zipfile
-
-    rng = np.random.default_rng(1)
-    parts = [rng.normal(size=(3, 4, 5)).astype(np.float32) for _ in range(4)]
-    arrays = {"scalar": np.array(5), "empty": np.zeros((0, 3)), "ints": np.arange(7), "f32": parts[0],
-              "strided": rng.normal(size=(5, 6))[:, ::2], "fortran": np.asfortranarray(rng.normal(size=(4, 5))),
-              "bools": np.array([True, False]), "big_endian": rng.normal(size=(2, 3)).astype(">f8"),
-              "stacked": np.stack(parts)}
-    want = io.BytesIO()
-    with zipfile.ZipFile(want, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, a in arrays.items():
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
-                np.lib.format.write_array(out, np.ascontiguousarray(a), allow_pickle=False)
-    got = io.BytesIO()
-    write_npz(got, [*((k, v) for k, v in arrays.items() if k != "stacked"), ("stacked", Stacked(parts))])
-    assert got.getvalue() == want.getvalue()
-    with pytest.raises(ValueError, match="stacked parts differ"):
-        write_npz(io.BytesIO(), [("L0.x", Stacked([np.zeros(3), np.zeros(4)]))])
 
 
 @pytest.mark.parametrize("tails", ["gaussian", "heavy"])

@@ -52,6 +52,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from qk_core.io.npz import NpzReader, Stacked, write_npz
+
 #: sums over query positions, per bucket (SPEC 12.1)
 Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_s", "q_ss")
 #: what the exact Ledoit-Wolf intensity adds, per bucket (``lw_intensity = "exact"``)
@@ -702,48 +704,6 @@ LAYOUT_KEYS = ("q_heads", "kv_heads", "kv_index", "layout", "docs")
 POSITION_KEYS = ("q_n", "q_t", "q_tt", "q_s", "q_ss", "q_s3", "q_s4")
 
 
-@dataclass(frozen=True)
-class Stacked:
-    """Arrays of one shape and dtype that :func:`write_npz` writes as one array on a new leading axis, part after
-    part: the bytes of ``np.stack(parts)`` without that copy in memory."""
-
-    parts: Sequence[np.ndarray]
-
-
-def _write_npy(out: BinaryIO, parts: Sequence[np.ndarray], stacked: bool) -> None:
-    """The .npy that ``np.lib.format.write_array`` writes for the array, or for ``np.stack(parts)`` when ``stacked``
-    (format 1.0, C order, the same bytes), its data written from the arrays' own memory: ``write_array`` copies
-    every chunk (``tobytes``) when the file is not a real one, as a zip member is not."""
-    first = np.asarray(parts[0])
-    if first.dtype.hasobject:
-        raise ValueError("object arrays are not written (no pickles)")
-    for part in parts:
-        if part.shape != first.shape or part.dtype != first.dtype:
-            raise ValueError(f"stacked parts differ: {part.shape} {part.dtype} after {first.shape} {first.dtype}")
-    shape = (len(parts), *first.shape) if stacked else first.shape
-    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(first.dtype),
-                                               "fortran_order": False, "shape": shape})
-    for part in parts:
-        if part.size:
-            out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
-
-
-def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) -> None:
-    """``(name, array)`` pairs into ``fh`` as an npz (a stored zip of .npy arrays, no pickled objects), one array
-    at a time (nothing but the array being written is held; a :class:`Stacked` one part at a time)."""
-    import zipfile
-
-    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, arr in arrays:
-            if isinstance(arr, Stacked) and not arr.parts:
-                raise ValueError(f"{name}: nothing to stack")
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
-                if isinstance(arr, Stacked):
-                    _write_npy(out, arr.parts, stacked=True)
-                else:
-                    _write_npy(out, [np.ascontiguousarray(arr)], stacked=False)
-
-
 def _layer_arrays(m: LayerMoments, packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """A layer's arrays as a moments file stores them; ``packed``: its symmetric sums are upper triangles already.
     Otherwise each symmetric sum is packed unless it comes packed (a last axis of d (d + 1) / 2: a capture's
@@ -835,14 +795,15 @@ class GroupStack:
             yield p + k, Stacked(self.stacked[k])
 
 
-def stored_layer(z: Any, layer: int) -> dict[str, np.ndarray]:
-    """One layer's arrays of an opened moments file (``np.load``) as stored (symmetric sums packed), by key."""
+def stored_layer(z: NpzReader, layer: int) -> dict[str, np.ndarray]:
+    """One layer's arrays of a moments file as stored (symmetric sums packed), by key: read-only views of one read of
+    the layer's bytes."""
     p = f"L{layer}."
-    return {name[len(p):]: z[name] for name in z.files if name.startswith(p)}
+    return {name[len(p):]: a for name, a in z.read(n for n in z.files if n.startswith(p)).items()}
 
 
-def stored_layers(z: Any) -> list[int]:
-    """The layers of an opened moments file."""
+def stored_layers(z: NpzReader) -> list[int]:
+    """The layers of a moments file."""
     return sorted({int(name.split(".", 1)[0][1:]) for name in z.files})
 
 
@@ -881,6 +842,6 @@ def iter_moments(data: bytes) -> Iterator[LayerMoments]:
     layer's arrays are decoded at once."""
     import io
 
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        for layer in stored_layers(z):
-            yield decode_layer(layer, stored_layer(z, layer))
+    z = NpzReader(io.BytesIO(data))
+    for layer in stored_layers(z):
+        yield decode_layer(layer, stored_layer(z, layer))

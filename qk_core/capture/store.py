@@ -47,6 +47,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,9 +70,9 @@ from qk_core.capture.moments import (
     stored_layer,
     stored_layers,
     write_moments,
-    write_npz,
 )
 from qk_core.config.settings import int_env
+from qk_core.io.npz import NpzReader, write_npz
 from qk_core.io.storage import Storage, StorageError, file_record
 from qk_core.io.temporaries import disk_full, mount_point, scratch_dir
 
@@ -200,14 +201,15 @@ def _check_record(uri: str, got: dict[str, Any], want: dict[str, Any] | None) ->
                            f"{want['sha256'][:16]}... (altered or swapped)")
 
 
-def host_threads(tasks: int) -> int:
+def host_threads(tasks: int, alone: bool = False) -> int:
     """Threads for finalize's per-layer moment merge and for verification (hashing, reading, writing: work that
-    releases the GIL): ``QK_HOST_THREADS``, by default half the cores this process may use, up to 8 (the row
-    fan-out runs beside the merge), at least 1 and at most ``tasks``. On 2 cores, 2 threads finalized
-    qwen3-8b-sized moments (36 layers x 32 heads, d = 128) in 7.9 s against 13.8 s for 1; SmolLM2's (30 x 9 heads,
-    d = 64) gained nothing at 2K and its 8K finalize was slower, so 2 cores keep 1."""
+    releases the GIL): ``QK_HOST_THREADS``, by default half the cores this process may use (the row fan-out runs
+    beside the merge), or all of them when the work runs ``alone`` (verification), up to 8, at least 1 and at most
+    ``tasks``. On 2 cores, 2 threads finalized qwen3-8b-sized moments (36 layers x 32 heads, d = 128) in 7.9 s
+    against 13.8 s for 1; SmolLM2's (30 x 9 heads, d = 64) gained nothing at 2K and its 8K finalize was slower, so
+    2 cores keep 1 for the merge."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(int(tasks), int_env("QK_HOST_THREADS", max(1, min(8, cores // 2)))))
+    return max(1, min(int(tasks), int_env("QK_HOST_THREADS", max(1, min(8, cores if alone else cores // 2)))))
 
 
 def _raise_open_files(needed: int) -> int:
@@ -562,11 +564,11 @@ class CaptureWriter:
 
     @contextlib.contextmanager
     def _verified_moments(self, eid: int, sha: str, files: dict[str, dict[str, Any]],
-                          keep: bool) -> Iterator[Any]:
-        """A committed document's moments file opened with ``np.load`` once its SHA-256 is the one its document
-        file recorded (recorded in ``files`` when the capture ``keep``s its document files). It is hashed and then
-        read through one handle of one version (:meth:`Storage.open_read`: a local descriptor, an ETag-pinned S3
-        read whose layers come in ranged reads), so what was checked is what is read."""
+                          keep: bool) -> Iterator[NpzReader]:
+        """A committed document's moments file, once its SHA-256 is the one its document file recorded (recorded in
+        ``files`` when the capture ``keep``s its document files), as an :class:`NpzReader` of the same handle: one
+        version (:meth:`Storage.open_read`: a local descriptor, an ETag-pinned S3 read whose layers come in ranged
+        reads), so what was checked is what is read, and the checksum covers what the zip's CRCs would."""
         rel = self._moments_doc(eid)
         uri = self.storage.uri(rel)
         with contextlib.ExitStack() as stack:
@@ -578,8 +580,11 @@ class CaptureWriter:
             _check_record(uri, got, {"sha256": sha})
             if keep:
                 files[rel] = got
-            fh.seek(0)
-            yield stack.enter_context(np.load(fh, allow_pickle=False))
+            try:
+                reader = NpzReader(fh)
+            except (ValueError, zipfile.BadZipFile) as exc:  # pragma: no cover - a committed checksum of a bad file
+                raise CaptureError(f"{uri}: not a moments file ({exc})") from exc
+            yield reader
 
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
@@ -680,7 +685,8 @@ class CaptureReader:
         """
         t0 = time.perf_counter()
         names = sorted(self.files)
-        with ThreadPoolExecutor(max_workers=host_threads(len(names)), thread_name_prefix="qk-verify") as pool:
+        with ThreadPoolExecutor(max_workers=host_threads(len(names), alone=True),
+                                thread_name_prefix="qk-verify") as pool:
             n_bytes = sum(pool.map(lambda name: len(self._verified_bytes(name)), names))  # raises in name order
         self._check_owner()
         return {"files": len(self.files), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,158 @@
+"""The npz files of a capture's moments (SPEC 12.1): written one array at a time, read back as views.
+
+:func:`write_npz` writes an uncompressed zip of ``.npy`` members, the same bytes as numpy's own writer, each
+array from its own memory. :class:`NpzReader` reads such a file by byte range: the zip's central directory is
+parsed once, and :meth:`NpzReader.read` fetches the members asked for in one read of the span that holds them and
+returns arrays viewing that buffer (no per-member zip stream, no copy). It skips the zip's CRC-32 of each member:
+it is for files whose SHA-256 the caller has checked against a committed record (a capture's moments files,
+:mod:`qk_core.capture.store`), which covers every byte the CRC would. Only stored (uncompressed), unencrypted
+members of plain dtypes are read; anything else is a ``ValueError`` naming the member.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import struct
+import threading
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import BinaryIO
+
+import numpy as np
+
+_LOCAL_HEADER = b"PK\x03\x04"
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Arrays of one shape and dtype that :func:`write_npz` writes as one array on a new leading axis, part after
+    part: the bytes of ``np.stack(parts)`` without that copy in memory."""
+
+    parts: Sequence[np.ndarray]
+
+
+def _write_npy(out: BinaryIO, parts: Sequence[np.ndarray], stacked: bool) -> None:
+    """The .npy that ``np.lib.format.write_array`` writes for the array, or for ``np.stack(parts)`` when ``stacked``
+    (format 1.0, C order, the same bytes), its data written from the arrays' own memory: ``write_array`` copies
+    every chunk (``tobytes``) when the file is not a real one, as a zip member is not."""
+    first = np.asarray(parts[0])
+    if first.dtype.hasobject:
+        raise ValueError("object arrays are not written (no pickles)")
+    for part in parts:
+        if part.shape != first.shape or part.dtype != first.dtype:
+            raise ValueError(f"stacked parts differ: {part.shape} {part.dtype} after {first.shape} {first.dtype}")
+    shape = (len(parts), *first.shape) if stacked else first.shape
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(first.dtype),
+                                               "fortran_order": False, "shape": shape})
+    for part in parts:
+        if part.size:
+            out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+
+
+def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) -> None:
+    """``(name, array)`` pairs into ``fh`` as an npz (a stored zip of .npy arrays, no pickled objects), one array
+    at a time (nothing but the array being written is held; a :class:`Stacked` one part at a time)."""
+    with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, arr in arrays:
+            if isinstance(arr, Stacked) and not arr.parts:
+                raise ValueError(f"{name}: nothing to stack")
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
+                if isinstance(arr, Stacked):
+                    _write_npy(out, arr.parts, stacked=True)
+                else:
+                    _write_npy(out, [np.ascontiguousarray(arr)], stacked=False)
+
+
+@lru_cache(maxsize=4096)
+def _npy_header(text: bytes) -> tuple[np.dtype, tuple[int, ...], bool]:
+    """(dtype, shape, Fortran order) of a .npy header dictionary (the few distinct headers of a file's arrays are
+    parsed once)."""
+    head = ast.literal_eval(text.decode("latin1"))
+    if not isinstance(head, dict) or set(head) != {"descr", "fortran_order", "shape"}:
+        raise ValueError(f"not a .npy header: {text[:80]!r}")
+    dtype = np.lib.format.descr_to_dtype(head["descr"])
+    shape = tuple(int(n) for n in head["shape"])
+    if dtype.hasobject or any(n < 0 for n in shape):
+        raise ValueError(f"not an array of plain values: {text[:80]!r}")
+    return dtype, shape, bool(head["fortran_order"])
+
+
+class NpzReader:
+    """The arrays of an npz file by name (``.npy`` dropped), read by byte range from ``fh`` (a seekable binary
+    file, kept open by the caller; reads from several threads are serialised). See the module doc for what is
+    and is not checked."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._lock = threading.Lock()
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        fh.seek(0)
+        with zipfile.ZipFile(fh) as zf:  # a file object passed in stays open
+            infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
+        # a member's bytes end where the next one starts (the last one's: before the central directory, at most the
+        # file's end)
+        self._span: dict[str, tuple[int, int, int]] = {}
+        for i, info in enumerate(infos):
+            if not info.filename.endswith(".npy"):
+                raise ValueError(f"{info.filename}: not a .npy member")
+            if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
+                raise ValueError(f"{info.filename}: compressed or encrypted (only stored members are read)")
+            end = infos[i + 1].header_offset if i + 1 < len(infos) else size
+            self._span[info.filename[:-4]] = (info.header_offset, end, info.file_size)
+
+    @property
+    def files(self) -> list[str]:
+        """The array names, in file order."""
+        return list(self._span)
+
+    def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """The arrays ``names`` (read-only views of one buffer read from the file)."""
+        names = list(names)
+        if not names:
+            return {}
+        missing = [n for n in names if n not in self._span]
+        if missing:
+            raise KeyError(f"no array {missing[0]!r} in the file")
+        lo = min(self._span[n][0] for n in names)
+        hi = max(self._span[n][1] for n in names)
+        with self._lock:
+            self._fh.seek(lo)
+            buf = self._fh.read(hi - lo)
+        if len(buf) != hi - lo:
+            raise ValueError(f"{len(buf)} bytes where {hi - lo} were expected (a truncated file)")
+        return {n: self._array(n, buf, self._span[n][0] - lo, self._span[n][2]) for n in names}
+
+    @staticmethod
+    def _array(name: str, buf: bytes, at: int, size: int) -> np.ndarray:
+        if buf[at:at + 4] != _LOCAL_HEADER:
+            raise ValueError(f"{name}: no zip member header at its offset")
+        n_name, n_extra = struct.unpack_from("<HH", buf, at + 26)
+        at += 30 + n_name + n_extra
+        if buf[at:at + 6] != _NPY_MAGIC:
+            raise ValueError(f"{name}: not a .npy array")
+        major = buf[at + 6]
+        if major == 1:
+            (n_head,), start = struct.unpack_from("<H", buf, at + 8), at + 10
+        elif major in (2, 3):
+            (n_head,), start = struct.unpack_from("<I", buf, at + 8), at + 12
+        else:
+            raise ValueError(f"{name}: .npy format version {major} is not known")
+        dtype, shape, fortran = _npy_header(bytes(buf[start:start + n_head]))
+        count = int(np.prod(shape, dtype=np.int64))
+        data = start + n_head
+        if data - at + count * dtype.itemsize != size or data + count * dtype.itemsize > len(buf):
+            raise ValueError(f"{name}: {size} bytes do not hold a {dtype} array of shape {shape}")
+        return np.frombuffer(buf, dtype, count, data).reshape(shape, order="F" if fortran else "C")
+
+
+def read_npz(data: bytes) -> dict[str, np.ndarray]:
+    """Every array of an npz held in memory (:class:`NpzReader`)."""
+    z = NpzReader(io.BytesIO(data))
+    return z.read(z.files)
+
