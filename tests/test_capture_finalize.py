@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from qk_core.capture import store
 from qk_core.capture.store import (
     CaptureError,
     CaptureReader,
@@ -67,13 +68,24 @@ def head_tables(storage: Storage, summary: dict) -> dict[str, pa.Table]:
     return {name: storage.read_parquet(name) for name in summary["rows"]}
 
 
-def test_batch_size_does_not_change_head_files(tmp_path: Path) -> None:
+def test_batch_size_does_not_change_head_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head files are the same bytes whether every row stays in memory, every document is spilled, or the
+    open-file limit leaves room for one spill file at a time (a pass per group of heads)."""
     w_one, one = capture(tmp_path / "one", batch_bytes=1 << 30)
-    w_many, many = capture(tmp_path / "many", batch_bytes=1)  # one head per batch
+    w_many, many = capture(tmp_path / "many", batch_bytes=1)  # every document spilled
     assert one["rows"] == many["rows"] and len(one["rows"]) == 4 + 3
     a, b = head_tables(w_one.storage, one), head_tables(w_many.storage, many)
     for name in a:
         assert a[name].equals(b[name])
+    passes = []
+    real_fan_out = CaptureWriter._fan_out
+    monkeypatch.setattr(store, "_raise_open_files", lambda needed: 3 + 1)  # 3 documents held open, room for 1 spill
+    monkeypatch.setattr(CaptureWriter, "_fan_out", lambda self, index, names, *a: passes.append(names) or
+                        real_fan_out(self, index, names, *a))
+    _, few = capture(tmp_path / "few", batch_bytes=1)
+    assert len(passes) == 3 and sorted(n for p in passes for n in p) == sorted(one["rows"])
+    heads = {k for k in one["files"] if k.startswith("heads/")}
+    assert len(heads) == 7 and {k: few["files"][k] for k in heads} == {k: one["files"][k] for k in heads}
     # the files hold exactly the rows written, docs in file order and positions sorted within each doc
     reader = CaptureReader(w_one.storage, w_one.prefix)
     hd = reader.read_head(3, 2)

@@ -567,14 +567,17 @@ class MomentMerger:
         if self._kept is None:
             return None
         kept = self._kept
-        return replace(kept, sums={k: _unpack(v, kept.d) if k in SYMMETRIC else v for k, v in kept.sums.items()},
-                       docs=list(kept.docs))
+        return replace(kept, sums={k: _unpack(v, kept.d) if k in SYMMETRIC or k == "pm_cov" else v
+                                   for k, v in kept.sums.items()}, docs=list(kept.docs))
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The merge's arrays for :func:`write_npz`, as :func:`write_moments` stores them (no unpacking)."""
-        if self._kept is None:
+        """The merge's arrays for :func:`write_npz`, as :func:`write_moments` stores them (no unpacking but of
+        ``pm_cov``, kept as its upper triangle and stored whole)."""
+        kept = self._kept
+        if kept is None:
             raise ValueError("no documents were merged")
-        return _layer_arrays(self._kept, packed=True)
+        return _layer_arrays(replace(kept, sums={**kept.sums, "pm_cov": _unpack(kept.sums["pm_cov"], kept.d)}),
+                             packed=True)
 
     def _add(self, m: LayerMoments) -> None:
         if len(m.docs) != 1:
@@ -589,7 +592,7 @@ class MomentMerger:
             sums.update({f"qh_{k}": np.zeros((2, s[f"q_{k}"].shape[0], *s[f"q_{k}"].shape[2:])) for k in HALF_KEYS})
             sums.update({f"kh_{k}": np.zeros((2, *s[f"k_{k}"].shape)) for k in HALF_KEYS})
             Hq, d = s["q_x"].shape[0], s["q_x"].shape[-1]
-            sums.update(pm_cov=np.zeros((Hq, d, d)), pm_mean=np.zeros((Hq, d)), pm_unpaired=np.zeros(Hq))
+            sums.update(pm_cov=np.zeros((Hq, d * (d + 1) // 2)), pm_mean=np.zeros((Hq, d)), pm_unpaired=np.zeros(Hq))
             self._kept = LayerMoments(m.layer, m.q_heads, m.kv_heads, m.kv_index, m.bucket, m.n_buckets, sums, [])
         out = self._kept
         if (m.layer != out.layer or not np.array_equal(m.q_heads, out.q_heads)
@@ -623,9 +626,9 @@ class MomentMerger:
         """
         s = m.sums
         d = s["q_x"].shape[-1]
+        # the symmetric sums stay packed (upper triangles): every entry of S_g is computed as the d x d form would
+        # compute it, the lower triangle is its mirror
         q = {k: s[f"q_{k}"].sum(axis=1, dtype=np.float64) for k in ("n", "t", "tt", "x", "xx")}
-        q["xx"] = _unpack(q["xx"], d)  # the symmetric sums come packed (upper triangles)
-        k_xx, p_xx = _unpack(s["k_xx"], d), _unpack(s["p_xx"], d)
         kv = m.kv_index
         n = q["n"]
         paired = (s["p_n"] == n) & (s["k_n"][kv] == n) & (np.abs(s["k_t"][kv] - q["t"]) == 0)
@@ -633,13 +636,14 @@ class MomentMerger:
         with np.errstate(divide="ignore", invalid="ignore"):
             tbar = np.where(n > 0, q["t"] / n, 0.0)
             w = np.where(n > 1, (q["tt"] - q["t"] * tbar) / (n - 1), 0.0)
+            g_n = np.where(n > 0, 1.0 / n, 0.0)[:, None]
         g = q["x"] + s["k_x"][kv]
-        gg = 2 * q["xx"] + 2 * k_xx[kv] - p_xx
-        with np.errstate(divide="ignore", invalid="ignore"):
-            Sg = gg - np.where(n > 0, 1.0 / n, 0.0)[:, None, None] * g[:, :, None] * g[:, None, :]
+        rows, cols = _triangle_entries(d)
+        gg = 2 * q["xx"] + 2 * s["k_xx"][kv] - s["p_xx"]
+        Sg = gg - (g_n * g)[:, rows] * g[:, cols]
         ok = paired[:, None]
         out["pm_mean"] += np.where(ok, tbar[:, None] * g, 0.0)
-        out["pm_cov"] += np.where(ok[:, :, None], w[:, None, None] * Sg, 0.0)
+        out["pm_cov"] += np.where(ok, w[:, None] * Sg, 0.0)
 
 
 def merge_documents(docs: Sequence[LayerMoments]) -> LayerMoments:
@@ -672,6 +676,12 @@ def _triangle(d: int) -> tuple[np.ndarray, np.ndarray]:
     col = np.zeros((d, d), dtype=np.int64)
     col[iu] = col[iu[1], iu[0]] = np.arange(len(iu[0]))
     return iu[0] * d + iu[1], col
+
+
+@cache
+def _triangle_entries(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each upper-triangle entry, in the packed order."""
+    return np.triu_indices(d)
 
 
 def _pack(a: np.ndarray) -> np.ndarray:

@@ -23,8 +23,9 @@ example_id int64, position int32 (raw token position t), vec fixed_size_list<flo
 Per-document files carry ``n_tokens`` (the document's token count inside the window, SPEC 1.7), the
 example id and an index of their row groups (one per (kind, layer, head), rows sorted that way) in their
 Parquet key-value metadata. ``finalize()`` reads every document file once, in order, appends each
-head's rows to a local Arrow IPC spill file (memory bounded by ``FINALIZE_BATCH_BYTES``), then writes each
-head file in one piece from its spill, so its cost is linear in heads x documents.
+head's rows to a buffer spilled to a local Arrow IPC file whenever it holds ``FINALIZE_BATCH_BYTES``, then writes
+each head file in one piece from its spilled batches and the rows still in memory, so its cost is linear in
+heads x documents.
 Every file is committed atomically through :class:`Storage`.
 
 Verification (SPEC 1.9). ``complete.json`` records the capture fingerprint, the row count of every head
@@ -366,12 +367,12 @@ class CaptureWriter:
         """Fan the document files out into per-head files, verify the result, then drop the document files.
 
         One pass over the documents (sorted by file name): each document file is read once and its rows
-        are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they are appended
-        to per-head local spill files, which finally become the head files, one at a time, each committed
-        atomically. Cost: linear in heads x documents; memory: ``batch_bytes`` plus one document and one
-        head.
-        A head with no rows in any document gets an empty file. When more head files exist than may be
-        open at once, the pass runs once per group of heads, reading only their row groups.
+        are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they go to one local
+        spill file; then the head files are written, one at a time, each from its spilled batches and its rows
+        still in memory, each committed atomically. Cost: linear in heads x documents; memory: ``batch_bytes``
+        plus one document and one head.
+        A head with no rows in any document gets an empty file. When more spill files would be needed than may
+        be open at once, the pass runs once per group of heads, reading only their row groups.
 
         Then ``complete.json`` is written with the row counts and checksums, every committed file is read
         back and checked (:meth:`CaptureReader.verify`), and only then are the document files removed
@@ -394,15 +395,19 @@ class CaptureWriter:
             for name, n in counts_of.items():
                 sizes[name] += n
         names = sorted(sizes)
-        spill_at = self._spill_folder(sum(sizes.values()) * (4 * d + 12))
+        total = sum(sizes.values()) * (4 * d + 12)
+        spill_at = self._spill_folder(total)
         files: dict[str, dict[str, Any]] = {}
-        max_open = max(16, _raise_open_files(len(names) + len(index)) - len(index))  # the merge holds every document
+        # a pass keeps its spill files open (at most one per document) and the merge every document's moments
+        spill_files = min(len(index), total // max(1, batch_bytes) + 1)
+        passes = -(-spill_files // max(1, _raise_open_files(spill_files + len(index)) - len(index)))
+        per_pass = -(-len(names) // passes)
         # the moment merge shares nothing with the fan-out but the document list: it runs beside it (both spend
         # most of their time in Arrow, numpy, zlib and hashlib, which release the GIL)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moment-merge") as pool:
             merging = pool.submit(self._merge_moments, index, keep_doc_files)
-            for start in range(0, len(names), max_open):
-                files.update(self._fan_out(index, names[start:start + max_open], d, batch_bytes, spill_at))
+            for start in range(0, len(names), per_pass):
+                files.update(self._fan_out(index, names[start:start + per_pass], d, batch_bytes, spill_at))
             moment_files, moment_layers, moment_note, moment_groups = merging.result()
         files.update(moment_files)
         counts = {name: sizes[name] for name in names}
@@ -457,45 +462,51 @@ class CaptureWriter:
                  batch_bytes: int, spill_at: Path | None = None) -> dict[str, dict[str, Any]]:
         """One pass over the documents writing the head files ``names``; returns their checksums.
 
-        Rows are appended, in document order, to one local Arrow IPC spill file per head (streams keep
-        no buffers, unlike open Parquet writers, whose retained page buffers grow with every row group);
-        then each head's spill is read back (memory-mapped) and written as its Parquet file in one piece.
+        Rows are gathered in memory in document order. Whenever they hold ``batch_bytes`` they are spilled to one
+        local Arrow IPC file, one record batch per head and chunk; the rows still in memory at the end are never
+        spilled. Then each head's parts (its batches in every spill, read back by position, then its rows in memory)
+        are written as its Parquet file in one piece.
         """
         wanted = set(names)
         base = row_schema(d)
         schema = pa.schema([base.field(c) for c in HEAD_COLUMNS])
         row_bytes = 4 * d + 12
-        with scratch_dir("finalize-spill", spill_at) as spill_dir:
-            spills = {name: os.path.join(spill_dir, f"{i}.arrows") for i, name in enumerate(names)}
-            with contextlib.ExitStack() as stack:
-                streams = {name: stack.enter_context(pa.ipc.new_stream(spills[name], schema)) for name in names}
-                buffered: dict[str, list[pa.Table]] = defaultdict(list)
-                held = 0
+        buffered: dict[str, list[pa.Table]] = defaultdict(list)
+        spilled: dict[str, list[tuple[int, int]]] = defaultdict(list)  # head -> (spill file, batch) in order
+        with scratch_dir("finalize-spill", spill_at) as spill_dir, contextlib.ExitStack() as stack:
+            spills: list[pa.ipc.RecordBatchFileReader] = []
 
-                def flush() -> None:
+            def spill() -> None:
+                path = os.path.join(spill_dir, f"{len(spills)}.arrow")
+                with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as out:
+                    n = 0
                     for name in names:
-                        parts = buffered.pop(name, None)
-                        if parts:
-                            streams[name].write_table(pa.concat_tables(parts).combine_chunks())
+                        for part in buffered.pop(name, ()):
+                            for batch in part.to_batches():
+                                out.write_batch(batch)
+                                spilled[name].append((len(spills), n))
+                                n += 1
+                spills.append(pa.ipc.open_file(stack.enter_context(pa.OSFile(path, "rb"))))
 
-                for doc in index:
-                    for name, part in self._split_doc(doc.rel, doc.groups, wanted).items():
-                        buffered[name].append(part)
-                        held += part.num_rows * row_bytes
-                    if held >= batch_bytes:
-                        flush()
-                        held = 0
-                flush()
+            held = 0
+            for doc in index:
+                for name, part in self._split_doc(doc.rel, doc.groups, wanted).items():
+                    buffered[name].append(part)
+                    held += part.num_rows * row_bytes
+                if held >= batch_bytes:
+                    spill()
+                    held = 0
             records = {}
             for name in names:
-                with pa.memory_map(spills[name]) as src:
-                    tbl = pa.ipc.open_stream(src).read_all().combine_chunks()
+                parts = [pa.Table.from_batches([spills[f].get_batch(i)]) for f, i in spilled.pop(name, ())]
+                parts += buffered.pop(name, [])
+                # the rows as the head's schema has them (a document file's parts carry its key-value metadata)
+                tbl = pa.concat_tables(parts).combine_chunks().cast(schema) if parts else schema.empty_table()
                 with self.storage.atomic_local_file(name) as tmp, open(tmp, "wb") as f:
                     sink = _HashingSink(f)
                     pq.write_table(tbl, sink, use_dictionary=False)
                 records[name] = sink.record()
-                del tbl
-                os.remove(spills[name])
+                del tbl, parts
             return records
 
     def _count_legacy(self, rel: str) -> dict[str, int]:
