@@ -638,7 +638,7 @@ class MomentMerger:
             w = np.where(n > 1, (q["tt"] - q["t"] * tbar) / (n - 1), 0.0)
             g_n = np.where(n > 0, 1.0 / n, 0.0)[:, None]
         g = q["x"] + s["k_x"][kv]
-        rows, cols = _triangle_entries(d)
+        rows, cols = np.divmod(_triangle(d)[0], d)  # of each upper-triangle entry, in the packed order
         gg = 2 * q["xx"] + 2 * s["k_xx"][kv] - s["p_xx"]
         Sg = gg - (g_n * g)[:, rows] * g[:, cols]
         ok = paired[:, None]
@@ -676,12 +676,6 @@ def _triangle(d: int) -> tuple[np.ndarray, np.ndarray]:
     col = np.zeros((d, d), dtype=np.int64)
     col[iu] = col[iu[1], iu[0]] = np.arange(len(iu[0]))
     return iu[0] * d + iu[1], col
-
-
-@cache
-def _triangle_entries(d: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, column) of each upper-triangle entry, in the packed order."""
-    return np.triu_indices(d)
 
 
 def _pack(a: np.ndarray) -> np.ndarray:

@@ -393,8 +393,8 @@ class CaptureWriter:
         One pass over the documents (sorted by file name): each document file is read once and its rows
         are appended to their heads' buffers; whenever the buffers hold ``batch_bytes`` they go to one local
         spill file; then the head files are written, one at a time, each from its spilled batches and its rows
-        still in memory, each committed atomically. Cost: linear in heads x documents; memory: ``batch_bytes``
-        plus one document and one head.
+        still in memory, each committed atomically. Cost: linear in heads x documents; memory: about five times
+        ``batch_bytes`` (the buffer, and the decoding of a document's reads, a few heads each) plus one head.
         A head with no rows in any document gets an empty file. When more spill files would be needed than may
         be open at once, the pass runs once per group of heads, reading only their row groups.
 
