@@ -49,13 +49,15 @@ LEGACY_SCHEMA = pa.schema([pa.field(f.name, pa.list_(pa.float32(), D) if f.name 
                            for f in row_schema(D)])
 
 
-def capture(root: Path, batch_bytes: int, legacy_doc: bool = False) -> tuple[CaptureWriter, dict]:
+def capture(root: Path, batch_bytes: int, legacy: list[HeadRows] | None = None) -> tuple[CaptureWriter, dict]:
+    """Three documents written by the writer and finalized; with ``legacy``, a fourth one as the first layout wrote
+    it, its rows put in ``legacy``."""
     storage = Storage(root)
     w = CaptureWriter(storage, "m", manifest())
     rng = np.random.default_rng(0)
     for eid in (3, 1, 20):
         w.write_document(eid, 64, doc_rows(eid, rng, empty=("q", 5, 3)))
-    if legacy_doc:  # a document file as the first layout wrote it: one row group, no group index, nullable fields
+    if legacy is not None:  # the first layout: one row group, no group index, nullable fields
         rows = doc_rows(7, rng, empty=("q", 5, 3))
         n = sum(len(r.positions) for r in rows)
         tbl = pa.table({
@@ -67,7 +69,7 @@ def capture(root: Path, batch_bytes: int, legacy_doc: bool = False) -> tuple[Cap
             "vec": pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate([r.vectors for r in rows]).ravel()), D),
         }, schema=LEGACY_SCHEMA.with_metadata({"n_tokens": "64"}))
         storage.write_parquet(f"{w.prefix}/docs/doc-7.parquet", tbl)
-        w.legacy_rows = rows
+        legacy += rows
     return w, w.finalize(batch_bytes=batch_bytes)
 
 
@@ -103,7 +105,8 @@ def test_batch_size_does_not_change_head_files(tmp_path: Path, monkeypatch: pyte
 
 
 def test_empty_head_gets_an_empty_file_and_legacy_docs_finalize(tmp_path: Path) -> None:
-    w, summary = capture(tmp_path, batch_bytes=200, legacy_doc=True)
+    legacy: list[HeadRows] = []
+    w, summary = capture(tmp_path, batch_bytes=200, legacy=legacy)
     assert summary["n_docs"] == 4
     assert summary["rows"][head_file(w.prefix, "q", 5, 3)] == 0
     hd = CaptureReader(w.storage, w.prefix).read_head(5, 3)
@@ -112,7 +115,7 @@ def test_empty_head_gets_an_empty_file_and_legacy_docs_finalize(tmp_path: Path) 
     assert 7 in set(CaptureReader(w.storage, w.prefix).read_head(0, 1).q_doc)
     # the legacy document's nullable rows went into head files of the non-null schema with their values
     assert LEGACY_SCHEMA.field("vec").nullable and LEGACY_SCHEMA.field("vec").type.value_field.nullable
-    for r in w.legacy_rows:
+    for r in legacy:
         if r.kind == "q" and len(r.positions):
             name = head_file(w.prefix, "q", r.layer, r.head)
             tbl = w.storage.read_parquet(name)
