@@ -143,6 +143,15 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         monkeypatch.setenv("DAGSTER_HOME", str(srv.home))  # the instance config reads it
         for name in ("automation_sensor", "benchmark_files_sensor"):  # cross-model work is not under test here
             set_sensor(srv, name, False)
+        # the registry sensor (on by default) adds the partitions on its first tick: wait for them, so that the
+        # automation sensor started next sees them on its first evaluation (partitions it saw appear would be
+        # newly missing to it, and `corpus` is on_missing: corpus[tiny2] would be materialised; CI of stop 42)
+        def listed() -> bool:
+            with DagsterInstance.from_config(str(srv.home)) as instance:
+                return (set(instance.get_dynamic_partitions("corpus")) == {"tiny", "tiny2"}
+                        and set(instance.get_dynamic_partitions("model")) == {"other", *SERIES_KEYS})
+
+        wait_for(listed, 120, interval=1, what="the registry's partitions", on_timeout=srv.log_tail)
         set_sensor(srv, "model_automation_sensor", True)  # as a user would, from the UI
         t_ready = time.monotonic()
 
