@@ -123,8 +123,9 @@ def test_real_captured_qk_reproduces_attention_logits(captured: dict) -> None:
 def test_cached_gguf_weights_equal_the_gguf_file(key: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dequantised weights kept as safetensors (qk_core.models.loading.gguf_weights) are the GGUF file's own:
     the backbone and the model with its LM head equal, tensor for tensor, what transformers loads from the GGUF
-    file; a cached file of the wrong size is converted again."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    file; a cached file of the wrong size is converted again. The conversion's parts (convert_gguf) are
+    independent: the tokenizer alone writes only the tokenizer, which encodes as the GGUF file's."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from qk_core.models import loading
 
@@ -133,6 +134,18 @@ def test_cached_gguf_weights_equal_the_gguf_file(key: str, tmp_path, monkeypatch
         missing(f"the demo model package {entry.source.package!r}", "make setup; requirements-models.txt")
     monkeypatch.setattr(loading, "CACHE_DIR", tmp_path)  # a fresh conversion, not the shared cache's
     gguf = loading.resolve_gguf(entry.source)
+    # make setup converts the parts side by side (qk_core.setup_data): the tokenizer alone converts nothing else,
+    # and the cached one encodes as the GGUF file's own
+    with pytest.raises(ValueError, match="no GGUF conversion part"):
+        loading.convert_gguf(entry, ["config"])
+    folder = loading.convert_gguf(entry, ["tokenizer"])
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["tokenizer"]
+    text = "Fellow-citizens of the Senate and House of Representatives: def f(x): return x ** 2"
+    direct_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    cached_tok = loading.load_tokenizer(entry.key, entry.tokenizer)
+    assert cached_tok(text)["input_ids"] == direct_tok(text)["input_ids"]
+    assert loading.convert_gguf(entry, ["weights"]) == folder
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["config", "tokenizer", "weights"]
     config = loading.load_config(entry)
     for auto, with_head in ((AutoModel, False), (AutoModelForCausalLM, True)):
         direct = auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32)
