@@ -15,7 +15,8 @@ checkpoints (random models built from a config) on ``tiny``.
    ``corpus[tiny]`` is the backfill's, and automation ran ``tiny-b`` alone.
 
 Phases share the servers and overlap: everything is polled, nothing sleeps a fixed time. The location is the
-project's definitions with the in-process executor (tests/e2e_defs.py): one import per run, not per step.
+shipped one (workspace.yaml), whose runs execute their steps in the run worker: every run of the test (backfill,
+automation, the registry sensor's observations) is checked to have started no step process.
 """
 
 from __future__ import annotations
@@ -47,13 +48,6 @@ SENSOR = """query($name: String!) { sensorOrError(sensorSelector: {repositoryLoc
 START = """mutation($name: String!) { startSensor(sensorSelector: {repositoryLocationName: "qk_assets",
   repositoryName: "__repository__", sensorName: $name}) { __typename ... on PythonError { message } } }"""
 STOP = """mutation($id: String!) { stopSensor(id: $id) { __typename } }"""
-WORKSPACE = """load_from:
-  - python_file:
-      relative_path: {path}
-      attribute: defs
-      location_name: "qk_assets"
-      working_directory: {repo}
-"""
 
 # small analysis options; a probe window that fits the needle prompt of SPEC 11 on the byte-level models
 ANALYSIS = """analysis.plasticity = { bootstrap = 10, pairs_per_bucket = 32, min_queries_per_bucket = 2 }
@@ -136,9 +130,7 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
                         + series_table(tmp_path / "ckpts"))
     root = tmp_path / "storage"
     env = {"QK_REGISTRY": str(registry), "QK_STORAGE_ROOT": str(root), "QK_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    workspace = tmp_path / "workspace.yaml"  # the project's location, steps in process (tests/e2e_defs.py)
-    workspace.write_text(WORKSPACE.format(path=REPO / "tests" / "e2e_defs.py", repo=REPO))
-    with dagster_servers(tmp_path, env=env, workspace=workspace) as srv:
+    with dagster_servers(tmp_path, env=env) as srv:  # the shipped workspace.yaml
         srv.wait_ready(timeout=PHASE_TIMEOUT_S)
         monkeypatch.setenv("DAGSTER_HOME", str(srv.home))  # the instance config reads it
         for name in ("automation_sensor", "benchmark_files_sensor"):  # cross-model work is not under test here
@@ -219,6 +211,16 @@ def test_a_series_backfills_alone_and_the_registry_grows_partitions(tmp_path: Pa
         others = {r["tags"]["dagster/partition"] for r in runs if r["run_id"] not in series}
         assert others == {"tiny|tiny-b"}, [r["tags"] for r in runs]
         assert all(r["tags"].get(AUTOMATED) == "true" for r in runs if r["run_id"] not in series)
+        # every run, the registry sensor's unpartitioned observations too, ran its steps in its run worker
+        from dagster import DagsterEventType
+
+        with DagsterInstance.from_config(str(srv.home)) as instance:
+            every = instance.get_runs()
+            assert any("dagster/partition" not in r.tags for r in every), [r.tags for r in every]
+            workers = {r.run_id: len(instance.all_logs(r.run_id, of_type={DagsterEventType.STEP_WORKER_STARTING,
+                                                                          DagsterEventType.STEP_WORKER_STARTED}))
+                       for r in every}
+            assert not any(workers.values()), workers
         print(f"servers ready {t_ready - t_start:.0f}s (models built, dagster dev up); series backfill "
               f"({len(done.runs)} runs) done {t_backfill - t_ready:.0f}s later; tiny-b filled "
               f"{t_filled - t_edit:.0f}s after the registry edit")

@@ -214,8 +214,9 @@ def observe_registry_entries(api: DagsterAPI, defs: Definitions, timeout: float 
 
 
 def run_config(defs: Definitions, keys: list[AssetKey], log_level: str) -> dict:
-    """Run config of the demo's runs: each run's steps in its run worker (Dagster's ``in_process``
-    choice of the default executor: one code import per run, not one per step) and the console log level."""
+    """Run config of the demo's runs: the console log level, and each run's steps in its run worker where the
+    location keeps Dagster's default executor (its ``in_process`` choice: one code import per run, not one per step;
+    the project's own location sets ``in_process_executor`` for every run)."""
     config: dict = {"loggers": {"console": {"config": {"log_level": log_level}}}}
     job = defs.resolve_implicit_job_def_def_for_assets(keys)
     if job is not None and job.executor_def is multi_or_in_process_executor:
