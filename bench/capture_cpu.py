@@ -15,8 +15,9 @@ Each mode runs in a fresh child process (its own peak RSS), loads the model once
 
 Memory: the peak resident set size of the measured phase, read from ``VmHWM`` after resetting it
 (``/proc/self/clear_refs``) once the model is loaded, so the (shared) loading peak does not hide the
-difference; also the lifetime peak (``ru_maxrss``). The modes alternate ``--repeats`` times; the
-table reports each run and the ratio of the medians.
+difference; also the lifetime peak (``ru_maxrss``). Timing: the modes alternate ``--repeats`` times in one
+process; the table reports each run and the ratio of the medians. Memory: ``--memory-repeats`` fresh processes
+per mode, alternated; the table reports each and the ratio of the medians (one process's peak is not reproducible).
 
 ``--moments``: the capture also accumulates the SPEC 12.1 moments of every eligible head over every position
 (``capture.moments = true``, what ``coverage = "all"`` analyses read); results go to
@@ -173,6 +174,10 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
             "peak_rss_lifetime_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
 
 
+#: what each memory child reports; the summary takes the median of each over the children of a mode
+MEMORY_KEYS = ("wall_s", "rss_after_load_mb", "peak_rss_phase_mb", "peak_rss_lifetime_mb")
+
+
 def _run_child(mode: str, a: argparse.Namespace, env: dict) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens), "--docs",
                            str(a.docs), "--threads", str(a.threads), "--repeats", str(a.repeats),
@@ -188,6 +193,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2,
                     help="rotations of the timing run's passes (plain, capture and, with --moments, rows only)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--memory-repeats", type=int, default=3,
+                    help="fresh processes per mode for the peak RSS, alternated (one process's peak varies by hundreds "
+                         "of MB on one host: glibc's allocator)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--moments", action="store_true", help="the capture also accumulates every head's moments")
     ap.add_argument("--child", choices=["timing", "plain", "capture"])
@@ -203,7 +211,16 @@ def main() -> None:
         rows = f" rows only {p['rows_s']:.1f}s" if a.moments else ""
         print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s{rows} ratio {p['ratio']:.3f}"
               f" cpu ratio {p['cpu_ratio']:.3f}", flush=True)
-    mem = {m: _run_child(m, a, env) for m in ("plain", "capture")}
+    # each mode's peak RSS in several fresh processes, alternated: one process's peak is not reproducible (at 8K on
+    # 2026-11-29, in processes that also sampled their RSS every 3 ms from a thread, the capture's ranged over
+    # 1374-1941 MB and the plain forward's over 1258-1419 MB, same code and host; glibc's malloc: with its mmap
+    # threshold fixed at 4 MB by mallopt the capture's was 1316-1318 MB three times, at 6-11% more time)
+    runs: dict[str, list[dict]] = {"plain": [], "capture": []}
+    for _ in range(max(1, a.memory_repeats)):
+        for m in runs:
+            runs[m].append(_run_child(m, a, env))
+    mem = {m: {**{k: statistics.median(r[k] for r in rs) for k in MEMORY_KEYS},
+               "runs": [{k: r[k] for k in MEMORY_KEYS} for r in rs]} for m, rs in runs.items()}
     for m, r in mem.items():
         print(f"{m}: phase peak RSS {r['peak_rss_phase_mb']:.0f} MB, wall {r['wall_s']:.1f}s", flush=True)
     load1 = os.getloadavg()
@@ -233,7 +250,8 @@ def main() -> None:
         summary["rows_ratio_of_minimums"] = rows_min / min(p["plain_s"] for p in timing["pairs"])
     cmd = "python bench/capture_cpu.py" + "".join(
         f" --{k} {v}" for k, v in (("tokens", a.tokens), ("docs", a.docs), ("repeats", a.repeats),
-                                   ("threads", a.threads)) if v != ap.get_default(k))
+                                   ("threads", a.threads), ("memory-repeats", a.memory_repeats))
+        if v != ap.get_default(k.replace("-", "_")))
     cmd += " --moments" if a.moments else ""
     name = f"capture_cpu_moments_{a.tokens}" if a.moments else "capture_cpu"
     meta = {"command": cmd, "moments": a.moments, "started": started, "model": MODEL, "tokens": a.tokens,
@@ -253,8 +271,12 @@ def main() -> None:
                                                          if a.moments else "")
         for i, p in enumerate(timing["pairs"]))
     mem_rows = "\n".join(
-        f"| {m} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
-        f"{r['peak_rss_lifetime_mb']:.0f} |" for m, r in mem.items())
+        f"| {m} | {label} | {r['wall_s']:.2f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_phase_mb']:.0f} | "
+        f"{r['peak_rss_lifetime_mb']:.0f} |"
+        for m, v in mem.items()
+        for label, r in [*((str(i + 1), x) for i, x in enumerate(v["runs"])), ("**median**", v)])
+    spread = "; ".join(f"{m} {min(r['peak_rss_phase_mb'] for r in v['runs']):.0f}-"
+                       f"{max(r['peak_rss_phase_mb'] for r in v['runs']):.0f} MB" for m, v in mem.items())
     moments = "" if not a.moments else f"""
 Every-head moments (SPEC 12.1, `capture.moments = true` with the default `moment_dtype = "float32"` and
 `lw_intensity = "gaussian"`): per-bucket sums in float32 (float64 above) over every position of every eligible
@@ -303,14 +325,15 @@ capture / plain of the same document, median) **{summary['per_document_ratio']:.
 moment merge, verification; it reads every document once) {summary['finalize_s']:.2f} s, i.e.
 {summary['finalize_s'] / summary['plain_s_median']:.3f} of the plain forwards of these {a.docs} documents.
 
-## Peak memory (fresh process per mode; peak RSS of the measured phase after loading)
+## Peak memory ({a.memory_repeats} fresh processes per mode, alternated; peak RSS of the measured phase after loading)
 
-| mode | wall s | RSS after load MB | phase peak RSS MB | lifetime peak RSS MB |
-|---|---|---|---|---|
+| mode | process | wall s | RSS after load MB | phase peak RSS MB | lifetime peak RSS MB |
+|---|---|---|---|---|---|
 {mem_rows}
 
 Capture / plain: phase peak RSS **{summary['peak_rss_phase_ratio']:.3f}x**, lifetime peak RSS
-{summary['peak_rss_lifetime_ratio']:.3f}x (the lifetime peak includes loading, the same in both).
+{summary['peak_rss_lifetime_ratio']:.3f}x (medians; the lifetime peak includes loading, the same in both). One
+process's peak is not reproducible (glibc's allocator): the phase peaks ranged over {spread}.
 
 ## GPU
 
