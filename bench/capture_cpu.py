@@ -200,6 +200,8 @@ def main() -> None:
     ap.add_argument("--moments", action="store_true", help="the capture also accumulates every head's moments")
     ap.add_argument("--child", choices=["timing", "plain", "capture"])
     a = ap.parse_args()
+    if a.memory_repeats < 1:
+        ap.error("--memory-repeats must be at least 1")
     if a.child:
         print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats, a.moments)))
         return
@@ -216,7 +218,7 @@ def main() -> None:
     # 1374-1941 MB and the plain forward's over 1258-1419 MB, same code and host; glibc's malloc: with its mmap
     # threshold fixed at 4 MB by mallopt the capture's was 1316-1318 MB three times, at 6-11% more time)
     runs: dict[str, list[dict]] = {"plain": [], "capture": []}
-    for _ in range(max(1, a.memory_repeats)):
+    for _ in range(a.memory_repeats):
         for m in runs:
             runs[m].append(_run_child(m, a, env))
     mem = {m: {**{k: statistics.median(r[k] for r in rs) for k in MEMORY_KEYS},
