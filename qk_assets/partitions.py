@@ -153,13 +153,28 @@ def partition_requests(reg: Registry, existing: dict[str, list[str]]) -> tuple[l
     return adds, gone
 
 
-def sync_instance(instance, reg: Registry) -> dict[str, list[str]]:
+def sync_instance(instance, reg: Registry, attempts: int = 3) -> dict[str, list[str]]:
     """Add the registry's partitions to ``instance`` (what the sensor does, for in-process runs and tests) and
     give the ``gpu`` pool its limit (:func:`qk_assets.resources.initialise_pools`); returns the keys added per
-    dimension."""
+    dimension.
+
+    The registry sensor may add the same keys at the same moment (a fresh instance: the demo's start). The
+    instance checks which keys it has and then inserts the others, so one of two such writers can fail on the
+    table's unique key; that writer reads the instance again and adds what is still missing, up to ``attempts``
+    times."""
+    from sqlalchemy.exc import IntegrityError
+
     initialise_pools(instance)
-    existing = {d: list(instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
-    adds, _ = partition_requests(reg, existing)
-    for req in adds:
-        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
-    return {req.partitions_def_name: list(req.partition_keys) for req in adds}
+    added: dict[str, list[str]] = {}
+    for attempt in range(attempts):
+        existing = {d: list(instance.get_dynamic_partitions(d)) for d in (MODEL_DIM, CORPUS_DIM, SERIES_DIM)}
+        adds, _ = partition_requests(reg, existing)
+        try:
+            for req in adds:
+                instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+                added[req.partitions_def_name] = list(req.partition_keys)
+            return added
+        except IntegrityError:
+            if attempt == attempts - 1:
+                raise
+    return added

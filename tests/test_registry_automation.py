@@ -234,3 +234,42 @@ def test_the_automation_sensors_evaluate_at_the_configured_interval(monkeypatch:
     monkeypatch.setenv("QK_AUTOMATION_INTERVAL_S", "0")
     with pytest.raises(ValueError, match="QK_AUTOMATION_INTERVAL_S"):
         Settings.from_env()
+
+
+def test_sync_instance_survives_a_concurrent_writer_of_the_same_keys(tmp_path: Path) -> None:
+    """The registry sensor adding the same partitions at the same moment (a fresh instance at the demo's start; seen
+    once in CI as a failed demo dry run): the instance's check-then-insert of the loser fails on the unique key, and
+    sync_instance reads the instance again and adds what is still missing. The race is staged: on the first add, the
+    other writer's keys go in for real, then the loser's insert fails as SQLAlchemy reports it."""
+    from sqlalchemy.exc import IntegrityError
+
+    from qk_assets import partitions
+
+    path = tmp_path / "registry.toml"
+    path.write_text(CORPUS + model("m1") + model("m2"))
+    reg = load_registry(path)
+    with DagsterInstance.ephemeral() as instance:
+        real = instance.add_dynamic_partitions
+        calls: list[tuple[str, list[str]]] = []
+
+        def raced(name: str, keys: list[str]) -> None:
+            calls.append((name, list(keys)))
+            if len(calls) == 1:
+                real(name, keys)  # the sensor's write lands first ...
+                raise IntegrityError("INSERT INTO dynamic_partitions", {}, Exception("UNIQUE constraint failed"))
+            real(name, keys)
+
+        instance.add_dynamic_partitions = raced
+        added = partitions.sync_instance(instance, reg)
+        assert set(instance.get_dynamic_partitions(partitions.MODEL_DIM)) == {"m1", "m2"}
+        assert set(instance.get_dynamic_partitions(partitions.CORPUS_DIM)) == {"c"}
+        first_dim = calls[0][0]
+        assert first_dim not in added and all(name != first_dim for name, _ in calls[1:])  # not asked for again
+
+        def always(name: str, keys: list[str]) -> None:
+            raise IntegrityError("INSERT INTO dynamic_partitions", {}, Exception("UNIQUE constraint failed"))
+
+        instance.add_dynamic_partitions = always
+        path.write_text(CORPUS + model("m1") + model("m2") + model("m3"))
+        with pytest.raises(IntegrityError):  # a writer that keeps failing is not hidden
+            partitions.sync_instance(instance, load_registry(path))
