@@ -59,10 +59,12 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -427,11 +429,19 @@ class QueryTap:
             self.keys[(layer, kv)] = key[0, kv].double().cpu().numpy()
 
 
+def _first_document(hd: Any) -> Any:
+    """A head's rows (:class:`qk_core.capture.store.HeadData`) of document 1 only: what one forward of it shows."""
+    q, k = hd.q_doc == 1, hd.k_doc == 1
+    return dataclasses.replace(hd, q=hd.q[q], q_pos=hd.q_pos[q], q_doc=hd.q_doc[q], k=hd.k[k], k_pos=hd.k_pos[k],
+                               k_doc=hd.k_doc[k])
+
+
 def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict[str, Any]]:
     """The stored per-bucket query sums n, x, x x^T (SPEC 12.1) of the first and last moment layer's first and last
     head, its KV head's pooled k k^T and the pairs' sum (q - k)(q - k)^T, against float64 sums over the heads' whole
-    query and key tensors, tapped in one forward (module docstring). The pairs' bound is relative to the size of
-    sum q q^T + sum k k^T (the native path forms it from those terms: qk_core.capture.moments)."""
+    query and key tensors, tapped in one forward per document (``ids``: one tensor of token ids per captured
+    document, or one tensor; module docstring). The pairs' bound is relative to the size of sum q q^T + sum k k^T
+    (the native path forms it from those terms: qk_core.capture.moments)."""
     import torch
 
     from qk_core.capture.attention import attach
@@ -444,31 +454,43 @@ def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict
     for layer, m in moments.items():
         heads = sorted({int(m.q_heads[0]), int(m.q_heads[-1])})
         want[layer] = [(h, int(m.kv_heads[m.kv_index[m.head_index(h)]])) for h in heads]
-    tap = QueryTap(want)
-    with attach(backbone, tap), torch.inference_mode():
-        backbone(input_ids=ids, use_cache=False)
+    refs: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    for doc_ids in ids if isinstance(ids, list | tuple) else [ids]:
+        tap = QueryTap(want)
+        with attach(backbone, tap), torch.inference_mode():
+            backbone(input_ids=doc_ids, use_cache=False)
+        for layer, pairs in want.items():
+            m = moments[layer]
+            for head, kv in pairs:
+                x, k = tap.rows[(layer, head)], tap.keys[(layer, kv)]
+                B, J = m.bucket, m.n_buckets
+                b = np.minimum(np.arange(len(x)) // B, J - 1)
+                ref = refs.setdefault((layer, head), {
+                    "n": np.zeros(J), "x": np.zeros((J, x.shape[1])), "xx": np.zeros((J, x.shape[1], x.shape[1])),
+                    "kk": np.zeros((k.shape[1], k.shape[1])), "dd": np.zeros((x.shape[1], x.shape[1]))})
+                ref["n"] += np.bincount(b, minlength=J)
+                for j in range(J):
+                    xb = x[b == j]
+                    ref["x"][j] += xb.sum(axis=0)
+                    ref["xx"][j] += xb.T @ xb
+                ref["kk"] += k.T @ k
+                ref["dd"] += (x - k).T @ (x - k)
     out = []
     for layer, pairs in sorted(want.items()):
         m = moments[layer]
         for head, kv in pairs:
-            x, k = tap.rows[(layer, head)], tap.keys[(layer, kv)]
-            i, B, J = m.head_index(head), m.bucket, m.n_buckets
-            b = np.minimum(np.arange(len(x)) // B, J - 1)
-            ref = {"n": np.bincount(b, minlength=J).astype(np.float64), "x": np.zeros((J, x.shape[1])),
-                   "xx": np.zeros((J, x.shape[1], x.shape[1]))}
-            for j in range(J):
-                xb = x[b == j]
-                ref["x"][j], ref["xx"][j] = xb.sum(axis=0), xb.T @ xb
+            ref, i, B = refs[(layer, head)], m.head_index(head), m.bucket
             bound = 32 * math.sqrt(B) * 2.0**-24
             row = {"layer": layer, "q_head": head, "kv_head": kv, "bucket": B, "bound": bound}
-            for key, r in ref.items():
+            for key in ("n", "x", "xx"):
+                r = ref[key]
                 got = np.asarray(m.sums[f"q_{key}"][i], dtype=np.float64)
                 row[f"{key}_rel_err"] = float(np.abs(got - r).max() / max(np.abs(r).max(), 1e-300))
-            kk, delta = k.T @ k, x - k
+            kk = ref["kk"]
             row["k_xx_rel_err"] = float(np.abs(m.sums["k_xx"][int(m.kv_index[i])] - kk).max()
                                         / max(np.abs(kk).max(), 1e-300))
             scale = np.abs(ref["xx"].sum(axis=0)).max() + np.abs(kk).max()
-            row["p_xx_rel_err"] = float(np.abs(m.sums["p_xx"][i] - delta.T @ delta).max() / max(scale, 1e-300))
+            row["p_xx_rel_err"] = float(np.abs(m.sums["p_xx"][i] - ref["dd"]).max() / max(scale, 1e-300))
             row["ok"] = bool(row["n_rel_err"] == 0 and all(row[f"{key}_rel_err"] <= bound
                                                            for key in ("x", "xx", "k_xx", "p_xx")))
             out.append(row)
@@ -476,8 +498,14 @@ def moments_check(backbone: Any, ids: Any, store: Any, prefix: str) -> list[dict
 
 
 def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str, tiny: bool, repeats: int,
-             check_heads: int) -> dict[str, Any]:
-    """Speed, memory and correctness of one shape x backend x length; returns one result record."""
+             check_heads: int, docs: int = 1) -> dict[str, Any]:
+    """Speed, memory and correctness of one shape x backend x length; returns one result record.
+
+    ``docs``: the captures run over that many documents of ``n_tokens`` tokens each (ids 1 .. docs; the checks read
+    document 1, the moments check sums over all of them); ratios are against ``docs`` plain forwards, and from two
+    documents on the record also holds the steady-state cost of one document (the time between two commits, from
+    the second document on, with the commit of one document beside the next one's forward on an accelerator) and
+    ``finalize()`` apart."""
     import tiny_models as tm
     import torch
 
@@ -488,14 +516,16 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
     from qk_core.models.loading import LoadedModel
 
     meter = Meter(device)
-    rec: dict[str, Any] = {"shape": shape.name, "backend": backend, "tokens": n_tokens, "dtype": dtype,
+    rec: dict[str, Any] = {"shape": shape.name, "backend": backend, "tokens": n_tokens, "docs": docs, "dtype": dtype,
                            "device": device, "status": "ok", "failures": []}
     tmp = Path(tempfile.mkdtemp(prefix=f"gpu-capture-{shape.name}-"))
-    text = "".join(np.random.default_rng(n_tokens).choice(list("abcdefghij klmnopqrstuvwxyz.,"), n_tokens - 1))
-    corpus_file = tm.write_corpus_jsonl(tmp / "corpus.jsonl", [text], ids=[1])
+    doc_ids = list(range(1, docs + 1))
+    texts = ["".join(np.random.default_rng(n_tokens if i == 1 else (n_tokens, i))
+                     .choice(list("abcdefghij klmnopqrstuvwxyz.,"), n_tokens - 1)) for i in doc_ids]
+    corpus_file = tm.write_corpus_jsonl(tmp / "corpus.jsonl", texts, ids=doc_ids)
     import pandas as pd
 
-    corpus = pd.DataFrame({"example_id": [1], "text": [text]})
+    corpus = pd.DataFrame({"example_id": doc_ids, "text": texts})
     config = shape.config(tiny)
     entry = _entry(shape, config, n_tokens, tmp, corpus_file)
     t0 = time.perf_counter()
@@ -505,8 +535,9 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
     loaded = LoadedModel(model=backbone, backbone=backbone, tokenizer=tokenizer, device=device, dtype=dtype,
                          identity={"model_class": type(backbone).__name__, "backbone_class": type(backbone).__name__,
                                    "attn_implementation": backbone.config._attn_implementation})
-    ids = torch.tensor([tokenizer(text)["input_ids"]], device=device)
-    assert ids.shape[1] == n_tokens, ids.shape
+    all_ids = [torch.tensor([tokenizer(text)["input_ids"]], device=device) for text in texts]
+    assert all(x.shape[1] == n_tokens for x in all_ids), [x.shape for x in all_ids]
+    ids = all_ids[0]
     flops = forward_flops(backbone, n_tokens)
     name, peak_flops = device_peak_flops(device)
     rec.update({"device_name": name, "forward_tflop": flops / 1e12,
@@ -529,28 +560,43 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
         plain_s.append(s)
         plain_peak.append(meter.peak())
 
-    def captures(entry: Any, name: str, loaded: Any = loaded) -> tuple[list[float], list[float], list[float], Any]:
-        """``repeats`` timed ``capture_model`` calls into ``tmp/<name>-<r>``: wall s, forward s, peak MB, result."""
-        wall, fwd, peak, result = [], [], [], None
+    def captures(entry: Any, name: str, loaded: Any = loaded) -> tuple[list[float], list[float], list[float], Any,
+                                                                       dict[str, Any]]:
+        """``repeats`` timed ``capture_model`` calls into ``tmp/<name>-<r>``: wall s, forward s, peak MB, result, and
+        per repeat the seconds between commits (from the second document on) and of ``finalize()``."""
+        wall, fwd, peak, result, steps = [], [], [], None, {"per_doc_s": [], "finalize_s": []}
         for r in range(repeats):  # the last plain output stays alive in every phase (kept for the check below)
             meter.reset()
             t = time.perf_counter()
-            result = capture_model(entry, corpus, Storage(tmp / f"{name}-{r}"), loaded=loaded)
+            marks = [t]
+            result = capture_model(entry, corpus, Storage(tmp / f"{name}-{r}"), loaded=loaded,
+                                   on_document=lambda _eid, _n, marks=marks: marks.append(time.perf_counter()))
             meter.sync()
-            wall.append(time.perf_counter() - t)
+            end = time.perf_counter()
+            wall.append(end - t)
             fwd.append(result.seconds)
             peak.append(meter.peak())
-        return wall, fwd, peak, result
+            steps["per_doc_s"].append([b - a for a, b in itertools.pairwise(marks[1:])])
+            steps["finalize_s"].append(end - marks[-1])
+        return wall, fwd, peak, result, steps
 
-    cap_s, cap_fwd_s, cap_peak, result = captures(entry, "store")
+    def steady(steps: dict[str, Any]) -> dict[str, Any]:
+        """One document's steady-state seconds (median between commits, fastest repeat) and finalize's, or None."""
+        per_doc = [statistics.median(x) for x in steps["per_doc_s"] if x]
+        return {"doc_s": min(per_doc) if per_doc else None, "finalize_s": min(steps["finalize_s"]),
+                "doc_ratio": min(per_doc) / min(plain_s) if per_doc else None}
+
+    cap_s, cap_fwd_s, cap_peak, result, cap_steps = captures(entry, "store")
+    per = steady(cap_steps)
     rec.update({
         "baseline_mb": base_mb, "plain_s": plain_s, "capture_s": cap_s, "capture_forward_s": cap_fwd_s,
         "plain_peak_mb": plain_peak, "capture_peak_mb": cap_peak,
-        "wall_ratio": min(cap_s) / min(plain_s), "forward_ratio": min(cap_fwd_s) / min(plain_s),
+        "wall_ratio": min(cap_s) / (docs * min(plain_s)), "forward_ratio": min(cap_fwd_s) / (docs * min(plain_s)),
+        "doc_ratio": per["doc_ratio"], "finalize_s": per["finalize_s"], "capture_steps": cap_steps,
         "peak_ratio": max(cap_peak) / max(plain_peak),
-        "tokens_per_s_plain": n_tokens / min(plain_s), "tokens_per_s_capture": n_tokens / min(cap_s),
+        "tokens_per_s_plain": n_tokens / min(plain_s), "tokens_per_s_capture": docs * n_tokens / min(cap_s),
         "mfu_plain": None if peak_flops is None else flops / min(plain_s) / peak_flops,
-        "mfu_capture_forward": None if peak_flops is None else flops / min(cap_fwd_s) / peak_flops,
+        "mfu_capture_forward": None if peak_flops is None else docs * flops / min(cap_fwd_s) / peak_flops,
         "sampled_heads": len(result.manifest["heads"]),
         "captured_rows": int(result.heads["n_q_rows"].sum()),
     })
@@ -559,15 +605,18 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
 
     # ---- every-head moments (SPEC 12.1): the same capture, moments accumulated in the same forward
     m_entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True))
-    mom_s, mom_fwd_s, mom_peak, mres = captures(m_entry, "moments")
+    mom_s, mom_fwd_s, mom_peak, mres, mom_steps = captures(m_entry, "moments")
+    per = steady(mom_steps)
     rec.update({
         "moments_s": mom_s, "moments_forward_s": mom_fwd_s, "moments_peak_mb": mom_peak,
-        "moments_wall_ratio": min(mom_s) / min(plain_s), "moments_forward_ratio": min(mom_fwd_s) / min(plain_s),
+        "moments_wall_ratio": min(mom_s) / (docs * min(plain_s)),
+        "moments_forward_ratio": min(mom_fwd_s) / (docs * min(plain_s)),
+        "moments_doc_ratio": per["doc_ratio"], "moments_finalize_s": per["finalize_s"], "moments_steps": mom_steps,
         "moments_peak_ratio": max(mom_peak) / max(plain_peak),
         "moments_peak_ratio_above_baseline": (max(mom_peak) - base_mb) / max(1e-9, max(plain_peak) - base_mb),
         "moment_layers": len(mres.manifest["moments"]["layers"]),
     })
-    rec["moments_check"] = moments_check(backbone, ids, Storage(tmp / "moments-0"), mres.prefix)
+    rec["moments_check"] = moments_check(backbone, all_ids, Storage(tmp / "moments-0"), mres.prefix)
     bad = [c for c in rec["moments_check"] if not c["ok"]]
     if bad:
         rec["failures"].append(f"moments differ from the float64 brute force: {bad}")
@@ -594,7 +643,7 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
     if shape.nope_every:  # one NoPE head, one RoPE head
         nope = [h for h in heads if not layers[h["layer"]]["rope_applied"]]
         chosen += nope[:1]
-    data = {(h["layer"], h["q_head"]): reader.read_head(h["layer"], h["q_head"]) for h in chosen}
+    data = {(h["layer"], h["q_head"]): _first_document(reader.read_head(h["layer"], h["q_head"])) for h in chosen}
     want = {}
     for (layer, _), hd in data.items():
         want[layer] = (hd.q_pos.astype(np.int64), hd.k_pos.astype(np.int64))
@@ -737,7 +786,8 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
 
     rows = "\n".join(
         f"| {r['shape']} | {r['backend']} | {r['tokens']} | {r['status']} | {f(min(r['plain_s']), 2)} | "
-        f"{f(min(r['capture_s']), 2)} | {f(r['wall_ratio'])} | {f(r['forward_ratio'])} | "
+        f"{f(min(r['capture_s']), 2)} | {f(r['wall_ratio'])} | {f(r['forward_ratio'])} | {f(r.get('doc_ratio'))} | "
+        f"{f(r.get('finalize_s'), 2)} | "
         f"{f(max(r['plain_peak_mb']), 0)} | {f(max(r['capture_peak_mb']), 0)} | {f(r['peak_ratio'])} | "
         f"{f(r['tokens_per_s_plain'], 0)} | {f(r['mfu_plain'])} | {r['sampled_heads']} |"
         for r in results if "plain_s" in r)
@@ -751,7 +801,8 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         for r in results if "head_checks" in r)
     moments = "\n".join(
         f"| {r['shape']} | {r['backend']} | {r['tokens']} | {r['moment_layers']} | {f(min(r['moments_s']), 2)} | "
-        f"{f(r['moments_wall_ratio'])} | {f(r['moments_forward_ratio'])} | {f(max(r['moments_peak_mb']), 0)} | "
+        f"{f(r['moments_wall_ratio'])} | {f(r['moments_forward_ratio'])} | {f(r.get('moments_doc_ratio'))} | "
+        f"{f(r.get('moments_finalize_s'), 2)} | {f(max(r['moments_peak_mb']), 0)} | "
         f"{f(r['moments_peak_ratio'])} | {f(r['moments_peak_ratio_above_baseline'])} | "
         f"{max(c['xx_rel_err'] for c in r['moments_check']):.1e} / "
         f"{max(c.get('p_xx_rel_err', 0) for c in r['moments_check']):.1e} / {r['moments_check'][0]['bound']:.1e} |"
@@ -772,32 +823,38 @@ Command: `{meta['command']}` (from the repository root), started {meta['started'
 Device: {meta['device_name']} ({meta['device']}, {meta['dtype']}); versions {meta['versions']}.
 Machine: {meta['cpus']} CPUs, load average {meta['load_avg_start']} at start, {meta['load_avg_end']} at end
 (a shared machine: other jobs ran beside this one). {meta['note']}
-Models: randomly initialised, real shapes built from configs ({meta['mode']}); one document of L tokens,
-bucket L/16, 2 positions per bucket, up to 300 sampled heads. Repeats: {meta['repeats']} (minimum reported).
+Models: randomly initialised, real shapes built from configs ({meta['mode']}); {meta.get('docs', 1)} document(s) of
+L tokens per capture, bucket L/16, 2 positions per bucket, up to 300 sampled heads. Repeats: {meta['repeats']}
+(minimum reported).
 Target: capture <= 1.05x the plain backbone forward in wall time and peak memory.
 
 ## Speed and memory
 
-| shape | backend | L | status | plain s | capture s | wall ratio | forward ratio | plain peak MB \
-| capture peak MB | peak ratio | tok/s | MFU | heads |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| shape | backend | L | status | plain s | capture s | wall ratio | forward ratio | per-doc ratio | finalize s \
+| plain peak MB | capture peak MB | peak ratio | tok/s | MFU | heads |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {rows}
 
 *capture s* is the whole `capture_model` call (probe, forward under the capture function, host transfer,
-Parquet commit, finalize); *forward ratio* compares only its forward + collect with the plain forward.
+Parquet commit, finalize); *wall ratio* is it against the plain forwards of its documents; *forward ratio* compares
+only its forwards + collects with them. From two documents on: *per-doc ratio*, the steady-state cost of one
+document (the median time between two commits from the second document on, where on an accelerator one
+document's commit runs beside the next one's forward) against one plain forward, and *finalize s* apart (the
+fan-out, the moment merge and the verification after the last commit; paid once per capture).
 Peak memory: {meta['memory_note']}
 
 ## Every-head moments (SPEC 12.1; target <= 1.02x the plain forward on the GPU)
 
-| shape | backend | L | moment layers | capture + moments s | wall ratio | forward ratio | peak MB | peak ratio \
-| peak ratio above weights | x x^T / pairs max rel. error / bound |
-|---|---|---|---|---|---|---|---|---|---|---|
+| shape | backend | L | moment layers | capture + moments s | wall ratio | forward ratio | per-doc ratio \
+| finalize s | peak MB | peak ratio | peak ratio above weights | x x^T / pairs max rel. error / bound |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {moments}
 
 The same `capture_model` call with `capture.moments = true`: every eligible head's SPEC 12.1 sums over every
 position, accumulated on the device inside the same attention call (float32 per-bucket sums, the default), moved
 to host once per document, merged in float64. Ratios against the plain forward as above. The error column
-compares the stored per-bucket x x^T of four heads with float64 sums over the heads' whole query tensors, and
+compares the stored per-bucket x x^T of four heads with float64 sums over the heads' whole query tensors (of
+every document), and
 their pairs' sum (q - k)(q - k)^T with float64 sums over the query and key tensors (relative to the size of the
 q q^T and k k^T sums it is formed from on the native path).
 
@@ -829,11 +886,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny widths of the same architectures (CPU smoke run)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--docs", type=int, default=1, help="documents of L tokens per capture (from 2: the steady-state "
+                    "cost of one document and finalize apart)")
     ap.add_argument("--check-heads", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="gpu_capture")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     a = ap.parse_args(argv)
+    if a.docs < 1 or a.repeats < 1:
+        ap.error("--docs and --repeats must be at least 1")
     import torch
 
     torch.set_num_threads(a.threads)
@@ -856,7 +917,8 @@ def main(argv: list[str] | None = None) -> int:
                 "device_name": dev_name, "dtype": dtype, "versions": _versions(), "cpus": os.cpu_count(),
                 "load_avg_start": [round(x, 2) for x in load0],
                 "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-                "mode": "tiny widths" if a.tiny else "real widths", "repeats": a.repeats, "name": a.name,
+                "mode": "tiny widths" if a.tiny else "real widths", "repeats": a.repeats, "docs": a.docs,
+                "name": a.name,
                 "tol": TOL, "memory_note": ("torch.cuda.max_memory_allocated of each phase"
                                             if a.device.startswith("cuda") else
                                             "peak RSS of each phase (VmHWM reset before it), weights included"),
@@ -872,7 +934,8 @@ def main(argv: list[str] | None = None) -> int:
             for backend in backends:
                 print(f"{name} {backend} L={n} ... ({time.perf_counter() - t0:.0f} s)", flush=True)
                 try:
-                    rec = run_case(SHAPES[name], backend, n, a.device, dtype, a.tiny, a.repeats, a.check_heads)
+                    rec = run_case(SHAPES[name], backend, n, a.device, dtype, a.tiny, a.repeats, a.check_heads,
+                                   a.docs)
                 except Exception as exc:  # one failed case is reported, the others still run
                     rec = {"shape": name, "backend": backend, "tokens": n, "status": "error",
                            "error": f"{type(exc).__name__}: {exc}", "failures": [],
@@ -882,7 +945,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  -> {rec['status']}" + (
                     f" wall {rec['wall_ratio']:.3f}x peak {rec['peak_ratio']:.3f}x moments wall "
                     f"{rec.get('moments_wall_ratio', float('nan')):.3f}x forward "
-                    f"{rec.get('moments_forward_ratio', float('nan')):.3f}x" if "wall_ratio" in rec
+                    f"{rec.get('moments_forward_ratio', float('nan')):.3f}x"
+                    + (f" per document {rec['moments_doc_ratio']:.3f}x" if rec.get("moments_doc_ratio") else "")
+                    if "wall_ratio" in rec
                     else f" {rec.get('error', '')}"), flush=True)
                 results.append(rec)
                 write()

@@ -101,3 +101,18 @@ def test_accumulate_bench_smoke_checks_both_paths(tmp_path: Path) -> None:
     bound = 32 * math.sqrt(1024 // 16) * 2.0**-24
     assert 0 < row["error"] <= bound and 0 < row["error_widened"] <= bound, row
     assert set(row["error_by_key"]) >= {"q_xx", "q_xt", "k_xx", "p_xx"}
+
+
+def test_several_documents_give_the_steady_state_and_sum_the_moments_check(tmp_path: Path) -> None:
+    """``--docs 3``: ratios against three plain forwards, the time between commits per document and finalize apart;
+    the moments check sums its float64 brute force over the three documents' forwards (the stored counts n are
+    exactly 3 L only if it does)."""
+    rc = gpu_capture.main(["--device", "cpu", "--tiny", "--repeats", "1", "--lengths", "128", "--docs", "3",
+                           "--shapes", "llama-3.2-1b", "--out", str(tmp_path), "--name", "docs"])
+    (r,) = json.loads((tmp_path / "docs.json").read_text())["results"]
+    assert rc == 0 and r["status"] == "ok" and r["docs"] == 3, (r.get("error"), r.get("failures"))
+    assert [len(x) for x in r["moments_steps"]["per_doc_s"]] == [2]  # documents 2 and 3, after the first commit
+    assert r["moments_doc_ratio"] > 0 and r["moments_finalize_s"] > 0 and r["doc_ratio"] > 0
+    assert r["moments_check"] and all(c["ok"] for c in r["moments_check"])
+    assert r["wall_ratio"] == pytest.approx(min(r["capture_s"]) / (3 * min(r["plain_s"])))
+    assert "3 document(s) of" in (tmp_path / "docs.md").read_text()
