@@ -13,6 +13,11 @@ used for every layer of ``--docs`` documents (each with one row, so the row fan-
 - ``finalize s``: ``finalize()`` of the capture (moment merge, groups, verification; the rows are negligible);
 - bytes of one document's moments file, and of the merged and group files ``finalize()`` keeps.
 
+Each shape runs twice, once per way the merge is fed: ``from files`` (``finalize()`` reads every document's
+moments file back, the serial capture's way) and ``as committed`` (each commit also adds the document into the
+merge, ``CaptureWriter.merge_while_committing``, as an overlapped capture on an accelerator does in its commit
+thread, beside the next document's forward).
+
 Run (about 2 minutes for the three shapes on 2 cores; 3 GB of disk per qwen3-8b document and its share of the
 merge under the system temp folder)::
 
@@ -41,13 +46,14 @@ sys.path.insert(0, str(REPO))
 #: (layers with moments, query heads, KV heads, head dim): the shapes of bench/gpu_capture.py and the demo's SmolLM2
 SHAPES = {"qwen3-8b": (36, 32, 8, 128), "llama-3.2-1b": (16, 32, 8, 64), "smollm2-135m": (30, 9, 3, 64)}
 J = 16  # buckets per document (the registry's window / bucket)
-HEADER = ("| shape | layers x heads (q/kv) x d | moments MB per document | commit s per document | commit MB/s "
+HEADER = ("| shape | layers x heads (q/kv) x d | merge | moments MB per document | commit s per document | commit MB/s "
           "| finalize s | finalize s per document | of it verification s | merged MB | groups MB | merge threads |\n"
-          + "|---" * 11 + "|")
+          + "|---" * 12 + "|")
 
 
-def case(name: str, n_docs: int) -> dict[str, Any]:
-    """Commit ``n_docs`` documents of ``name``'s shape and finalize them; seconds and bytes."""
+def case(name: str, n_docs: int, as_committed: bool = False) -> dict[str, Any]:
+    """Commit ``n_docs`` documents of ``name``'s shape and finalize them; seconds and bytes. ``as_committed``: the
+    writer merges each document as it commits."""
     import torch
     from capture_cpu import _mb  # this folder: MB of the files under a root whose path holds a part
 
@@ -70,6 +76,8 @@ def case(name: str, n_docs: int) -> dict[str, Any]:
     rows = [HeadRows(kind, 0, 0, np.arange(1, dtype=np.int32), np.zeros((1, d), np.float32)) for kind in "qk"]
     with tempfile.TemporaryDirectory(prefix="moment-host-") as tmp:
         writer = CaptureWriter(Storage(tmp), name, manifest)
+        if as_committed:
+            writer.merge_while_committing(n_docs)
         commit = []
         for eid in range(n_docs):
             moments = [LayerMoments(la, np.arange(hq), np.arange(hk), kv, tokens // J, J, sums, [eid])
@@ -82,7 +90,8 @@ def case(name: str, n_docs: int) -> dict[str, Any]:
         summary = writer.finalize()
         finalize_s = time.perf_counter() - t
         merged_mb, groups_mb = _mb(Path(tmp), "/moments/L"), _mb(Path(tmp), "/moments/groups/")
-    return {"shape": name, "layers": n_layers, "q_heads": hq, "kv_heads": hk, "d": d, "docs": n_docs,
+    return {"shape": name, "merge": "as committed" if as_committed else "from files", "layers": n_layers,
+            "q_heads": hq, "kv_heads": hk, "d": d, "docs": n_docs,
             "commit_s": commit, "commit_s_median": statistics.median(commit), "finalize_s": finalize_s,
             "verify_s": summary["timing"]["verify_s"], "doc_moments_mb": doc_mb, "merged_mb": merged_mb,
             "groups_mb": groups_mb, "host_threads": host_threads(n_layers)}
@@ -102,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
     results = []
     for name in a.shapes.split(","):
-        r = case(name, a.docs)
-        results.append(r)
-        print(f"{name}: commit {r['commit_s_median']:.2f} s/doc ({r['doc_moments_mb']:.0f} MB), finalize "
-              f"{r['finalize_s']:.2f} s for {a.docs} docs", flush=True)
+        for as_committed in (False, True):
+            r = case(name, a.docs, as_committed)
+            results.append(r)
+            print(f"{name} (merged {r['merge']}): commit {r['commit_s_median']:.2f} s/doc ({r['doc_moments_mb']:.0f} "
+                  f"MB), finalize {r['finalize_s']:.2f} s for {a.docs} docs", flush=True)
     load1 = os.getloadavg()
     cmd = "python bench/moment_host.py" + "".join(
         f" --{k} {v}" for k, v in (("shapes", a.shapes), ("docs", a.docs), ("threads", a.threads))
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     table = "\n".join(
-        f"| {r['shape']} | {r['layers']} x {r['q_heads']}/{r['kv_heads']} x {r['d']} | {r['doc_moments_mb']:.0f} | "
+        f"| {r['shape']} | {r['layers']} x {r['q_heads']}/{r['kv_heads']} x {r['d']} | {r['merge']} | "
+        f"{r['doc_moments_mb']:.0f} | "
         f"{r['commit_s_median']:.2f} | {r['doc_moments_mb'] / r['commit_s_median']:.0f} | {r['finalize_s']:.2f} | "
         f"{r['finalize_s'] / r['docs']:.2f} | {r['verify_s']:.2f} | {r['merged_mb']:.0f} | {r['groups_mb']:.0f} | "
         f"{r['host_threads']} |" for r in results)
@@ -137,9 +148,12 @@ its forward ratio (bench/results/gpu_runs.md).
 {HEADER}
 {table}
 
-*merge threads*: `host_threads()` (`QK_HOST_THREADS`; half the cores up to 8): layers merged at once. A capture on
-a GPU host commits each document in a background thread beside the next forward (`overlap_commits`), so a
-document's commit is hidden when its forward takes longer; `finalize()` runs after the last document.
+*merge*: `from files`, `finalize()` reads every document's moments file back and merges it (a serial capture,
+the CPU's default); `as committed`, each commit also adds its document into the merge and `finalize()` only writes
+it (`CaptureWriter.merge_while_committing`; the same bytes). *merge threads*: `host_threads()` (`QK_HOST_THREADS`;
+half the cores up to 8): layers merged (or written) at once. A capture on a GPU host commits each document in a
+background thread beside the next forward (`overlap_commits`), merging it there as well, so a document's commit is
+hidden when its forward takes longer; `finalize()` runs after the last document.
 
 Raw numbers: `{a.name}.json` beside this file.
 """

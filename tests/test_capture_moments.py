@@ -169,6 +169,22 @@ def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any],
             assert storage.read_bytes(rel) == one.read_bytes(rel), rel
 
 
+def test_overlapped_capture_merges_as_it_commits_to_the_bits_of_one_worker(setup: dict[str, Any]) -> None:
+    """With overlapped commits (an accelerator's default) the commit thread merges each document's moments as it
+    commits, in sorted id order whatever the corpus order (7, 3, 12, 5, 9): finalize writes that merge without
+    reading the documents back, and its merged and group files are the bytes of the serial capture's."""
+    entry, corpus = setup["sampled_reg"].model("m"), setup["corpus"]
+    storage = Storage(setup["tmp"] / "overlapped")
+    res = capture_model(entry, corpus, storage, device="cpu", overlap_commits=True)
+    assert res.prefix == setup["sampled"].prefix
+    assert "as they committed" in storage.read_json(f"{res.prefix}/complete.json")["moments"]["note"]
+    one = setup["storage"]
+    assert "from their files" in one.read_json(f"{res.prefix}/complete.json")["moments"]["note"]
+    for layer in CaptureReader(one, res.prefix).moment_layers():
+        for rel in (moments_file(res.prefix, layer), moment_groups_file(res.prefix, layer)):
+            assert storage.read_bytes(rel) == one.read_bytes(rel), rel
+
+
 def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, Any]) -> None:
     """A document's moments file is checksummed in its document file's footer; finalize refuses an altered one,
     and the merged files are verified like every other committed file."""

@@ -13,7 +13,11 @@ import moment_host
 
 def test_moment_host_bench_runs_and_counts_the_sums_bytes(tmp_path: Path) -> None:
     assert moment_host.main(["--shapes", "smollm2-135m", "--docs", "1", "--out", str(tmp_path)]) == 0
-    (r,) = json.loads((tmp_path / "moment_host.json").read_text())["results"]
+    files, committed = json.loads((tmp_path / "moment_host.json").read_text())["results"]
+    assert (files["merge"], committed["merge"]) == ("from files", "as committed")
+    # the same files either way the merge is fed
+    assert committed["merged_mb"] == files["merged_mb"] and committed["groups_mb"] == files["groups_mb"]
+    r = files
     layers, hq, hk, d = moment_host.SHAPES["smollm2-135m"]
     J, tri = moment_host.J, d * (d + 1) // 2  # symmetric d x d sums are stored as upper triangles
     query = hq * J * (tri + 2 * d) * 4 + hq * J * 5 * 8  # x x^T, x, x t per bucket (float32); n, t, t^2, s, s^2
@@ -25,4 +29,4 @@ def test_moment_host_bench_runs_and_counts_the_sums_bytes(tmp_path: Path) -> Non
     assert layers * query / 2**20 < r["groups_mb"] < 1.01 * layers * query / 2**20
     assert 2 * layers * query / 2**20 < r["merged_mb"]
     assert r["commit_s_median"] > 0 and r["finalize_s"] > 0
-    assert "| smollm2-135m | 30 x 9/3 x 64 |" in (tmp_path / "moment_host.md").read_text()
+    assert "| smollm2-135m | 30 x 9/3 x 64 | as committed |" in (tmp_path / "moment_host.md").read_text()

@@ -572,3 +572,72 @@ def test_batched_group_refit_equals_one_refit_per_group(capture: Any, lw: str) -
         assert np.isfinite(want_closed).sum() >= 4
         assert_rel(got.closed, want_closed, f"L{h.layer}H{h.q_head} closed ({lw})")
         assert np.array_equal(np.isnan(got.empirical), np.isnan(want_emp))
+
+
+def _writer(root: Any, n_docs: int | None, groups: int = 16) -> Any:
+    """A capture writer of layer-3 moments (:func:`random_documents`' layout), merging as it commits when
+    ``n_docs`` is given."""
+    from qk_core.capture.moments import MomentPlan
+    from qk_core.capture.store import CaptureWriter
+
+    plan = MomentPlan({3: ([0, 1, 2, 3], [0, 1], [0, 0, 1, 1])}, 16, 4, "float64", "exact", groups)
+    manifest = {"fingerprint": "running", "window": 64, "bucket": 16, "moments": plan.manifest(),
+                "heads": [{"layer": 3, "q_head": 0, "kv_head": 0, "d": 6}]}
+    writer = CaptureWriter(Storage(root), "m", manifest)
+    if n_docs is not None:
+        writer.merge_while_committing(n_docs)
+    return writer
+
+
+def _commit(writer: Any, doc: LayerMoments) -> None:
+    from qk_core.capture.store import HeadRows
+
+    rows = [HeadRows(kind, 3, 0, np.arange(1, dtype=np.int32), np.zeros((1, 6), np.float32)) for kind in "qk"]
+    writer.write_document(doc.docs[0], 64, rows, [doc])
+
+
+@pytest.mark.parametrize("groups", [16, 3])
+def test_merge_as_documents_commit_gives_the_bytes_of_the_merge_from_their_files(tmp_path: Any, groups: int) -> None:
+    """A writer that merges each document as it commits (sorted ids, as an overlapped capture commits them) writes
+    the merged and group files of the merge from the files, byte for byte, with lone and larger groups; it reads no
+    document's moments back; out of order it falls back to the files."""
+    from qk_core.capture.store import CaptureReader, moment_groups_file, moments_file
+
+    docs = sorted(random_documents(7), key=lambda d: d.docs[0])
+    summaries, roots = {}, {}
+    for how in ("files", "committed", "unsorted"):
+        roots[how] = tmp_path / how
+        writer = _writer(roots[how], None if how == "files" else len(docs), groups)
+        for doc in (docs[::-1] if how == "unsorted" else docs):
+            _commit(writer, doc)
+        summaries[how] = writer.finalize()
+    notes = {how: s["moments"]["note"] for how, s in summaries.items()}
+    assert "as they committed" in notes["committed"] and "from their files" in notes["files"] == notes["unsorted"]
+    prefix = _writer(tmp_path / "x", None).prefix
+    for rel in (moments_file(prefix, 3), moment_groups_file(prefix, 3)):
+        want = Storage(roots["files"]).read_bytes(rel)
+        assert Storage(roots["committed"]).read_bytes(rel) == want == Storage(roots["unsorted"]).read_bytes(rel), rel
+    merged = CaptureReader(Storage(roots["committed"]), prefix).read_moments(3)
+    for key, arr in merge_documents(docs).sums.items():
+        assert np.array_equal(merged.sums[key], arr), key
+
+
+def test_a_document_redone_by_another_writer_is_merged_from_its_file(tmp_path: Any) -> None:
+    """The merge kept while committing is used only if every committed moments file is the one this writer wrote:
+    a document committed again meanwhile by another writer (a retried shard) is merged from the files, with the
+    other writer's sums."""
+    docs = sorted(random_documents(3), key=lambda d: d.docs[0])
+    other = random_documents(3, seed=9)[0]
+    other = LayerMoments(other.layer, other.q_heads, other.kv_heads, other.kv_index, other.bucket, other.n_buckets,
+                         other.sums, [docs[1].docs[0]])
+    writer = _writer(tmp_path, len(docs))
+    for doc in docs:
+        _commit(writer, doc)
+    _commit(_writer(tmp_path, None), other)  # the same document, committed again with other sums
+    summary = writer.finalize()
+    assert "from their files" in summary["moments"]["note"]
+    from qk_core.capture.store import CaptureReader
+
+    merged = CaptureReader(Storage(tmp_path), writer.prefix).read_moments(3)
+    for key, arr in merge_documents([docs[0], other, docs[2]]).sums.items():
+        assert np.array_equal(merged.sums[key], arr), key

@@ -39,7 +39,9 @@ per bucket sum (bench/results/moments_accuracy.md, SmolLM2 at 2K and 8K: below 1
 for every sum the Gaussian form keeps, 5.1e-6 for the exact term q_xxs); float64 is exact to rounding. A
 document's per-bucket query sums stay in the accumulation dtype up to its file (they are exactly those
 numbers); every sum read back, and every merged sum, is float64.
-Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums.
+Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums; the merge is fed
+either from the documents' files at ``finalize()`` or, in a capture that commits every document in that order, as
+each commits (:class:`RunningMerge`), to the same bits.
 """
 
 from __future__ import annotations
@@ -806,6 +808,59 @@ class GroupStack:
         yield p + "docs", np.asarray(self.docs, np.int64)
         for k in self.keys:
             yield p + k, Stacked(self.stacked[k])
+
+
+class RunningMerge:
+    """The merge of a capture's moments fed as its documents commit, instead of read back from their files at
+    ``finalize()``: per layer the same :class:`MomentMerger` and :class:`GroupStack` adds, of the same stored arrays
+    (:func:`stored_form`), in the same order, so the same bits; nothing is read back. It holds a capture whose
+    documents commit in sorted example-id order from its first (``n_docs`` of them, which fixes the document
+    groups: ``groups``, ``dtype`` as :class:`MomentPlan`). Memory: one merged layer per layer, and the groups' query
+    sums (at most ``groups`` documents' worth, in float32). Any other order, or documents with other keys, ends it
+    (:attr:`broken`, the memory freed): ``finalize()`` then merges from the files."""
+
+    def __init__(self, n_docs: int, groups: int, dtype: str) -> None:
+        group_of = document_groups(n_docs, groups)
+        self.n_docs = int(n_docs)
+        self.dtype = dtype
+        self._ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
+        self.docs: list[int] = []
+        self.layers: dict[int, tuple[MomentMerger, GroupStack]] = {}
+        self._keys: dict[int, set[str]] = {}
+        self.broken: str | None = None
+
+    def add(self, example_id: int, layers: Sequence[LayerMoments]) -> None:
+        """The next committed document's moments (every layer). Call it only after the document's commit."""
+        if self.broken is not None:
+            return
+        eid, rank = int(example_id), len(self.docs)
+        keys = {m.layer: set(m.sums) for m in layers}
+        if rank >= self.n_docs or (self.docs and eid <= self.docs[-1]):
+            self._stop(f"document {eid} came after {self.docs[-1] if self.docs else None}, not in sorted order")
+            return
+        if rank and keys != self._keys:
+            self._stop(f"document {eid} has other moment layers or sums than the first")
+            return
+        self._keys = keys
+        alone = bool(self._ends[rank]) and (rank == 0 or bool(self._ends[rank - 1]))
+        for m in layers:
+            stored = stored_form(m)
+            if m.layer not in self.layers:
+                self.layers[m.layer] = (MomentMerger(), GroupStack(m.layer, m.sums, self.dtype))
+            merger, group = self.layers[m.layer]
+            merger.add(m.layer, stored)
+            if alone:  # a group keeps a lone document's arrays: copies (the capture reuses its host buffers)
+                stored = {k: np.array(v) if k in group.keys else v for k, v in stored.items()}
+            group.add(stored, bool(self._ends[rank]))
+        self.docs.append(eid)
+
+    def covers(self, example_ids: Sequence[int]) -> bool:
+        """Whether the merge holds exactly these documents (every one of the capture's, in sorted order)."""
+        return (self.broken is None and len(self.docs) == self.n_docs
+                and self.docs == sorted(int(e) for e in example_ids))
+
+    def _stop(self, why: str) -> None:
+        self.broken, self.layers = why, {}
 
 
 def stored_layer(z: NpzReader, layer: int) -> dict[str, np.ndarray]:

@@ -370,8 +370,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     if writer is not None and writer_manifest_heads(storage, prefix) != heads:
         raise CaptureError(f"{storage.uri(prefix)}: stored head manifest differs from this run's; not resuming")
     mine = docs if only_docs is None else docs[docs["example_id"].astype(int).isin({int(e) for e in only_docs})]
-    todo = [(int(e), str(t)) for e, t in zip(mine["example_id"], mine["text"], strict=True)
-            if int(e) not in committed]
+    todo = sorted((int(e), str(t)) for e, t in zip(mine["example_id"], mine["text"], strict=True)
+                  if int(e) not in committed)  # in example-id order, the order of the moment merge
     skipped = [int(e) for e in mine["example_id"] if int(e) in committed]
     if skipped:
         log.info(f"{entry.key}: resuming, {len(skipped)}/{len(docs)} documents already committed")
@@ -389,6 +389,10 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
     # faster at 2K (capture_cpu --moments 1.450x against 1.447x serial) and at 8K its thread competed with the
     # forward's (1.108x wall, 1.42x peak RSS against 1.063x / 0.98x serial; 2026-11-26).
     overlap = str(dev) != "cpu" if overlap_commits is None else bool(overlap_commits)
+    # with overlap the commit thread also merges each document's moments (SPEC 12.1) as it commits, when this call
+    # commits all of the capture's documents, so finalize() reads none back (on a CPU that merge would hold its
+    # float64 sums in memory through the forwards: finalize() merges from the files instead)
+    merge_as_committed = overlap and finalize and only_docs is None and not committed and bool(moment_plan.layers)
     pending: tuple[Future[None], int, int, float] | None = None
 
     def committed(eid: int, n: int, dt: float) -> None:
@@ -436,6 +440,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
             settle()
             if writer is None:
                 writer = CaptureWriter(storage, entry.key, manifest)
+            if merge_as_committed and writer.running is None:
+                writer.merge_while_committing(len(docs))
             if overlap:
                 pending = (commits.submit(writer.write_document, eid, n, rows, moments), eid, n, dt)
             else:

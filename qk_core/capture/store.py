@@ -12,8 +12,9 @@ determines the captured values, so a changed option never mixes with an older ca
     moments/docs/doc-<example_id>.npz SPEC 12.1 moments of every eligible head over every position of one
                                       document, written before (and checksummed in the footer of) its
                                       document file, so a committed document always has its moments
-    moments/L<layer>.npz              the moments of a layer merged over all documents by finalize() in
-                                      sorted example-id order (:func:`qk_core.capture.moments.merge_documents`)
+    moments/L<layer>.npz              the moments of a layer merged over all documents in sorted example-id
+                                      order (:func:`qk_core.capture.moments.merge_documents`), written by
+                                      finalize() (merged as they committed, or from their files)
     moments/groups/L<layer>.npz       the per-bucket query sums of G contiguous groups of those documents, for
                                       the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments)
     complete.json                     written last by finalize(): the commit record (below)
@@ -66,6 +67,7 @@ from qk_core.capture.moments import (
     GroupStack,
     LayerMoments,
     MomentMerger,
+    RunningMerge,
     document_groups,
     moments_from_bytes,
     stored_layer,
@@ -267,6 +269,16 @@ class CaptureWriter:
                 raise CaptureError(f"{storage.uri(existing)}: fingerprint mismatch")
         else:
             storage.write_json(existing, manifest)
+        #: the moment merge fed as documents commit (:meth:`merge_while_committing`), or None
+        self.running: RunningMerge | None = None
+        self._moment_records: dict[int, dict[str, Any]] = {}  # the moments file this writer committed, by document
+
+    def merge_while_committing(self, n_docs: int) -> None:
+        """Merge each document's moments as it commits (:class:`RunningMerge`), for a capture of ``n_docs`` documents
+        committed in sorted example-id order from its first: ``finalize()`` then writes the merge without reading
+        any document's moments back (the same bits as the merge from the files, which it falls back to otherwise)."""
+        plan = self.manifest.get("moments") or {}
+        self.running = RunningMerge(n_docs, int(plan.get("groups", DEFAULT_GROUPS)), plan.get("dtype", "float64"))
 
     def committed_doc_ids(self) -> set[int]:
         """Example ids whose document file is already committed (skipped on resume)."""
@@ -333,7 +345,12 @@ class CaptureWriter:
                     "vec": _vec_array(np.concatenate([np.asarray(r.vectors, np.float32) for r in run])),
                 }, schema=schema), row_group_size=n)
             if moments_written is not None:
-                writer.add_key_value_metadata({"moments_sha256": moments_written.result()["sha256"]})
+                record = moments_written.result()
+                writer.add_key_value_metadata({"moments_sha256": record["sha256"]})
+        if layers:  # committed
+            self._moment_records[int(example_id)] = record
+            if self.running is not None:
+                self.running.add(example_id, layers)
 
     def _doc_index(self, rel: str) -> _DocIndex:
         """A document file's :class:`_DocIndex`, from its footer. A document file of another capture (a different
@@ -560,10 +577,12 @@ class CaptureWriter:
         written, or read when ``keep_doc_files``; layers; note; groups); no layers when a document has no moments
         (a capture from before them, or resumed across that change).
 
-        Layer by layer: every document's file is checked against the checksum its document file committed and
-        kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
+        When this writer merged every document as it committed (:meth:`merge_while_committing`: all of the
+        capture's, in sorted order, each committed moments file the one it wrote), the merge is written as it is.
+        Otherwise layer by layer: every document's file is checked against the checksum its document file committed
+        and kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
         dropped, :func:`host_threads` layers at once. Memory: that many layers' merges and their groups' query
-        sums."""
+        sums. Both give the same bits."""
         files: dict[str, dict[str, Any]] = {}
         shas = {doc.example_id: doc.moments_sha256 for doc in index}
         if not shas or any(v is None for v in shas.values()):
@@ -572,36 +591,53 @@ class CaptureWriter:
         plan = self.manifest.get("moments") or {}
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
-        ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
-        with contextlib.ExitStack() as stack:
-            opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files))
-                      for eid in order]
-            layers = stored_layers(opened[0])
-            for eid, z in zip(order, opened, strict=True):
-                if stored_layers(z) != layers:
-                    raise CaptureError(f"{self.storage.uri(self._moments_doc(eid))}: moments of layers "
-                                       f"{stored_layers(z)}, the first document's are of {layers}")
-            common = set.intersection(*(set(z.files) for z in opened))  # the sums every document has
+        running, self.running = self.running, None
 
-            def merge_layer(layer: int) -> dict[str, dict[str, Any]]:
-                merger = MomentMerger()
-                group = GroupStack(layer, [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")],
-                                   plan.get("dtype", "float64"))
-                for rank, z in enumerate(opened):
-                    own = stored_layer(z, layer)
-                    merger.add(layer, own)
-                    group.add(own, bool(ends[rank]))
-                merged, grouped = moments_file(self.prefix, layer), moment_groups_file(self.prefix, layer)
-                return {merged: self.storage.write_stream(merged, lambda fh: write_npz(fh, merger.arrays())),
-                        grouped: self.storage.write_stream(grouped, lambda fh: write_npz(fh, group.arrays()))}
+        def write_layer(layer: int, merger: MomentMerger, group: GroupStack) -> dict[str, dict[str, Any]]:
+            merged, grouped = moments_file(self.prefix, layer), moment_groups_file(self.prefix, layer)
+            return {merged: self.storage.write_stream(merged, lambda fh: write_npz(fh, merger.arrays())),
+                    grouped: self.storage.write_stream(grouped, lambda fh: write_npz(fh, group.arrays()))}
 
-            # layers are independent: merged by host_threads() at once (zipfile serialises the reads of one
-            # document's file; adding, hashing and writing release the GIL)
+        # layers are independent: written (and, from the files, merged) by host_threads() at once (zipfile serialises
+        # the reads of one document's file; adding, hashing and writing release the GIL)
+        if (running is not None and running.covers(order)
+                and all(self._moment_records.get(eid, {}).get("sha256") == shas[eid] for eid in order)):
+            # merged as they committed, and every committed moments file is the one this writer wrote
+            how = "merged as they committed"
+            layers = sorted(running.layers)
+            if keep_doc_files:
+                files.update({self._moments_doc(eid): self._moment_records[eid] for eid in order})
             with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
-                for written in pool.map(merge_layer, layers):
+                for written in pool.map(lambda layer: write_layer(layer, *running.layers[layer]), layers):
                     files.update(written)
+        else:
+            how = "merged from their files"
+            ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
+            with contextlib.ExitStack() as stack:
+                opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files))
+                          for eid in order]
+                layers = stored_layers(opened[0])
+                for eid, z in zip(order, opened, strict=True):
+                    if stored_layers(z) != layers:
+                        raise CaptureError(f"{self.storage.uri(self._moments_doc(eid))}: moments of layers "
+                                           f"{stored_layers(z)}, the first document's are of {layers}")
+                common = set.intersection(*(set(z.files) for z in opened))  # the sums every document has
+
+                def merge_layer(layer: int) -> dict[str, dict[str, Any]]:
+                    merger = MomentMerger()
+                    group = GroupStack(layer, [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")],
+                                       plan.get("dtype", "float64"))
+                    for rank, z in enumerate(opened):
+                        own = stored_layer(z, layer)
+                        merger.add(layer, own)
+                        group.add(own, bool(ends[rank]))
+                    return write_layer(layer, merger, group)
+
+                with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
+                    for written in pool.map(merge_layer, layers):
+                        files.update(written)
         n_groups = int(group_of.max()) + 1
-        note = (f"{len(shas)} documents merged in sorted example-id order; their query sums kept in {n_groups} "
+        note = (f"{len(shas)} documents {how} in sorted example-id order; their query sums kept in {n_groups} "
                 f"contiguous groups of that order")
         return files, layers, note, n_groups
 
