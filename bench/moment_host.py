@@ -15,8 +15,8 @@ used for every layer of ``--docs`` documents (each with one row, so the row fan-
 
 Each shape runs twice, once per way the merge is fed: ``from files`` (``finalize()`` reads every document's
 moments file back, the serial capture's way) and ``as committed`` (each commit also adds the document into the
-merge, ``CaptureWriter.merge_while_committing``, as an overlapped capture on an accelerator does in its commit
-thread, beside the next document's forward).
+merge, and the commit that closes a document group writes the group's files, ``CaptureWriter.merge_while_committing``,
+as an overlapped capture on an accelerator does in its commit thread, beside the next document's forward).
 
 Run (about 2 minutes for the three shapes on 2 cores; 3 GB of disk per qwen3-8b document and its share of the
 merge under the system temp folder)::
@@ -149,8 +149,9 @@ its forward ratio (bench/results/gpu_runs.md).
 {table}
 
 *merge*: `from files`, `finalize()` reads every document's moments file back and merges it (a serial capture,
-the CPU's default); `as committed`, each commit also adds its document into the merge and `finalize()` only writes
-it (`CaptureWriter.merge_while_committing`; the same bytes). *merge threads*: `host_threads()` (`QK_HOST_THREADS`;
+the CPU's default); `as committed`, each commit also adds its document into the merge, the commit that closes a
+document group writes that group's files, and `finalize()` only writes the merged files
+(`CaptureWriter.merge_while_committing`; the same bytes). *merge threads*: `host_threads()` (`QK_HOST_THREADS`;
 half the cores up to 8): layers merged (or written) at once. A capture on a GPU host commits each document in a
 background thread beside the next forward (`overlap_commits`), merging it there as well, so a document's commit is
 hidden when its forward takes longer; `finalize()` runs after the last document.

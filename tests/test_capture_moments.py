@@ -16,7 +16,7 @@ import torch
 
 from qk_core.capture import capture_model
 from qk_core.capture.moments import LW_KEYS
-from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moment_groups_file, moments_file
+from qk_core.capture.store import CaptureError, CaptureReader, CaptureWriter, moments_file
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
@@ -28,6 +28,12 @@ from qk_core.io.storage import Storage
 pytestmark = pytest.mark.slow  # three tiny captures, ~20 s on a busy CPU
 torch.set_num_threads(1)
 N_DOCS = 5
+
+
+def merged_files(storage: Storage, prefix: str) -> dict[str, bytes]:
+    """The bytes of a capture's merged and document-group moment files, by name."""
+    names = storage.read_json(f"{prefix}/complete.json")["files"]
+    return {n: storage.read_bytes(f"{prefix}/{n}") for n in names if n.startswith("moments/") and "/docs/" not in n}
 
 
 def _registry(tmp: Path, per_bucket: int, heads: int, exact: bool = True) -> Any:
@@ -162,11 +168,9 @@ def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any],
     assert summary["verification"]["passed"]
     one = setup["storage"]
     assert res.prefix == setup["sampled"].prefix
-    layers = CaptureReader(one, res.prefix).moment_layers()
-    assert len(layers) >= 3
-    for layer in layers:
-        for rel in (moments_file(res.prefix, layer), moment_groups_file(res.prefix, layer)):
-            assert storage.read_bytes(rel) == one.read_bytes(rel), rel
+    assert len(CaptureReader(one, res.prefix).moment_layers()) >= 3
+    got, want = merged_files(storage, res.prefix), merged_files(one, res.prefix)
+    assert got == want and any("/groups/" in n for n in want)
 
 
 def test_overlapped_capture_merges_as_it_commits_to_the_bits_of_one_worker(setup: dict[str, Any]) -> None:
@@ -180,9 +184,8 @@ def test_overlapped_capture_merges_as_it_commits_to_the_bits_of_one_worker(setup
     assert "as they committed" in storage.read_json(f"{res.prefix}/complete.json")["moments"]["note"]
     one = setup["storage"]
     assert "from their files" in one.read_json(f"{res.prefix}/complete.json")["moments"]["note"]
-    for layer in CaptureReader(one, res.prefix).moment_layers():
-        for rel in (moments_file(res.prefix, layer), moment_groups_file(res.prefix, layer)):
-            assert storage.read_bytes(rel) == one.read_bytes(rel), rel
+    got, want = merged_files(storage, res.prefix), merged_files(one, res.prefix)
+    assert got == want and any("/groups/" in n for n in want)
 
 
 def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, Any]) -> None:
@@ -338,6 +341,45 @@ def test_group_files_hold_each_groups_query_sums_in_the_accumulation_dtype(setup
         assert set(groups.sums) == {k for k in docs[3][layer].sums if k.startswith("q_")}
         for g, e in enumerate((3, 5, 7, 9, 12)):
             assert all(np.array_equal(arr[g], docs[e][layer].sums[key]) for key, arr in groups.sums.items())
+
+
+def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(setup: dict[str, Any]) -> None:
+    """Captures finalized before 2026-11-29 hold every group of a layer in one file (each sum on a leading group
+    axis): the reader still reads them, to the values of the one-file-per-group layout."""
+    import shutil
+
+    from qk_core.capture.moments import stored_layer
+    from qk_core.capture.store import moment_group_file, moment_groups_file
+    from qk_core.io.npz import NpzReader, write_npz
+    from qk_core.io.storage import file_record
+
+    src, prefix = setup["storage"], setup["sampled"].prefix
+    old = Storage(setup["tmp"] / "legacy")
+    shutil.copytree(src.full(prefix), old.full(prefix))
+    complete = old.read_json(f"{prefix}/complete.json")
+    reader = CaptureReader(src, prefix)
+    for layer in reader.moment_layers():
+        parts = []
+        for g in range(reader.moment_groups()):
+            rel = moment_group_file(prefix, layer, g)
+            with old.open_read(rel) as fh:
+                parts.append({k: np.array(v) for k, v in stored_layer(NpzReader(fh), layer).items()})
+            old.delete(rel)
+            del complete["files"][rel[len(prefix) + 1:]]
+        p = f"L{layer}."
+        arrays = [(p + k, parts[0][k]) for k in ("q_heads", "kv_heads", "kv_index", "layout")]
+        arrays.append((p + "docs", np.concatenate([x["docs"] for x in parts])))
+        arrays += [(p + k, np.stack([x[k] for x in parts])) for k in parts[0] if k.startswith("q_") and k != "q_heads"]
+        rel = moment_groups_file(prefix, layer)
+        old.write_stream(rel, lambda fh, arrays=arrays: write_npz(fh, arrays))
+        complete["files"][rel[len(prefix) + 1:]] = file_record(old.read_bytes(rel))
+    old.write_json(f"{prefix}/complete.json", complete)
+    legacy = CaptureReader(old, prefix)
+    assert legacy.verify()["files"] == len(complete["files"])
+    for layer in reader.moment_layers():
+        a, b = legacy.read_moment_groups(layer), reader.read_moment_groups(layer)
+        assert a.docs == b.docs and set(a.sums) == set(b.sums) and a.sums["q_n"].shape[0] == reader.moment_groups()
+        assert all(np.array_equal(a.sums[k], b.sums[k]) for k in b.sums), layer
 
 
 def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:

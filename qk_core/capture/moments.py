@@ -23,11 +23,12 @@ Same-position pairs delta = q - k of each query head with its KV head (SPEC 3, 1
 ``p_n, p_x = sum delta, p_xx = sum delta delta^T``.
 Split-half parity sums (SPEC 3 (i), 12.1), formed by the merge, shape (2, H, ...) with parity 0 = 1st, 3rd,
 ... document in sorted id order: ``qh_n, qh_t, qh_tt, qh_x, qh_xt`` (query heads) and ``kh_*`` (KV heads).
-Document-group query sums (SPEC 4.6 with coverage ``all``), formed by the merge and kept in their own file per
-layer: the per-bucket query sums (``Q_KEYS``, and the exact Ledoit-Wolf terms where kept) of each of G contiguous
-groups of the documents in sorted id order (:func:`document_groups`; one document per group when the capture has
-at most ``capture.moment_groups`` documents), shape (G, Hq, J, ...): the leave-one-out refits of the query model
-subtract one group from the merged sums (:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`).
+Document-group query sums (SPEC 4.6 with coverage ``all``), formed by the merge and kept in a file per group and
+layer (:class:`GroupSum`): the per-bucket query sums (``Q_KEYS``, and the exact Ledoit-Wolf terms where kept) of
+each of G contiguous groups of the documents in sorted id order (:func:`document_groups`; one document per group
+when the capture has at most ``capture.moment_groups`` documents), read back as one layer's (G, Hq, J, ...)
+(:func:`stack_groups`): the leave-one-out refits of the query model subtract one group from the merged sums
+(:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`).
 
 Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-only sums (n, t, t^2, s^k) are
 formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
@@ -54,7 +55,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from qk_core.io.npz import NpzReader, Stacked, write_npz
+from qk_core.io.npz import NpzReader, write_npz
 
 #: sums over query positions, per bucket (SPEC 12.1)
 Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_s", "q_ss")
@@ -761,98 +762,109 @@ def keep_common_lw_terms(merged: dict[str, np.ndarray], doc: dict[str, np.ndarra
         del merged[key]
 
 
-class GroupStack:
-    """One layer's document-group file (module doc), filled with its documents' stored arrays in sorted id order
-    (:func:`stored_layer`): a group of one document keeps that document's query sums as they are; a larger group
+class GroupSum:
+    """One document group's file of one layer (module doc): the query sums of the group's ``size`` documents, added
+    in sorted id order as a moments file stores them (:func:`stored_layer`). A group of one document keeps that
+    document's query sums as they are (the arrays given, uncopied: write it before they change); a larger group
     their float64 sum in that order, rounded once to the capture's accumulation ``dtype`` (the position sums stay
     float64). ``keys``: the query sums every document of the capture has (as the merge keeps them)."""
 
-    def __init__(self, layer: int, keys: Iterable[str], dtype: str) -> None:
+    def __init__(self, layer: int, keys: Iterable[str], dtype: str, size: int) -> None:
         self.layer = layer
         self.keys = [k for k in (*Q_KEYS, *LW_KEYS) if k in set(keys)]
         self.dtype = dtype
+        self.size = int(size)
         self.layout: dict[str, np.ndarray] = {}
         self.docs: list[int] = []
-        self.stacked: dict[str, list[np.ndarray]] = {k: [] for k in self.keys}
-        self._open: dict[str, np.ndarray] | None = None  # the current group's float64 sums
-        self._members = 0
+        self._sums: dict[str, np.ndarray] = {}
 
-    def add(self, stored: Mapping[str, np.ndarray], ends_group: bool) -> None:
-        """The next document's stored arrays of this layer; ``ends_group``: it is its group's last document."""
+    @property
+    def closed(self) -> bool:
+        """Whether every document of the group was added."""
+        return len(self.docs) == self.size
+
+    def add(self, stored: Mapping[str, np.ndarray]) -> None:
+        """The next document's stored arrays of this layer."""
+        if self.closed:
+            raise ValueError(f"layer {self.layer}: a group of {self.size} documents given another")
         if not self.layout:
             self.layout = {k: np.asarray(stored[k]) for k in ("q_heads", "kv_heads", "kv_index", "layout")}
         self.docs += [int(e) for e in stored["docs"]]
-        self._members += 1
-        if self._members == 1 and ends_group:  # alone: its own numbers, in their stored dtypes
-            for k in self.keys:
-                self.stacked[k].append(np.asarray(stored[k]))
+        if self.size == 1:  # alone: its own numbers, in their stored dtypes
+            self._sums = {k: np.asarray(stored[k]) for k in self.keys}
+        elif len(self.docs) == 1:
+            self._sums = {k: np.array(stored[k], dtype=np.float64) for k in self.keys}
         else:
-            if self._open is None:
-                self._open = {k: np.array(stored[k], dtype=np.float64) for k in self.keys}
-            else:
-                for k in self.keys:
-                    self._open[k] += stored[k]
-            if ends_group:
-                for k in self.keys:
-                    self.stacked[k].append(self._open[k].astype(np.float64 if k in POSITION_KEYS else self.dtype))
-        if ends_group:
-            self._open, self._members = None, 0
+            for k in self.keys:
+                self._sums[k] += stored[k]
 
-    def arrays(self) -> Iterator[tuple[str, np.ndarray | Stacked]]:
-        """The file's arrays for :func:`write_npz`: layout, every document in order, each sum on a group axis
-        (written group after group, never stacked in memory)."""
-        if self._members:
-            raise ValueError(f"layer {self.layer}: the last document group was not closed")
+    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The file's arrays for :func:`write_npz`: layout, the group's documents in order, its query sums."""
+        if not self.closed:
+            raise ValueError(f"layer {self.layer}: {len(self.docs)} of the group's {self.size} documents added")
         p = f"L{self.layer}."
         yield from ((p + k, v) for k, v in self.layout.items())
         yield p + "docs", np.asarray(self.docs, np.int64)
         for k in self.keys:
-            yield p + k, Stacked(self.stacked[k])
+            v = self._sums[k]
+            yield p + k, v if self.size == 1 else v.astype(np.float64 if k in POSITION_KEYS else self.dtype)
+
+
+def stack_groups(groups: Sequence[LayerMoments]) -> LayerMoments:
+    """One layer's document groups (:func:`decode_layer` of each group's file, in group order) as one
+    :class:`LayerMoments`: sums on a leading group axis, (G, Hq, J, ...), ``docs`` every document in order."""
+    first = groups[0]
+    return replace(first, sums={k: np.stack([g.sums[k] for g in groups]) for k in first.sums},
+                   docs=[e for g in groups for e in g.docs])
 
 
 class RunningMerge:
     """The merge of a capture's moments fed as its documents commit, instead of read back from their files at
-    ``finalize()``: per layer the same :class:`MomentMerger` and :class:`GroupStack` adds, of the same stored arrays
+    ``finalize()``: per layer the same :class:`MomentMerger` and :class:`GroupSum` adds, of the same stored arrays
     (:func:`stored_form`), in the same order, so the same bits; nothing is read back. It holds a capture whose
     documents commit in sorted example-id order from its first (``n_docs`` of them, which fixes the document
-    groups: ``groups``, ``dtype`` as :class:`MomentPlan`). Memory: one merged layer per layer, and the groups' query
-    sums (at most ``groups`` documents' worth, in float32). Any other order, or documents with other keys, ends it
-    (:attr:`broken`, the memory freed): ``finalize()`` then merges from the files."""
+    groups: ``groups``, ``dtype`` as :class:`MomentPlan`). Memory: one merged layer per layer, and the open group's
+    float64 query sums. Any other order, or documents with other keys, ends it (:attr:`broken`, the memory freed):
+    ``finalize()`` then merges from the files."""
 
     def __init__(self, n_docs: int, groups: int, dtype: str) -> None:
-        group_of = document_groups(n_docs, groups)
+        self.group_of = document_groups(n_docs, groups)
         self.n_docs = int(n_docs)
         self.dtype = dtype
-        self._ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
+        self._sizes = np.bincount(self.group_of)
         self.docs: list[int] = []
-        self.layers: dict[int, tuple[MomentMerger, GroupStack]] = {}
+        self.mergers: dict[int, MomentMerger] = {}
+        self._open: dict[int, GroupSum] = {}
         self._keys: dict[int, set[str]] = {}
         self.broken: str | None = None
 
-    def add(self, example_id: int, layers: Sequence[LayerMoments]) -> None:
-        """The next committed document's moments (every layer). Call it only after the document's commit."""
+    def add(self, example_id: int, layers: Sequence[LayerMoments]) -> tuple[int, dict[int, GroupSum]] | None:
+        """The next committed document's moments (every layer). Call it only after the document's commit. When the
+        document closes its group: (the group, its :class:`GroupSum` by layer), to be written before the document's
+        arrays change (a group of one holds them as they are)."""
         if self.broken is not None:
-            return
+            return None
         eid, rank = int(example_id), len(self.docs)
         keys = {m.layer: set(m.sums) for m in layers}
         if rank >= self.n_docs or (self.docs and eid <= self.docs[-1]):
             self._stop(f"document {eid} came after {self.docs[-1] if self.docs else None}, not in sorted order")
-            return
+            return None
         if rank and keys != self._keys:
             self._stop(f"document {eid} has other moment layers or sums than the first")
-            return
+            return None
         self._keys = keys
-        alone = bool(self._ends[rank]) and (rank == 0 or bool(self._ends[rank - 1]))
+        g = int(self.group_of[rank])
         for m in layers:
             stored = stored_form(m)
-            if m.layer not in self.layers:
-                self.layers[m.layer] = (MomentMerger(), GroupStack(m.layer, m.sums, self.dtype))
-            merger, group = self.layers[m.layer]
-            merger.add(m.layer, stored)
-            if alone:  # a group keeps a lone document's arrays: copies (the capture reuses its host buffers)
-                stored = {k: np.array(v) if k in group.keys else v for k, v in stored.items()}
-            group.add(stored, bool(self._ends[rank]))
+            self.mergers.setdefault(m.layer, MomentMerger()).add(m.layer, stored)
+            if m.layer not in self._open:
+                self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
+            self._open[m.layer].add(stored)
         self.docs.append(eid)
+        if all(group.closed for group in self._open.values()):
+            closed, self._open = self._open, {}
+            return g, closed
+        return None
 
     def covers(self, example_ids: Sequence[int]) -> bool:
         """Whether the merge holds exactly these documents (every one of the capture's, in sorted order)."""
@@ -860,7 +872,7 @@ class RunningMerge:
                 and self.docs == sorted(int(e) for e in example_ids))
 
     def _stop(self, why: str) -> None:
-        self.broken, self.layers = why, {}
+        self.broken, self.mergers, self._open = why, {}, {}
 
 
 def stored_layer(z: NpzReader, layer: int) -> dict[str, np.ndarray]:

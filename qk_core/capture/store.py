@@ -15,8 +15,9 @@ determines the captured values, so a changed option never mixes with an older ca
     moments/L<layer>.npz              the moments of a layer merged over all documents in sorted example-id
                                       order (:func:`qk_core.capture.moments.merge_documents`), written by
                                       finalize() (merged as they committed, or from their files)
-    moments/groups/L<layer>.npz       the per-bucket query sums of G contiguous groups of those documents, for
-                                      the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments)
+    moments/groups/L<layer>_G<g>.npz  the per-bucket query sums of group g of G contiguous groups of those
+                                      documents, for the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments;
+                                      written as the group's last document commits when merged as they commit)
     complete.json                     written last by finalize(): the commit record (below)
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
@@ -64,12 +65,13 @@ import pyarrow.parquet as pq
 
 from qk_core.capture.moments import (
     DEFAULT_GROUPS,
-    GroupStack,
+    GroupSum,
     LayerMoments,
     MomentMerger,
     RunningMerge,
     document_groups,
     moments_from_bytes,
+    stack_groups,
     stored_layer,
     stored_layers,
     write_moments,
@@ -272,6 +274,7 @@ class CaptureWriter:
         #: the moment merge fed as documents commit (:meth:`merge_while_committing`), or None
         self.running: RunningMerge | None = None
         self._moment_records: dict[int, dict[str, Any]] = {}  # the moments file this writer committed, by document
+        self._group_records: dict[str, dict[str, Any]] = {}  # the group files written while committing
 
     def merge_while_committing(self, n_docs: int) -> None:
         """Merge each document's moments as it commits (:class:`RunningMerge`), for a capture of ``n_docs`` documents
@@ -349,8 +352,18 @@ class CaptureWriter:
                 writer.add_key_value_metadata({"moments_sha256": record["sha256"]})
         if layers:  # committed
             self._moment_records[int(example_id)] = record
-            if self.running is not None:
-                self.running.add(example_id, layers)
+            closed = self.running.add(example_id, layers) if self.running is not None else None
+            if closed is not None:  # the document closed its group: its files, while the document's arrays hold
+                self._group_records.update(self._write_groups(*closed))
+
+    def _write_groups(self, group: int, layers: dict[int, GroupSum]) -> dict[str, dict[str, Any]]:
+        """The files of one closed document group (:class:`GroupSum` by layer); their records."""
+        def write(layer: int) -> tuple[str, dict[str, Any]]:
+            rel = moment_group_file(self.prefix, layer, group)
+            return rel, self.storage.write_stream(rel, lambda fh: write_npz(fh, layers[layer].arrays()))
+
+        with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-groups") as pool:
+            return dict(pool.map(write, sorted(layers)))
 
     def _doc_index(self, rel: str) -> _DocIndex:
         """A document file's :class:`_DocIndex`, from its footer. A document file of another capture (a different
@@ -573,7 +586,7 @@ class CaptureWriter:
                        keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int]:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
-        intervals of SPEC 4.6) into ``moments/groups/L<layer>.npz``. Returns (the committed record of every file
+        intervals of SPEC 4.6) into ``moments/groups/L<layer>_G<g>.npz``. Returns (the committed record of every file
         written, or read when ``keep_doc_files``; layers; note; groups); no layers when a document has no moments
         (a capture from before them, or resumed across that change).
 
@@ -593,26 +606,27 @@ class CaptureWriter:
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         running, self.running = self.running, None
 
-        def write_layer(layer: int, merger: MomentMerger, group: GroupStack) -> dict[str, dict[str, Any]]:
-            merged, grouped = moments_file(self.prefix, layer), moment_groups_file(self.prefix, layer)
-            return {merged: self.storage.write_stream(merged, lambda fh: write_npz(fh, merger.arrays())),
-                    grouped: self.storage.write_stream(grouped, lambda fh: write_npz(fh, group.arrays()))}
+        def write_merged(layer: int, merger: MomentMerger) -> dict[str, dict[str, Any]]:
+            rel = moments_file(self.prefix, layer)
+            return {rel: self.storage.write_stream(rel, lambda fh: write_npz(fh, merger.arrays()))}
 
         # layers are independent: written (and, from the files, merged) by host_threads() at once (zipfile serialises
         # the reads of one document's file; adding, hashing and writing release the GIL)
         if (running is not None and running.covers(order)
                 and all(self._moment_records.get(eid, {}).get("sha256") == shas[eid] for eid in order)):
-            # merged as they committed, and every committed moments file is the one this writer wrote
+            # merged as they committed (the group files written as each group closed), and every committed moments
+            # file is the one this writer wrote
             how = "merged as they committed"
-            layers = sorted(running.layers)
+            layers = sorted(running.mergers)
             if keep_doc_files:
                 files.update({self._moments_doc(eid): self._moment_records[eid] for eid in order})
+            files.update(self._group_records)
             with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
-                for written in pool.map(lambda layer: write_layer(layer, *running.layers[layer]), layers):
+                for written in pool.map(lambda layer: write_merged(layer, running.mergers[layer]), layers):
                     files.update(written)
         else:
             how = "merged from their files"
-            ends = np.append(group_of[1:] != group_of[:-1], True)  # a document closes its group
+            sizes = np.bincount(group_of)
             with contextlib.ExitStack() as stack:
                 opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files))
                           for eid in order]
@@ -624,14 +638,21 @@ class CaptureWriter:
                 common = set.intersection(*(set(z.files) for z in opened))  # the sums every document has
 
                 def merge_layer(layer: int) -> dict[str, dict[str, Any]]:
-                    merger = MomentMerger()
-                    group = GroupStack(layer, [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")],
-                                       plan.get("dtype", "float64"))
+                    merger, out = MomentMerger(), {}
+                    keys = [n.split(".", 1)[1] for n in common if n.startswith(f"L{layer}.")]
+                    group: GroupSum | None = None
                     for rank, z in enumerate(opened):
                         own = stored_layer(z, layer)
                         merger.add(layer, own)
-                        group.add(own, bool(ends[rank]))
-                    return write_layer(layer, merger, group)
+                        g = int(group_of[rank])
+                        if group is None:
+                            group = GroupSum(layer, keys, plan.get("dtype", "float64"), int(sizes[g]))
+                        group.add(own)
+                        if group.closed:
+                            rel = moment_group_file(self.prefix, layer, g)
+                            out[rel] = self.storage.write_stream(rel, lambda fh, gs=group: write_npz(fh, gs.arrays()))
+                            group = None
+                    return {**out, **write_merged(layer, merger)}
 
                 with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
                     for written in pool.map(merge_layer, layers):
@@ -684,8 +705,14 @@ def moments_file(prefix: str, layer: int) -> str:
     return f"{prefix}/moments/L{layer:03d}.npz"
 
 
+def moment_group_file(prefix: str, layer: int, group: int) -> str:
+    """One document group's query sums of one layer (SPEC 4.6 with coverage ``all``; moments module doc)."""
+    return f"{prefix}/moments/groups/L{layer:03d}_G{group:03d}.npz"
+
+
 def moment_groups_file(prefix: str, layer: int) -> str:
-    """The document groups' query sums of one layer (SPEC 4.6 with coverage ``all``; moments module doc)."""
+    """Every document group's query sums of one layer in one file: the layout of captures finalized before
+    2026-11-29, still read."""
     return f"{prefix}/moments/groups/L{layer:03d}.npz"
 
 
@@ -802,11 +829,19 @@ class CaptureReader:
 
     def read_moment_groups(self, layer: int) -> LayerMoments:
         """The document groups' per-bucket query sums of one layer (sums (G, Hq, J, ...), float64; ``docs``: every
-        document in sorted id order, grouped by :func:`qk_core.capture.moments.document_groups`), verified."""
+        document in sorted id order, grouped by :func:`qk_core.capture.moments.document_groups`), verified: one file
+        per group (:func:`moment_group_file`), or one per layer in a capture finalized before them."""
         if not self.moment_groups() or int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group moments of layer {layer}")
-        rel = moment_groups_file(self.prefix, int(layer))
-        return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]))[int(layer)]
+        cut, layer = len(self.prefix) + 1, int(layer)
+        legacy = moment_groups_file(self.prefix, layer)[cut:]
+        if legacy in self.files:
+            return moments_from_bytes(self._verified_bytes(legacy))[layer]
+        groups = []
+        for g in range(self.moment_groups()):
+            data = self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:])
+            groups.append(moments_from_bytes(data)[layer])
+        return stack_groups(groups)
 
     def _read(self, kind: str, layer: int, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rel = head_file(self.prefix, kind, layer, head)

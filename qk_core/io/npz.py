@@ -17,8 +17,7 @@ import os
 import struct
 import threading
 import zipfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from functools import lru_cache
 from typing import BinaryIO
 
@@ -28,44 +27,25 @@ _LOCAL_HEADER = b"PK\x03\x04"
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-@dataclass(frozen=True)
-class Stacked:
-    """Arrays of one shape and dtype that :func:`write_npz` writes as one array on a new leading axis, part after
-    part: the bytes of ``np.stack(parts)`` without that copy in memory."""
-
-    parts: Sequence[np.ndarray]
-
-
-def _write_npy(out: BinaryIO, parts: Sequence[np.ndarray], stacked: bool) -> None:
-    """The .npy that ``np.lib.format.write_array`` writes for the array, or for ``np.stack(parts)`` when ``stacked``
-    (format 1.0, C order, the same bytes), its data written from the arrays' own memory: ``write_array`` copies
-    every chunk (``tobytes``) when the file is not a real one, as a zip member is not."""
-    first = np.asarray(parts[0])
-    if first.dtype.hasobject:
+def _write_npy(out: BinaryIO, array: np.ndarray) -> None:
+    """The .npy that ``np.lib.format.write_array`` writes for ``array`` (format 1.0, C order, the same bytes), its
+    data written from the array's own memory: ``write_array`` copies every chunk (``tobytes``) when the file is not a
+    real one, as a zip member is not."""
+    if array.dtype.hasobject:
         raise ValueError("object arrays are not written (no pickles)")
-    for part in parts:
-        if part.shape != first.shape or part.dtype != first.dtype:
-            raise ValueError(f"stacked parts differ: {part.shape} {part.dtype} after {first.shape} {first.dtype}")
-    shape = (len(parts), *first.shape) if stacked else first.shape
-    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(first.dtype),
-                                               "fortran_order": False, "shape": shape})
-    for part in parts:
-        if part.size:
-            out.write(memoryview(np.ascontiguousarray(part)).cast("B"))
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(array.dtype),
+                                               "fortran_order": False, "shape": array.shape})
+    if array.size:
+        out.write(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
-def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray | Stacked]]) -> None:
+def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
     """``(name, array)`` pairs into ``fh`` as an npz (a stored zip of .npy arrays, no pickled objects), one array
-    at a time (nothing but the array being written is held; a :class:`Stacked` one part at a time)."""
+    at a time (nothing but the array being written is held)."""
     with zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, arr in arrays:
-            if isinstance(arr, Stacked) and not arr.parts:
-                raise ValueError(f"{name}: nothing to stack")
             with zf.open(f"{name}.npy", "w", force_zip64=True) as out:
-                if isinstance(arr, Stacked):
-                    _write_npy(out, arr.parts, stacked=True)
-                else:
-                    _write_npy(out, [np.ascontiguousarray(arr)], stacked=False)
+                _write_npy(out, np.ascontiguousarray(arr))
 
 
 @lru_cache(maxsize=4096)
