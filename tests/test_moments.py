@@ -645,3 +645,18 @@ def test_a_document_redone_by_another_writer_is_merged_from_its_file(tmp_path: A
         assert np.array_equal(merged.sums[key], arr), key
     # the redone document's group file (written by the first writer as it committed) holds the other writer's sums
     assert np.array_equal(groups.sums["q_xx"][1], other.sums["q_xx"])
+
+
+def test_running_merge_stops_at_a_document_it_cannot_add() -> None:
+    """Out of order, other sums, or a layout the merge refuses: the running merge stops (its memory freed) instead
+    of failing the commit, and covers nothing; finalize() then merges from the files, which names the problem."""
+    from qk_core.capture.moments import RunningMerge
+
+    docs = sorted(random_documents(3), key=lambda d: d.docs[0])
+    other_heads = LayerMoments(3, np.arange(1, 5), docs[1].kv_heads, docs[1].kv_index, 16, 4, docs[1].sums,
+                               docs[1].docs)
+    for second, why in ((docs[0], "not in sorted order"), (other_heads, "different layer, head set")):
+        merge = RunningMerge(3, 16, "float64")
+        assert merge.add(docs[0].docs[0], [docs[0]]) is not None  # a lone group closes at once
+        assert merge.add(second.docs[0], [second]) is None
+        assert why in str(merge.broken) and not merge.mergers and not merge.covers([d.docs[0] for d in docs[:2]])

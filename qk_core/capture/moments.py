@@ -854,12 +854,16 @@ class RunningMerge:
             return None
         self._keys = keys
         g = int(self.group_of[rank])
-        for m in layers:
-            stored = stored_form(m)
-            self.mergers.setdefault(m.layer, MomentMerger()).add(m.layer, stored)
-            if m.layer not in self._open:
-                self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
-            self._open[m.layer].add(stored)
+        try:
+            for m in layers:
+                stored = stored_form(m)
+                self.mergers.setdefault(m.layer, MomentMerger()).add(m.layer, stored)
+                if m.layer not in self._open:
+                    self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
+                self._open[m.layer].add(stored)
+        except ValueError as exc:  # the document stays committed; the merge from the files will name the problem
+            self._stop(f"document {eid}: {exc}")
+            return None
         self.docs.append(eid)
         if all(group.closed for group in self._open.values()):
             closed, self._open = self._open, {}
