@@ -11,7 +11,9 @@ used for every layer of ``--docs`` documents (each with one row, so the row fan-
 
 - ``commit s``: ``write_document`` of one document (its moments file and its one-row document file), median;
 - ``finalize s``: ``finalize()`` of the capture (moment merge, groups, verification; the rows are negligible);
-- bytes of one document's moments file, and of the merged and group files ``finalize()`` keeps.
+- bytes of one document's moments file, and of the merged and group files ``finalize()`` keeps (with no more
+  documents than ``capture.moment_groups``, every document is its own group and its moments file, kept, is the
+  group's).
 
 Each shape runs twice, once per way the merge is fed: ``from files`` (``finalize()`` reads every document's
 moments file back, the serial capture's way) and ``as committed`` (each commit also adds the document into the
@@ -89,7 +91,9 @@ def case(name: str, n_docs: int, as_committed: bool = False) -> dict[str, Any]:
         t = time.perf_counter()
         summary = writer.finalize()
         finalize_s = time.perf_counter() - t
-        merged_mb, groups_mb = _mb(Path(tmp), "/moments/L"), _mb(Path(tmp), "/moments/groups/")
+        # what serves as the document groups: their files, or (every document its own group) the documents' own
+        merged_mb = _mb(Path(tmp), "/moments/L")
+        groups_mb = _mb(Path(tmp), "/moments/groups/") + _mb(Path(tmp), "/moments/docs/")
     return {"shape": name, "merge": "as committed" if as_committed else "from files", "layers": n_layers,
             "q_heads": hq, "kv_heads": hk, "d": d, "docs": n_docs,
             "commit_s": commit, "commit_s_median": statistics.median(commit), "finalize_s": finalize_s,
@@ -148,9 +152,10 @@ its forward ratio (bench/results/gpu_runs.md).
 {HEADER}
 {table}
 
-*merge*: `from files`, `finalize()` reads every document's moments file back and merges it (a serial capture,
-the CPU's default); `as committed`, each commit also adds its document into the merge, the commit that closes a
-document group writes that group's files, and `finalize()` only writes the merged files
+*groups MB*: the document groups' files, or, with no more documents than groups, the documents' own moments files,
+kept as their groups'. *merge*: `from files`, `finalize()` reads every document's moments file back and merges it
+(a serial capture, the CPU's default); `as committed`, each commit also adds its document into the merge, the commit
+that closes a document group writes that group's files, and `finalize()` only writes the merged files
 (`CaptureWriter.merge_while_committing`; the same bytes). *merge threads*: `host_threads()` (`QK_HOST_THREADS`;
 half the cores up to 8): layers merged (or written) at once. A capture on a GPU host commits each document in a
 background thread beside the next forward (`overlap_commits`), merging it there as well, so a document's commit is

@@ -30,10 +30,11 @@ torch.set_num_threads(1)
 N_DOCS = 5
 
 
-def merged_files(storage: Storage, prefix: str) -> dict[str, bytes]:
-    """The bytes of a capture's merged and document-group moment files, by name."""
+def merged_files(storage: Storage, prefix: str) -> dict[str, tuple[bytes, dict[str, Any]]]:
+    """The bytes and committed records of a capture's merged and document-group moment files (documents' own files
+    where they serve as their groups'), by name."""
     names = storage.read_json(f"{prefix}/complete.json")["files"]
-    return {n: storage.read_bytes(f"{prefix}/{n}") for n in names if n.startswith("moments/") and "/docs/" not in n}
+    return {n: (storage.read_bytes(f"{prefix}/{n}"), rec) for n, rec in names.items() if n.startswith("moments/")}
 
 
 def _registry(tmp: Path, per_bucket: int, heads: int, exact: bool = True) -> Any:
@@ -170,7 +171,7 @@ def test_sharded_capture_merges_to_the_bits_of_one_worker(setup: dict[str, Any],
     assert res.prefix == setup["sampled"].prefix
     assert len(CaptureReader(one, res.prefix).moment_layers()) >= 3
     got, want = merged_files(storage, res.prefix), merged_files(one, res.prefix)
-    assert got == want and any("/groups/" in n for n in want)
+    assert got == want and sum("/docs/" in n for n in want) == N_DOCS  # every document its own group
 
 
 def test_overlapped_capture_merges_as_it_commits_to_the_bits_of_one_worker(setup: dict[str, Any]) -> None:
@@ -185,7 +186,7 @@ def test_overlapped_capture_merges_as_it_commits_to_the_bits_of_one_worker(setup
     one = setup["storage"]
     assert "from their files" in one.read_json(f"{res.prefix}/complete.json")["moments"]["note"]
     got, want = merged_files(storage, res.prefix), merged_files(one, res.prefix)
-    assert got == want and any("/groups/" in n for n in want)
+    assert got == want and sum("/docs/" in n for n in want) == N_DOCS  # every document its own group
 
 
 def test_moments_are_committed_with_their_document_and_checked(setup: dict[str, Any]) -> None:
@@ -353,8 +354,13 @@ def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(set
     from qk_core.io.npz import NpzReader, write_npz
     from qk_core.io.storage import file_record
 
-    src, prefix = setup["storage"], setup["sampled"].prefix
-    old = Storage(setup["tmp"] / "legacy")
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-legacy.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moment_groups": 3}}}, tmp / "corpus.jsonl"))
+    src = Storage(tmp / "legacy-src")
+    prefix = capture_model(reg.model("m"), setup["corpus"], src, device="cpu").prefix
+    old = Storage(tmp / "legacy")
     shutil.copytree(src.full(prefix), old.full(prefix))
     complete = old.read_json(f"{prefix}/complete.json")
     reader = CaptureReader(src, prefix)
@@ -378,8 +384,41 @@ def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(set
     assert legacy.verify()["files"] == len(complete["files"])
     for layer in reader.moment_layers():
         a, b = legacy.read_moment_groups(layer), reader.read_moment_groups(layer)
-        assert a.docs == b.docs and set(a.sums) == set(b.sums) and a.sums["q_n"].shape[0] == reader.moment_groups()
+        assert a.docs == b.docs and set(a.sums) == set(b.sums) and a.sums["q_n"].shape[0] == reader.moment_groups() == 3
         assert all(np.array_equal(a.sums[k], b.sums[k]) for k in b.sums), layer
+
+
+def test_documents_that_are_their_own_groups_serve_as_the_group_files_layer_by_layer(setup: dict[str, Any]) -> None:
+    """At most ``capture.moment_groups`` documents: every document is its own group and its moments file, kept, is
+    the group's (no copy); the groups of a layer are read from each file's range of that layer, checked against the
+    range's committed SHA-256, so a damaged layer is refused naming the file, and verification fails too."""
+    import shutil
+
+    src, prefix = setup["storage"], setup["sampled"].prefix
+    complete = src.read_json(f"{prefix}/complete.json")
+    assert complete["moments"]["groups_in"] == "documents" and not src.ls(f"{prefix}/moments/groups")
+    reader = CaptureReader(src, prefix)
+    layer = reader.moment_layers()[-1]
+    groups = reader.read_moment_groups(layer)
+    assert groups.docs == [3, 5, 7, 9, 12] and groups.sums["q_n"].shape[0] == 5
+    assert not any(k.startswith(("k_", "p_")) for k in groups.sums)
+    merged = reader.read_moments(layer)
+    for key, arr in groups.sums.items():
+        np.testing.assert_allclose(arr.sum(axis=0), merged.sums[key], rtol=1e-12, atol=1e-12, err_msg=key)
+    damaged = Storage(setup["tmp"] / "damaged-layer")
+    shutil.copytree(src.full(prefix), damaged.full(prefix))
+    name = "moments/docs/doc-9.npz"
+    lo, hi, _ = complete["files"][name]["layers"][str(layer)]
+    path = Path(damaged.full(f"{prefix}/{name}"))
+    data = bytearray(path.read_bytes())
+    data[(lo + hi) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    bad = CaptureReader(damaged, prefix)
+    with pytest.raises(CaptureError, match=rf"doc-9\.npz: layer {layer}'s bytes"):
+        bad.read_moment_groups(layer)
+    bad.read_moment_groups(reader.moment_layers()[0])  # another layer's range is intact
+    with pytest.raises(CaptureError, match=r"doc-9\.npz"):
+        bad.verify()
 
 
 def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:

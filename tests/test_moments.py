@@ -614,9 +614,15 @@ def test_merge_as_documents_commit_gives_the_bytes_of_the_merge_from_their_files
     notes = {how: s["moments"]["note"] for how, s in summaries.items()}
     assert "as they committed" in notes["committed"] and "from their files" in notes["files"] == notes["unsorted"]
     prefix = _writer(tmp_path / "x", None).prefix
-    written = {how: {n: Storage(root).read_bytes(f"{prefix}/{n}") for n in summaries[how]["files"]
-                     if n.startswith("moments/") and "/docs/" not in n} for how, root in roots.items()}
-    assert len(written["files"]) == 1 + min(groups, len(docs))  # the merged file and one file per group
+    written = {how: {n: (Storage(root).read_bytes(f"{prefix}/{n}"), rec) for n, rec in summaries[how]["files"].items()
+                     if n.startswith("moments/")} for how, root in roots.items()}
+    # the merged file, and one file per group or (every document its own group) each document's, kept with the
+    # SHA-256 of each layer's range
+    lone = groups >= len(docs)
+    assert sorted(n.split("/")[1] for n in written["files"]) == ["L003.npz", *["docs" if lone else "groups"] * min(
+        groups, len(docs))]
+    assert all(set(rec.get("layers", {})) == ({"3"} if lone else set()) for n, (_, rec) in written["files"].items()
+               if "/docs/" in n or "/groups/" in n)
     assert written["committed"] == written["files"] == written["unsorted"]
     merged = CaptureReader(Storage(roots["committed"]), prefix).read_moments(3)
     for key, arr in merge_documents(docs).sums.items():
@@ -656,7 +662,7 @@ def test_running_merge_stops_at_a_document_it_cannot_add() -> None:
     other_heads = LayerMoments(3, np.arange(1, 5), docs[1].kv_heads, docs[1].kv_index, 16, 4, docs[1].sums,
                                docs[1].docs)
     for second, why in ((docs[0], "not in sorted order"), (other_heads, "different layer, head set")):
-        merge = RunningMerge(3, 16, "float64")
-        assert merge.add(docs[0].docs[0], [docs[0]]) is not None  # a lone group closes at once
+        merge = RunningMerge(3, 2, "float64")  # groups of the first two documents and of the third
+        assert merge.add(docs[0].docs[0], [docs[0]]) is None and merge.docs == [docs[0].docs[0]] and not merge.lone
         assert merge.add(second.docs[0], [second]) is None
         assert why in str(merge.broken) and not merge.mergers and not merge.covers([d.docs[0] for d in docs[:2]])

@@ -48,14 +48,14 @@ each commits (:class:`RunningMerge`), to the same bits.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from qk_core.io.npz import NpzReader, write_npz
+from qk_core.io.npz import NpzReader, span_record, write_npz
 
 #: sums over query positions, per bucket (SPEC 12.1)
 Q_KEYS = ("q_n", "q_t", "q_tt", "q_x", "q_xt", "q_xx", "q_s", "q_ss")
@@ -811,10 +811,11 @@ class GroupSum:
 
 
 def stack_groups(groups: Sequence[LayerMoments]) -> LayerMoments:
-    """One layer's document groups (:func:`decode_layer` of each group's file, in group order) as one
-    :class:`LayerMoments`: sums on a leading group axis, (G, Hq, J, ...), ``docs`` every document in order."""
-    first = groups[0]
-    return replace(first, sums={k: np.stack([g.sums[k] for g in groups]) for k in first.sums},
+    """One layer's document groups (:func:`decode_layer` of each group's file, or of each document's own moments
+    file when every document is its own group, in group order) as one :class:`LayerMoments`: the query sums every
+    group has, on a leading group axis, (G, Hq, J, ...); ``docs`` every document in order."""
+    keys = [k for k in (*Q_KEYS, *LW_KEYS) if all(k in g.sums for g in groups)]
+    return replace(groups[0], sums={k: np.stack([g.sums[k] for g in groups]) for k in keys},
                    docs=[e for g in groups for e in g.docs])
 
 
@@ -823,15 +824,17 @@ class RunningMerge:
     ``finalize()``: per layer the same :class:`MomentMerger` and :class:`GroupSum` adds, of the same stored arrays
     (:func:`stored_form`), in the same order, so the same bits; nothing is read back. It holds a capture whose
     documents commit in sorted example-id order from its first (``n_docs`` of them, which fixes the document
-    groups: ``groups``, ``dtype`` as :class:`MomentPlan`). Memory: one merged layer per layer, and the open group's
-    float64 query sums. Any other order, or documents with other keys, ends it (:attr:`broken`, the memory freed):
-    ``finalize()`` then merges from the files."""
+    groups: ``groups``, ``dtype`` as :class:`MomentPlan`; with no more documents than groups every document is its
+    own group and its moments file serves as the group's: :attr:`lone`, no :class:`GroupSum`). Memory: one merged
+    layer per layer, and the open group's float64 query sums. Any other order, or documents with other keys, ends it
+    (:attr:`broken`, the memory freed): ``finalize()`` then merges from the files."""
 
     def __init__(self, n_docs: int, groups: int, dtype: str) -> None:
         self.group_of = document_groups(n_docs, groups)
         self.n_docs = int(n_docs)
         self.dtype = dtype
         self._sizes = np.bincount(self.group_of)
+        self.lone = len(self._sizes) == self.n_docs
         self.docs: list[int] = []
         self.mergers: dict[int, MomentMerger] = {}
         self._open: dict[int, GroupSum] = {}
@@ -858,6 +861,8 @@ class RunningMerge:
             for m in layers:
                 stored = stored_form(m)
                 self.mergers.setdefault(m.layer, MomentMerger()).add(m.layer, stored)
+                if self.lone:
+                    continue
                 if m.layer not in self._open:
                     self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
                 self._open[m.layer].add(stored)
@@ -865,7 +870,7 @@ class RunningMerge:
             self._stop(f"document {eid}: {exc}")
             return None
         self.docs.append(eid)
-        if all(group.closed for group in self._open.values()):
+        if self._open and all(group.closed for group in self._open.values()):
             closed, self._open = self._open, {}
             return g, closed
         return None
@@ -879,11 +884,27 @@ class RunningMerge:
         self.broken, self.mergers, self._open = why, {}, {}
 
 
-def stored_layer(z: NpzReader, layer: int) -> dict[str, np.ndarray]:
+def moments_record(fh: BinaryIO) -> dict[str, Any]:
+    """A moments file's committed record: SHA-256 and size of the whole file, and under ``layers`` each layer's
+    byte range and its SHA-256 (``[lo, hi, sha256]`` by layer number as text), so one layer can be read and
+    checked alone (:func:`qk_core.io.npz.span_record`; a document's file serving as its document group's)."""
+    z = NpzReader(fh)
+    spans = {str(layer): z.span(_layer_names(z, layer)) for layer in stored_layers(z)}
+    record = span_record(fh, spans)
+    record["layers"] = record.pop("spans")
+    return record
+
+
+def _layer_names(z: NpzReader, layer: int) -> list[str]:
+    return [n for n in z.files if n.startswith(f"L{layer}.")]
+
+
+def stored_layer(z: NpzReader, layer: int, check: Callable[[int, int, bytes], None] | None = None
+                 ) -> dict[str, np.ndarray]:
     """One layer's arrays of a moments file as stored (symmetric sums packed), by key: read-only views of one read of
-    the layer's bytes."""
+    the layer's bytes (``check``: :meth:`qk_core.io.npz.NpzReader.read`'s)."""
     p = f"L{layer}."
-    return {name[len(p):]: a for name, a in z.read(n for n in z.files if n.startswith(p)).items()}
+    return {name[len(p):]: a for name, a in z.read(_layer_names(z, layer), check).items()}
 
 
 def stored_layers(z: NpzReader) -> list[int]:

@@ -11,13 +11,16 @@ determines the captured values, so a changed option never mixes with an older ca
     doc_tokens.parquet                token count of every document
     moments/docs/doc-<example_id>.npz SPEC 12.1 moments of every eligible head over every position of one
                                       document, written before (and checksummed in the footer of) its
-                                      document file, so a committed document always has its moments
+                                      document file, so a committed document always has its moments; removed
+                                      after a verified finalize unless they serve as the document groups
     moments/L<layer>.npz              the moments of a layer merged over all documents in sorted example-id
                                       order (:func:`qk_core.capture.moments.merge_documents`), written by
                                       finalize() (merged as they committed, or from their files)
     moments/groups/L<layer>_G<g>.npz  the per-bucket query sums of group g of G contiguous groups of those
                                       documents, for the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments;
-                                      written as the group's last document commits when merged as they commit)
+                                      written as the group's last document commits when merged as they commit);
+                                      none when every document is its own group: its moments file is kept as the
+                                      group's, each layer's byte range checksummed in complete.json
     complete.json                     written last by finalize(): the commit record (below)
 
 Row schema: kind (``q``/``k``), layer int32, head int32 (query head for Q rows, KV head for K rows),
@@ -69,8 +72,10 @@ from qk_core.capture.moments import (
     LayerMoments,
     MomentMerger,
     RunningMerge,
+    decode_layer,
     document_groups,
     moments_from_bytes,
+    moments_record,
     stack_groups,
     stored_layer,
     stored_layers,
@@ -331,8 +336,11 @@ class CaptureWriter:
         # file, which records its checksum, becomes visible only after it
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moments-commit") as pool, \
                 self.storage.parquet_writer(rel, schema, **ROW_FILE_OPTIONS) as writer:
+            # a document that is its own group (merged as committed) keeps its file as the group's: each layer's
+            # range checksummed as well, in the same read-back
+            record_of = moments_record if self.running is not None and self.running.lone else file_record
             moments_written = pool.submit(self.storage.write_stream, self._moments_doc(example_id),
-                                          lambda fh: write_moments(fh, layers)) if layers else None
+                                          lambda fh: write_moments(fh, layers), record_of) if layers else None
             # heads of equal row count in a row go out in one table cut into one row group per head (one write
             # per head took 0.22 s for the 360 heads of a 2K-token SmolLM2 document, this 0.14 s)
             kept = [r for r in rows if len(r.positions)]
@@ -466,7 +474,7 @@ class CaptureWriter:
             merging = pool.submit(self._merge_moments, index, keep_doc_files)
             for start in range(0, len(names), per_pass):
                 files.update(self._fan_out(index, names[start:start + per_pass], d, batch_bytes, spill_at))
-            moment_files, moment_layers, moment_note, moment_groups = merging.result()
+            moment_files, moment_layers, moment_note, moment_groups, groups_in = merging.result()
         files.update(moment_files)
         counts = {name: sizes[name] for name in names}
         tokens = pa.table({"example_id": pa.array([doc.example_id for doc in index], pa.int64()),
@@ -484,7 +492,8 @@ class CaptureWriter:
         cut = len(self.prefix) + 1
         summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
                    "rows": counts, "doc_files": "kept" if keep_doc_files else "removed",
-                   "moments": {"layers": moment_layers, "groups": moment_groups, "note": moment_note},
+                   "moments": {"layers": moment_layers, "groups": moment_groups, "groups_in": groups_in,
+                               "note": moment_note},
                    "files": {rel[cut:]: rec for rel, rec in sorted(files.items())}}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
         try:
@@ -494,7 +503,7 @@ class CaptureWriter:
             raise
         if not keep_doc_files:
             self.storage.delete(f"{self.prefix}/docs", recursive=True)
-            if self.storage.ls(f"{self.prefix}/moments/docs"):
+            if groups_in != "documents" and self.storage.ls(f"{self.prefix}/moments/docs"):
                 self.storage.delete(f"{self.prefix}/moments/docs", recursive=True)
         summary["timing"] = {"fan_out_s": round(fanout_s, 3), "verify_s": check["seconds"]}
         summary["verification"] = {"passed": True, "error": None, **check}
@@ -583,28 +592,33 @@ class CaptureWriter:
         return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
 
     def _merge_moments(self, index: list[_DocIndex],
-                       keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int]:
+                       keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int, str]:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
         intervals of SPEC 4.6) into ``moments/groups/L<layer>_G<g>.npz``. Returns (the committed record of every file
-        written, or read when ``keep_doc_files``; layers; note; groups); no layers when a document has no moments
+        written, or read when ``keep_doc_files``; layers; note; groups; where the groups are); no layers when a
+        document has no moments
         (a capture from before them, or resumed across that change).
 
         When this writer merged every document as it committed (:meth:`merge_while_committing`: all of the
         capture's, in sorted order, each committed moments file the one it wrote), the merge is written as it is.
         Otherwise layer by layer: every document's file is checked against the checksum its document file committed
         and kept open (:meth:`_verified_moments`), then each layer is read from all of them, merged, written, and
-        dropped, :func:`host_threads` layers at once. Memory: that many layers' merges and their groups' query
-        sums. Both give the same bits."""
+        dropped, :func:`host_threads` layers at once. Memory: that many layers' merges and their open groups' query
+        sums. Both give the same bits. When every document is its own group, no group file is written: the documents'
+        moments files are kept as the groups' (recorded with each layer's checksummed range, :func:`moments_record`;
+        the last element of the result says which: ``"documents"`` or ``"group files"``)."""
         files: dict[str, dict[str, Any]] = {}
         shas = {doc.example_id: doc.moments_sha256 for doc in index}
         if not shas or any(v is None for v in shas.values()):
             missing = sum(v is None for v in shas.values())
-            return files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0
+            return files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0, "none"
         plan = self.manifest.get("moments") or {}
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         running, self.running = self.running, None
+        # every document its own group: its moments file is the group's (kept, each layer's range checksummed)
+        lone = int(group_of.max()) + 1 == len(order)
 
         def write_merged(layer: int, merger: MomentMerger) -> dict[str, dict[str, Any]]:
             rel = moments_file(self.prefix, layer)
@@ -618,7 +632,7 @@ class CaptureWriter:
             # file is the one this writer wrote
             how = "merged as they committed"
             layers = sorted(running.mergers)
-            if keep_doc_files:
+            if keep_doc_files or lone:
                 files.update({self._moments_doc(eid): self._moment_records[eid] for eid in order})
             files.update(self._group_records)
             with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-merge") as pool:
@@ -628,7 +642,8 @@ class CaptureWriter:
             how = "merged from their files"
             sizes = np.bincount(group_of)
             with contextlib.ExitStack() as stack:
-                opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files))
+                opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files or lone,
+                                                                     spans=lone))
                           for eid in order]
                 layers = stored_layers(opened[0])
                 for eid, z in zip(order, opened, strict=True):
@@ -644,6 +659,8 @@ class CaptureWriter:
                     for rank, z in enumerate(opened):
                         own = stored_layer(z, layer)
                         merger.add(layer, own)
+                        if lone:
+                            continue
                         g = int(group_of[rank])
                         if group is None:
                             group = GroupSum(layer, keys, plan.get("dtype", "float64"), int(sizes[g]))
@@ -659,14 +676,15 @@ class CaptureWriter:
                         files.update(written)
         n_groups = int(group_of.max()) + 1
         note = (f"{len(shas)} documents {how} in sorted example-id order; their query sums kept in {n_groups} "
-                f"contiguous groups of that order")
-        return files, layers, note, n_groups
+                f"contiguous groups of that order" + (" (each document's own moments file)" if lone else ""))
+        return files, layers, note, n_groups, "documents" if lone else "group files"
 
     @contextlib.contextmanager
     def _verified_moments(self, eid: int, sha: str, files: dict[str, dict[str, Any]],
-                          keep: bool) -> Iterator[NpzReader]:
+                          keep: bool, spans: bool = False) -> Iterator[NpzReader]:
         """A committed document's moments file, once its SHA-256 is the one its document file recorded (recorded in
-        ``files`` when the capture ``keep``s its document files), as an :class:`NpzReader` of the same handle: one
+        ``files`` when the capture ``keep``s the file; with each layer's range checksummed too when ``spans``:
+        :func:`moments_record`), as an :class:`NpzReader` of the same handle: one
         version (:meth:`Storage.open_read`: a local descriptor, an ETag-pinned S3 read whose layers come in ranged
         reads), so what was checked is what is read, and the checksum covers what the zip's CRCs would."""
         rel = self._moments_doc(eid)
@@ -674,9 +692,11 @@ class CaptureWriter:
         with contextlib.ExitStack() as stack:
             try:
                 fh = stack.enter_context(self.storage.open_read(rel))
-                got = file_record(fh)
+                got = moments_record(fh) if spans else file_record(fh)
             except StorageError as exc:
                 raise CaptureError(f"{uri}: moments of a committed document unreadable ({exc})") from exc
+            except (ValueError, zipfile.BadZipFile) as exc:
+                raise CaptureError(f"{uri}: not a moments file ({exc})") from exc
             _check_record(uri, got, {"sha256": sha})
             if keep:
                 files[rel] = got
@@ -834,6 +854,10 @@ class CaptureReader:
         if not self.moment_groups() or int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group moments of layer {layer}")
         cut, layer = len(self.prefix) + 1, int(layer)
+        if (self.complete.get("moments") or {}).get("groups_in") == "documents":
+            names = sorted((n for n in self.files if n.startswith("moments/docs/doc-") and n.endswith(".npz")),
+                           key=lambda n: int(n.rsplit("doc-", 1)[1].split(".")[0]))
+            return stack_groups([self._verified_layer(name, layer) for name in names])
         legacy = moment_groups_file(self.prefix, layer)[cut:]
         if legacy in self.files:
             return moments_from_bytes(self._verified_bytes(legacy))[layer]
@@ -842,6 +866,28 @@ class CaptureReader:
             data = self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:])
             groups.append(moments_from_bytes(data)[layer])
         return stack_groups(groups)
+
+    def _verified_layer(self, name: str, layer: int) -> LayerMoments:
+        """One layer of the moments file ``<prefix>/<name>`` (every sum float64), read alone: its byte range and that
+        range's SHA-256 checked against the file's committed record (:func:`moments_record`)."""
+        rel = f"{self.prefix}/{name}"
+        uri = self.storage.uri(rel)
+        want = ((self.files.get(name) or {}).get("layers") or {}).get(str(layer))
+        if want is None:
+            raise CaptureError(f"{uri}: no committed checksum of layer {layer}")
+
+        def check(lo: int, hi: int, data: bytes) -> None:
+            if [lo, hi] != list(want[:2]) or hashlib.sha256(data).hexdigest() != want[2]:
+                raise CaptureError(f"{uri}: layer {layer}'s bytes [{lo}, {hi}) differ from the committed range "
+                                   f"[{want[0]}, {want[1]}) and SHA-256 {str(want[2])[:16]}... (altered or swapped)")
+
+        try:
+            with self.storage.open_read(rel) as fh:
+                return decode_layer(layer, stored_layer(NpzReader(fh), layer, check))
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from exc
+        except (KeyError, ValueError, zipfile.BadZipFile) as exc:
+            raise CaptureError(f"{uri}: layer {layer} not readable ({exc})") from exc
 
     def _read(self, kind: str, layer: int, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rel = head_file(self.prefix, kind, layer, head)

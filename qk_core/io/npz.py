@@ -12,14 +12,15 @@ members of plain dtypes are read; anything else is a ``ValueError`` naming the m
 from __future__ import annotations
 
 import ast
+import hashlib
 import io
 import os
 import struct
 import threading
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -91,21 +92,29 @@ class NpzReader:
         """The array names, in file order."""
         return list(self._span)
 
-    def read(self, names: Iterable[str]) -> dict[str, np.ndarray]:
-        """The arrays ``names`` (read-only views of one buffer read from the file)."""
+    def span(self, names: Iterable[str]) -> tuple[int, int]:
+        """The byte range [lo, hi) of the file that holds the members ``names`` (what :meth:`read` reads)."""
+        names = list(names)
+        missing = [n for n in names if n not in self._span]
+        if missing or not names:
+            raise KeyError(f"no array {missing[0]!r} in the file" if missing else "no arrays named")
+        return min(self._span[n][0] for n in names), max(self._span[n][1] for n in names)
+
+    def read(self, names: Iterable[str], check: Callable[[int, int, bytes], None] | None = None
+             ) -> dict[str, np.ndarray]:
+        """The arrays ``names`` (read-only views of one buffer read from the file); ``check(lo, hi, buffer)`` sees
+        the bytes read (of :meth:`span`) before they are parsed, and raises to refuse them."""
         names = list(names)
         if not names:
             return {}
-        missing = [n for n in names if n not in self._span]
-        if missing:
-            raise KeyError(f"no array {missing[0]!r} in the file")
-        lo = min(self._span[n][0] for n in names)
-        hi = max(self._span[n][1] for n in names)
+        lo, hi = self.span(names)
         with self._lock:
             self._fh.seek(lo)
             buf = self._fh.read(hi - lo)
         if len(buf) != hi - lo:
             raise ValueError(f"{len(buf)} bytes where {hi - lo} were expected (a truncated file)")
+        if check is not None:
+            check(lo, hi, buf)
         return {n: self._array(n, buf, self._span[n][0] - lo, self._span[n][2]) for n in names}
 
     @staticmethod
@@ -129,6 +138,29 @@ class NpzReader:
         if data - at + count * dtype.itemsize != size or data + count * dtype.itemsize > len(buf):
             raise ValueError(f"{name}: {size} bytes do not hold a {dtype} array of shape {shape}")
         return np.frombuffer(buf, dtype, count, data).reshape(shape, order="F" if fortran else "C")
+
+
+def span_record(fh: BinaryIO, spans: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
+    """SHA-256 and size of a whole file (as :func:`qk_core.io.storage.file_record` gives them), and under ``spans``
+    the SHA-256 of each byte range ``spans`` names (disjoint; as ``[lo, hi, sha256]``), in one read of the file from
+    its start."""
+    whole = hashlib.sha256()
+    ranges = sorted((lo, hi, key) for key, (lo, hi) in spans.items())
+    parts = {key: hashlib.sha256() for _, _, key in ranges}
+    fh.seek(0)
+    start = at = 0
+    while chunk := fh.read(1 << 20):
+        whole.update(chunk)
+        view, end = memoryview(chunk), at + len(chunk)
+        for lo, hi, key in ranges:
+            if lo < end and hi > at:
+                parts[key].update(view[max(lo, at) - at:min(hi, end) - at])
+        at = end
+    for lo, hi, key in ranges:
+        if hi > at:
+            raise ValueError(f"range {key} [{lo}, {hi}) ends after the file's {at} bytes")
+    return {"sha256": whole.hexdigest(), "bytes": at - start,
+            "spans": {key: [lo, hi, parts[key].hexdigest()] for lo, hi, key in ranges}}
 
 
 def read_npz(data: bytes) -> dict[str, np.ndarray]:

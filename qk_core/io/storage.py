@@ -221,14 +221,15 @@ class Storage:
             tmp.write_bytes(data)
         return self.uri(rel)
 
-    def write_stream(self, rel: str, write: Callable[[BinaryIO], None]) -> dict[str, Any]:
+    def write_stream(self, rel: str, write: Callable[[BinaryIO], None],
+                     record: Callable[[BinaryIO], dict[str, Any]] = file_record) -> dict[str, Any]:
         """Write ``rel`` atomically through ``write(file)`` (nothing held in memory beyond what it holds); the
-        file's SHA-256 (read back from the local temporary) and size in bytes."""
+        file's SHA-256 and size in bytes, or what ``record`` gives, read back from the local temporary."""
         with self.atomic_local_file(rel) as tmp:
             with open(tmp, "wb") as fh:
                 write(fh)
             with open(tmp, "rb") as fh:
-                return file_record(fh)
+                return record(fh)
 
     def write_text(self, rel: str, text: str) -> str:
         return self.write_bytes(rel, text.encode("utf-8"))
