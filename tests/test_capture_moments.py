@@ -350,7 +350,7 @@ def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(set
     import shutil
 
     from qk_core.capture.moments import stored_layer
-    from qk_core.capture.store import moment_group_file, moment_groups_file
+    from qk_core.capture.store import legacy_moment_groups_file, moment_group_file
     from qk_core.io.npz import NpzReader, write_npz
     from qk_core.io.storage import file_record
 
@@ -376,7 +376,7 @@ def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(set
         arrays = [(p + k, parts[0][k]) for k in ("q_heads", "kv_heads", "kv_index", "layout")]
         arrays.append((p + "docs", np.concatenate([x["docs"] for x in parts])))
         arrays += [(p + k, np.stack([x[k] for x in parts])) for k in parts[0] if k.startswith("q_") and k != "q_heads"]
-        rel = moment_groups_file(prefix, layer)
+        rel = legacy_moment_groups_file(prefix, layer)
         old.write_stream(rel, lambda fh, arrays=arrays: write_npz(fh, arrays))
         complete["files"][rel[len(prefix) + 1:]] = file_record(old.read_bytes(rel))
     old.write_json(f"{prefix}/complete.json", complete)

@@ -95,6 +95,12 @@ class MomentPlan:
                 "positions": "every token position of every document"}
 
 
+def every_document_alone(n_docs: int, n_groups: int) -> bool:
+    """Whether each of ``n_docs`` documents is a group of its own (:func:`document_groups`): its moments file then
+    serves as its group's."""
+    return int(n_docs) <= int(n_groups)
+
+
 def document_groups(n_docs: int, n_groups: int) -> np.ndarray:
     """The group of each of ``n_docs`` documents (sorted example-id order): min(n_groups, n_docs) contiguous
     blocks whose sizes differ by at most one, so every document is its own group when there are few enough."""
@@ -834,7 +840,7 @@ class RunningMerge:
         self.n_docs = int(n_docs)
         self.dtype = dtype
         self._sizes = np.bincount(self.group_of)
-        self.lone = len(self._sizes) == self.n_docs
+        self.lone = every_document_alone(n_docs, groups)
         self.docs: list[int] = []
         self.mergers: dict[int, MomentMerger] = {}
         self._open: dict[int, GroupSum] = {}

@@ -74,6 +74,7 @@ from qk_core.capture.moments import (
     RunningMerge,
     decode_layer,
     document_groups,
+    every_document_alone,
     moments_from_bytes,
     moments_record,
     stack_groups,
@@ -366,12 +367,13 @@ class CaptureWriter:
 
     def _write_groups(self, group: int, layers: dict[int, GroupSum]) -> dict[str, dict[str, Any]]:
         """The files of one closed document group (:class:`GroupSum` by layer); their records."""
-        def write(layer: int) -> tuple[str, dict[str, Any]]:
-            rel = moment_group_file(self.prefix, layer, group)
-            return rel, self.storage.write_stream(rel, lambda fh: write_npz(fh, layers[layer].arrays()))
-
         with ThreadPoolExecutor(max_workers=host_threads(len(layers)), thread_name_prefix="qk-groups") as pool:
-            return dict(pool.map(write, sorted(layers)))
+            return dict(pool.map(lambda layer: self._write_group(group, layers[layer]), sorted(layers)))
+
+    def _write_group(self, group: int, sums: GroupSum) -> tuple[str, dict[str, Any]]:
+        """One closed document group's file of one layer; (its path, its record)."""
+        rel = moment_group_file(self.prefix, sums.layer, group)
+        return rel, self.storage.write_stream(rel, lambda fh: write_npz(fh, sums.arrays()))
 
     def _doc_index(self, rel: str) -> _DocIndex:
         """A document file's :class:`_DocIndex`, from its footer. A document file of another capture (a different
@@ -618,7 +620,7 @@ class CaptureWriter:
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
         running, self.running = self.running, None
         # every document its own group: its moments file is the group's (kept, each layer's range checksummed)
-        lone = int(group_of.max()) + 1 == len(order)
+        lone = every_document_alone(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
 
         def write_merged(layer: int, merger: MomentMerger) -> dict[str, dict[str, Any]]:
             rel = moments_file(self.prefix, layer)
@@ -666,8 +668,7 @@ class CaptureWriter:
                             group = GroupSum(layer, keys, plan.get("dtype", "float64"), int(sizes[g]))
                         group.add(own)
                         if group.closed:
-                            rel = moment_group_file(self.prefix, layer, g)
-                            out[rel] = self.storage.write_stream(rel, lambda fh, gs=group: write_npz(fh, gs.arrays()))
+                            rel, out[rel] = self._write_group(g, group)
                             group = None
                     return {**out, **write_merged(layer, merger)}
 
@@ -730,7 +731,7 @@ def moment_group_file(prefix: str, layer: int, group: int) -> str:
     return f"{prefix}/moments/groups/L{layer:03d}_G{group:03d}.npz"
 
 
-def moment_groups_file(prefix: str, layer: int) -> str:
+def legacy_moment_groups_file(prefix: str, layer: int) -> str:
     """Every document group's query sums of one layer in one file: the layout of captures finalized before
     2026-11-29, still read."""
     return f"{prefix}/moments/groups/L{layer:03d}.npz"
@@ -858,7 +859,7 @@ class CaptureReader:
             names = sorted((n for n in self.files if n.startswith("moments/docs/doc-") and n.endswith(".npz")),
                            key=lambda n: int(n.rsplit("doc-", 1)[1].split(".")[0]))
             return stack_groups([self._verified_layer(name, layer) for name in names])
-        legacy = moment_groups_file(self.prefix, layer)[cut:]
+        legacy = legacy_moment_groups_file(self.prefix, layer)[cut:]
         if legacy in self.files:
             return moments_from_bytes(self._verified_bytes(legacy))[layer]
         groups = []

@@ -29,15 +29,15 @@ _NPY_MAGIC = b"\x93NUMPY"
 
 
 def _write_npy(out: BinaryIO, array: np.ndarray) -> None:
-    """The .npy that ``np.lib.format.write_array`` writes for ``array`` (format 1.0, C order, the same bytes), its
-    data written from the array's own memory: ``write_array`` copies every chunk (``tobytes``) when the file is not a
-    real one, as a zip member is not."""
+    """The .npy that ``np.lib.format.write_array`` writes for the C-contiguous ``array`` (format 1.0, the same
+    bytes), its data written from the array's own memory: ``write_array`` copies every chunk (``tobytes``) when the
+    file is not a real one, as a zip member is not."""
     if array.dtype.hasobject:
         raise ValueError("object arrays are not written (no pickles)")
     np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(array.dtype),
                                                "fortran_order": False, "shape": array.shape})
     if array.size:
-        out.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        out.write(memoryview(array).cast("B"))
 
 
 def write_npz(fh: BinaryIO, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
