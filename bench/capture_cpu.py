@@ -89,20 +89,26 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
     return entry, docs, loaded, ids, load_s
 
 
-def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], float]:
+def _faults() -> int:
+    """Minor page faults of this process so far: pages the allocator handed back and the next forward faulted in
+    again (qk_core.runtime.host_memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], float, int]:
     """One backbone forward per document, from its text, tokenized as the capture tokenizes it (0.10-0.13 s of a
     2K-token SOTU document, ~3% of its forward: the same in both passes)."""
     import torch
 
     per_doc = []
-    t, c = time.perf_counter(), time.process_time()
+    t, c, f = time.perf_counter(), time.process_time(), _faults()
     for text in texts:
         t1 = time.perf_counter()
         x = loaded.tokenizer(text, truncation=True, max_length=window, add_special_tokens=True)["input_ids"]
         with torch.inference_mode():
             loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
         per_doc.append(time.perf_counter() - t1)
-    return time.perf_counter() - t, per_doc, time.process_time() - c
+    return time.perf_counter() - t, per_doc, time.process_time() - c, _faults() - f
 
 
 def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
@@ -110,7 +116,7 @@ def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
     from qk_core.io.storage import Storage
 
     with tempfile.TemporaryDirectory() as tmp:
-        t, c = time.perf_counter(), time.process_time()
+        t, c, f = time.perf_counter(), time.process_time(), _faults()
         marks, staged = [t], {}
 
         def on_document(_eid: int, _n: int) -> None:
@@ -119,11 +125,11 @@ def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
                 staged.update(doc_files_mb=_mb(Path(tmp), "/docs/"), moments_doc_mb=_mb(Path(tmp), "/moments/docs/"))
 
         result = capture_model(entry, docs, Storage(tmp), loaded=loaded, on_document=on_document)
-        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        wall, cpu, faults = time.perf_counter() - t, time.process_time() - c, _faults() - f
         q_rows = int(result.heads["n_q_rows"].sum())
         k_rows = int(result.heads.drop_duplicates(["layer", "kv_head"])["n_k_rows"].sum())
         extra = {"heads": len(result.heads), "rows": q_rows + k_rows, "forward_collect_s": result.seconds,
-                 "finalize_s": time.perf_counter() - marks[-1], "cpu_s": cpu,
+                 "finalize_s": time.perf_counter() - marks[-1], "cpu_s": cpu, "faults": faults,
                  "disk_mb": _mb(Path(tmp), ""), "moments_merged_mb": _mb(Path(tmp), "/moments/"), **staged}
     return wall, [b - a for a, b in itertools.pairwise(marks)], extra
 
@@ -138,8 +144,11 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
     ``plain``/``capture``: one pass in a fresh process for its peak RSS."""
     entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads, moments)
     texts = list(docs["text"])
+    from qk_core.runtime import host_memory
+
     base = {"mode": mode, "load_s": load_s, "doc_tokens": [len(x) for x in ids],
-            "rss_after_load_mb": _vm("VmRSS")}
+            "rss_after_load_mb": _vm("VmRSS"),
+            "host_malloc": {"policy": host_memory.policy(), "kept": host_memory.keep_freed_memory()}}
     if mode == "timing":
         _plain(loaded, texts[:1], tokens)  # warm-up (first-call allocations), not timed
         # with moments, the sampled-row capture alone ("rows") runs in the same rotation: what the moments add
@@ -151,7 +160,8 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
             rec: dict = {"order": list(order)}
             for m in order:
                 if m == "plain":
-                    rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"] = _plain(loaded, texts, tokens)
+                    rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"], rec["plain_faults"] = _plain(
+                        loaded, texts, tokens)
                 elif m == "capture":
                     rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded)
                 else:
@@ -165,7 +175,7 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
         return {**base, "pairs": pairs}
     reset = _reset_peak()
     if mode == "plain":
-        wall, per_doc, _ = _plain(loaded, texts, tokens)
+        wall, per_doc, _, _ = _plain(loaded, texts, tokens)
         extra: dict = {}
     else:
         wall, per_doc, extra = _capture(entry, docs, loaded)
@@ -259,7 +269,10 @@ def main() -> None:
     meta = {"command": cmd, "moments": a.moments, "started": started, "model": MODEL, "tokens": a.tokens,
             "docs": a.docs, "threads": a.threads, "cpus": os.cpu_count(), "load_avg_start": load0,
             "load_avg_end": load1, "python": platform.python_version(),
-            "gpu": "not available in this task: GPU timings not measured"}
+            "gpu": "not available in this task: GPU timings not measured", "host_malloc": timing["host_malloc"]}
+    malloc = ("glibc's thresholds fixed at model load, so forwards reuse freed blocks (`QK_HOST_MALLOC=keep`, "
+              "qk_core.runtime.host_memory; the plain passes too)" if timing["host_malloc"]["kept"] else
+              f"glibc's adaptive defaults (`QK_HOST_MALLOC={timing['host_malloc']['policy']}`)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary, "timing": timing,
@@ -269,7 +282,8 @@ def main() -> None:
         f"| {i + 1} | {' then '.join(p['order'])} | {p['plain_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['plain_per_doc_s'])} | {p['capture_s']:.2f} | "
         f"{' / '.join(f'{x:.2f}' for x in p['capture_per_doc_s'])} | {p['capture_extra']['finalize_s']:.2f} | "
-        f"{p['ratio']:.3f} | {p['cpu_ratio']:.3f} |" + (f" {p['rows_s']:.2f} | {p['moments_over_rows']:.3f} |"
+        f"{p['ratio']:.3f} | {p['cpu_ratio']:.3f} | {p['plain_faults'] / 1e3:.0f}k / "
+        f"{p['capture_extra']['faults'] / 1e3:.0f}k |" + (f" {p['rows_s']:.2f} | {p['moments_over_rows']:.3f} |"
                                                          if a.moments else "")
         for i, p in enumerate(timing["pairs"]))
     mem_rows = "\n".join(
@@ -289,8 +303,9 @@ The same rotation also runs the sampled-row capture without moments ("rows only"
 measured against it in the same run.
 """
     table_head = ("| pair | order | plain s | plain per doc s | capture s | capture per doc s | finalize s "
-                  "| wall ratio | CPU ratio |" + (" rows only s | capture / rows only |" if a.moments else "") + "\n"
-                  + "|---" * (11 if a.moments else 9) + "|")
+                  "| wall ratio | CPU ratio | page faults plain / capture |"
+                  + (" rows only s | capture / rows only |" if a.moments else "") + "\n"
+                  + "|---" * (12 if a.moments else 10) + "|")
     rows_line = "" if not a.moments else f"""
 Capture with moments / sampled-row capture alone: **{summary['moments_over_rows_median']:.3f}x** (median of the
 rotations; the row capture alone is {summary['rows_ratio_median_of_pairs']:.3f}x the plain forward); of the fastest
@@ -306,6 +321,7 @@ Model: {MODEL} (GGUF dequantised, fp32 on CPU, sdpa attention), {a.docs} SOTU do
 Capture: all {extra['heads']} heads, bucket {a.tokens // 16}, 8 positions per bucket, {extra['rows']} rows
 ({extra['disk_mb']:.1f} MB on disk with the per-head fan-out).
 Target: capture <= 1.05x the plain forward in wall time and in peak memory.
+Host allocator: {malloc}; the minor page faults of each pass are in the table.
 {moments}
 ## Wall time (one process, the passes alternated)
 

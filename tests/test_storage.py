@@ -6,6 +6,7 @@ of :class:`Storage`: planted values, and the raw objects as seen directly on dis
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -79,6 +80,14 @@ def test_round_trips(storage: Storage) -> None:
     assert raw_names(storage) == ["a/o.json", "a/t.parquet", "b/raw.bin", "b/t.txt"]
     storage.delete("b", recursive=True)
     assert raw_names(storage) == ["a/o.json", "a/t.parquet"]
+
+
+def test_record_streams_the_file_sha256_and_size(storage: Storage) -> None:
+    data = np.random.default_rng(0).bytes(3 * 2**20 + 17)  # larger than one read block of either backend
+    storage.write_bytes("r/blob.bin", data)
+    assert storage.record("r/blob.bin") == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    with pytest.raises(StorageError, match=r"r/absent\.bin"):
+        storage.record("r/absent.bin")
 
 
 def test_listing_hides_temporaries(storage: Storage) -> None:

@@ -47,6 +47,7 @@ from qk_core.models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from qk_core.runtime.host_memory import release_freed_memory
 
 CAPTURE_VERSION = 1  # bump when a change alters captured values for the same options
 VALUE_COLUMNS = ["layer", "q_head", "kv_head", "d", "attention_type", "sliding_window", "rope_applied",
@@ -449,6 +450,7 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 committed(eid, n, dt)
             del rows, moments  # not held through the next forward (a commit in flight holds its own)
         settle()
+    release_freed_memory()  # what the forwards kept for each other (qk_core.runtime.host_memory)
     if not finalize:
         log.info(f"{entry.key}: shard of {len(mine)} documents committed at {storage.uri(prefix)} "
                  f"({len(captured)} captured, {len(skipped)} already there); finalize left to the caller")

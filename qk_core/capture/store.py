@@ -489,7 +489,7 @@ class CaptureWriter:
         files[f"{self.prefix}/manifest.json"] = file_record(self.storage.read_bytes(f"{self.prefix}/manifest.json"))
         if keep_doc_files:
             for rel in docs:
-                files[rel] = file_record(self.storage.read_bytes(rel))
+                files[rel] = self.storage.record(rel)
         fanout_s = time.perf_counter() - t0
         cut = len(self.prefix) + 1
         summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
@@ -798,6 +798,17 @@ class CaptureReader:
         _check_record(self.storage.uri(rel), file_record(data), self.files.get(name))
         return data
 
+    def _verified_size(self, name: str) -> int:
+        """The size of ``<prefix>/<name>``, its bytes streamed through SHA-256 and checked against the committed
+        record (none of them held in memory)."""
+        rel = f"{self.prefix}/{name}"
+        try:
+            got = self.storage.record(rel)
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from exc
+        _check_record(self.storage.uri(rel), got, self.files.get(name))
+        return int(got["bytes"])
+
     def _verified_parquet(self, name: str) -> pa.Table:
         data = self._verified_bytes(name)
         try:
@@ -814,7 +825,7 @@ class CaptureReader:
         names = sorted(self.files)
         with ThreadPoolExecutor(max_workers=host_threads(len(names), alone=True),
                                 thread_name_prefix="qk-verify") as pool:
-            n_bytes = sum(pool.map(lambda name: len(self._verified_bytes(name)), names))  # raises in name order
+            n_bytes = sum(pool.map(self._verified_size, names))  # raises in name order
         self._check_owner()
         return {"files": len(self.files), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)}
 

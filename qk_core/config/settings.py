@@ -20,6 +20,10 @@
 |                     | on a dead one fails after a few of them (errors name the file)|                          |
 | QK_HOST_THREADS     | threads of a capture's finalize for the per-layer moment     | half the cores, <= 8     |
 |                     | merge and the verification (qk_core.capture.store)           |                          |
+| QK_HOST_MALLOC      | ``keep``: a process that loads a model on the CPU fixes      | ``keep``                 |
+|                     | glibc's mmap / trim thresholds so forwards reuse freed       |                          |
+|                     | memory (qk_core.runtime.host_memory); ``system``: glibc's    |                          |
+|                     | adaptive defaults                                            |                          |
 | QK_AUTOMATION_INTERVAL_S | seconds between evaluations of the two automation-condition | 30 (Dagster's default) |
 |                     | sensors; each evaluates the whole asset graph in the code    |                          |
 |                     | server (about 2 s of CPU on two cores, README "Where the time goes") |                  |

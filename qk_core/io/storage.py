@@ -280,6 +280,17 @@ class Storage:
                 raise
             raise self._s3_failure(rel, exc) from exc
 
+    def record(self, rel: str) -> dict[str, Any]:
+        """:func:`file_record` of ``rel``, streamed through one open file (a local descriptor, an ETag-pinned S3
+        read): nothing of it is held in memory."""
+        try:
+            with self.open_read(rel) as fh:
+                return file_record(fh)
+        except Exception as exc:
+            if not self.is_s3 or isinstance(exc, StorageError):
+                raise
+            raise self._s3_failure(rel, exc) from exc
+
     def read_text(self, rel: str) -> str:
         data = self.read_bytes(rel)
         try:

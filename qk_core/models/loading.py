@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 
 from qk_core.config.registry import ModelEntry, Source
 from qk_core.corpus.build import CACHE_DIR
+from qk_core.runtime.host_memory import keep_freed_memory
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -469,6 +470,8 @@ def load_model(entry: ModelEntry, device: str = "auto", attn_implementation: str
     if entry.source.kind == "gguf_package" and info.get("missing_keys"):  # never a randomly initialised tensor
         raise ModelSourceError(f"{entry.key}: {name}: weights {sorted(info['missing_keys'])[:5]} missing from the "
                                "converted GGUF weights; delete that folder to convert them again")
+    if device == "cpu":  # forwards reuse the heap's freed blocks instead of faulting pages in again
+        keep_freed_memory()
     model = model.to(device).eval() if device == "cpu" else model.eval()
     if tokenizer is None:
         tokenizer = load_tokenizer(entry.key, entry.tokenizer, entry.trust_remote_code)
