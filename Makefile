@@ -57,9 +57,11 @@ bench: setup
 	$(BIN)/python bench/plasticity.py
 	$(BIN)/python bench/study_scale.py
 
-# Capture on the real model shapes at 32K and 128K tokens on a CUDA GPU (bench/results/gpu_capture.*).
+# Capture on the real model shapes at 32K and 128K tokens on a CUDA GPU (bench/results/gpu_capture.*): three
+# documents a capture, so each document's commit runs beside the next forward and finalize() is reported apart
+# (one document cannot show what a capture of many pays). The 15-minute lease runs bench/gpu_lease.sh instead.
 bench-gpu: setup
-	$(BIN)/python bench/gpu_capture.py
+	$(BIN)/python bench/gpu_capture.py --docs 3
 
 # Headless Chromium for the report/UI tests (Debian package; installed when we are root). If it cannot be
 # installed, its tests are skipped with the reason; under CI=true that is an error here and in the tests.

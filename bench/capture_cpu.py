@@ -266,6 +266,9 @@ def main() -> None:
         if v != ap.get_default(k.replace("-", "_")))
     cmd += " --moments" if a.moments else ""
     name = f"capture_cpu_moments_{a.tokens}" if a.moments else "capture_cpu"
+    if timing["host_malloc"]["policy"] != "keep":  # glibc's defaults: the same run, named apart
+        cmd = f"QK_HOST_MALLOC={timing['host_malloc']['policy']} {cmd}"
+        name += f"_{timing['host_malloc']['policy']}"
     meta = {"command": cmd, "moments": a.moments, "started": started, "model": MODEL, "tokens": a.tokens,
             "docs": a.docs, "threads": a.threads, "cpus": os.cpu_count(), "load_avg_start": load0,
             "load_avg_end": load1, "python": platform.python_version(),

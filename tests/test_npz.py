@@ -3,6 +3,7 @@ loader reads them."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qk_core.io import npz
 from qk_core.io.npz import NpzReader, read_npz, write_npz
 
 RNG = np.random.default_rng(1)
@@ -104,3 +106,16 @@ def test_reader_refuses_what_it_cannot_read_as_stored(tmp_path: Path) -> None:
         zf.writestr("x.npy", b"not an array at all")
     with pytest.raises(ValueError, match=r"x: not a \.npy array"):
         read_npz(buf.getvalue())
+
+
+@pytest.mark.parametrize("chunk", [1000, 4 << 20])
+def test_span_record_hashes_the_file_and_each_range(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """Against hashlib over the same bytes: ranges inside one read, across reads (chunk 1000), at the file's ends."""
+    monkeypatch.setattr(npz, "SPAN_CHUNK", chunk)
+    data = np.random.default_rng(1).bytes(12_345)
+    spans = {"a": (0, 10), "b": (10, 2500), "c": (4000, 4001), "d": (9000, 12_345)}
+    got = npz.span_record(io.BytesIO(data), spans)
+    assert got["sha256"] == hashlib.sha256(data).hexdigest() and got["bytes"] == len(data)
+    assert got["spans"] == {k: [lo, hi, hashlib.sha256(data[lo:hi]).hexdigest()] for k, (lo, hi) in spans.items()}
+    with pytest.raises(ValueError, match="range e"):
+        npz.span_record(io.BytesIO(data), {"e": (12_000, 12_346)})
