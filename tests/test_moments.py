@@ -666,3 +666,31 @@ def test_running_merge_stops_at_a_document_it_cannot_add() -> None:
         assert merge.add(docs[0].docs[0], [docs[0]]) is None and merge.docs == [docs[0].docs[0]] and not merge.lone
         assert merge.add(second.docs[0], [second]) is None
         assert why in str(merge.broken) and not merge.mergers and not merge.covers([d.docs[0] for d in docs[:2]])
+
+
+def test_a_commit_that_fails_stops_the_merge_fed_beside_it(tmp_path: Any) -> None:
+    """The running merge adds a document while its commit writes; a commit that fails (its moments file cannot be
+    written) stops the merge, so the document is not in it twice when it is committed again: finalize() merges from
+    the files, to the sums of the documents."""
+    from qk_core.capture.store import CaptureReader
+
+    docs = sorted(random_documents(3), key=lambda d: d.docs[0])
+    writer = _writer(tmp_path, len(docs))
+    _commit(writer, docs[0])
+    real = writer.storage.write_stream
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no space left on device (staged)")
+
+    writer.storage.write_stream = full_disk
+    with pytest.raises(OSError, match="staged"):
+        _commit(writer, docs[1])
+    assert "its commit failed" in str(writer.running.broken) and not writer.running.mergers
+    writer.storage.write_stream = real
+    for doc in docs[1:]:
+        _commit(writer, doc)
+    summary = writer.finalize()
+    assert "from their files" in summary["moments"]["note"]
+    merged = CaptureReader(Storage(tmp_path), writer.prefix).read_moments(3)
+    for key, arr in merge_documents(docs).sums.items():
+        assert np.array_equal(merged.sums[key], arr), key

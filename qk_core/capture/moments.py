@@ -848,18 +848,19 @@ class RunningMerge:
         self.broken: str | None = None
 
     def add(self, example_id: int, layers: Sequence[LayerMoments]) -> tuple[int, dict[int, GroupSum]] | None:
-        """The next committed document's moments (every layer). Call it only after the document's commit. When the
-        document closes its group: (the group, its :class:`GroupSum` by layer), to be written before the document's
-        arrays change (a group of one holds them as they are)."""
+        """The next document's moments (every layer), added while its commit runs or after it: a commit that fails
+        must :meth:`stop` the merge. When the document closes its group: (the group, its :class:`GroupSum` by layer),
+        to be written once the document is committed, before its arrays change (a group of one holds them as they
+        are)."""
         if self.broken is not None:
             return None
         eid, rank = int(example_id), len(self.docs)
         keys = {m.layer: set(m.sums) for m in layers}
         if rank >= self.n_docs or (self.docs and eid <= self.docs[-1]):
-            self._stop(f"document {eid} came after {self.docs[-1] if self.docs else None}, not in sorted order")
+            self.stop(f"document {eid} came after {self.docs[-1] if self.docs else None}, not in sorted order")
             return None
         if rank and keys != self._keys:
-            self._stop(f"document {eid} has other moment layers or sums than the first")
+            self.stop(f"document {eid} has other moment layers or sums than the first")
             return None
         self._keys = keys
         g = int(self.group_of[rank])
@@ -873,7 +874,7 @@ class RunningMerge:
                     self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
                 self._open[m.layer].add(stored)
         except ValueError as exc:  # the document stays committed; the merge from the files will name the problem
-            self._stop(f"document {eid}: {exc}")
+            self.stop(f"document {eid}: {exc}")
             return None
         self.docs.append(eid)
         if self._open and all(group.closed for group in self._open.values()):
@@ -886,7 +887,8 @@ class RunningMerge:
         return (self.broken is None and len(self.docs) == self.n_docs
                 and self.docs == sorted(int(e) for e in example_ids))
 
-    def _stop(self, why: str) -> None:
+    def stop(self, why: str) -> None:
+        """End the merge (its memory freed): ``finalize()`` merges from the files."""
         self.broken, self.mergers, self._open = why, {}, {}
 
 

@@ -334,9 +334,31 @@ class CaptureWriter:
         schema = row_schema(d).with_metadata(meta)
         rel = f"{self.prefix}/docs/doc-{int(example_id)}.parquet"
         # the moments file is written beside the rows (the host's other core) and committed first; the document
-        # file, which records its checksum, becomes visible only after it
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-moments-commit") as pool, \
-                self.storage.parquet_writer(rel, schema, **ROW_FILE_OPTIONS) as writer:
+        # file, which records its checksum, becomes visible only after it. Merged as committed, the document is added
+        # into the merge meanwhile, on a third thread (it only reads the arrays the file is written from); a commit
+        # that fails then stops the merge, so finalize() merges from the files
+        running = self.running if layers else None
+        try:
+            with ThreadPoolExecutor(max_workers=1 if running is None else 2,
+                                    thread_name_prefix="qk-moments-commit") as pool:
+                adding = pool.submit(running.add, example_id, layers) if running is not None else None
+                record = self._commit_document(pool, rel, schema, example_id, rows, layers)
+                closed = adding.result() if adding is not None else None
+        except BaseException:
+            if running is not None:  # once the add is done (the pool waited for it)
+                running.stop(f"document {int(example_id)}: its commit failed")
+            raise
+        if layers:  # committed
+            self._moment_records[int(example_id)] = record
+            if closed is not None:  # the document closed its group: its files, while the document's arrays hold
+                self._group_records.update(self._write_groups(*closed))
+
+    def _commit_document(self, pool: ThreadPoolExecutor, rel: str, schema: pa.Schema, example_id: int,
+                         rows: list[HeadRows], layers: list[LayerMoments]) -> dict[str, Any] | None:
+        """Write the document's moments file (on ``pool``) and its rows; the document file, which records the
+        moments file's checksum, last. The moments file's record (None without moments)."""
+        record = None
+        with self.storage.parquet_writer(rel, schema, **ROW_FILE_OPTIONS) as writer:
             # a document that is its own group (merged as committed) keeps its file as the group's: each layer's
             # range checksummed as well, in the same read-back
             record_of = moments_record if self.running is not None and self.running.lone else file_record
@@ -359,11 +381,7 @@ class CaptureWriter:
             if moments_written is not None:
                 record = moments_written.result()
                 writer.add_key_value_metadata({"moments_sha256": record["sha256"]})
-        if layers:  # committed
-            self._moment_records[int(example_id)] = record
-            closed = self.running.add(example_id, layers) if self.running is not None else None
-            if closed is not None:  # the document closed its group: its files, while the document's arrays hold
-                self._group_records.update(self._write_groups(*closed))
+        return record
 
     def _write_groups(self, group: int, layers: dict[int, GroupSum]) -> dict[str, dict[str, Any]]:
         """The files of one closed document group (:class:`GroupSum` by layer); their records."""
