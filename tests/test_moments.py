@@ -4,6 +4,7 @@ per-document moments is exact and independent of document order (SPEC 12.1)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -694,3 +695,32 @@ def test_a_commit_that_fails_stops_the_merge_fed_beside_it(tmp_path: Any) -> Non
     merged = CaptureReader(Storage(tmp_path), writer.prefix).read_moments(3)
     for key, arr in merge_documents(docs).sums.items():
         assert np.array_equal(merged.sums[key], arr), key
+
+
+@pytest.mark.parametrize("groups", [16, 3])
+def test_running_merge_on_several_threads_gives_the_bits_of_one(groups: int) -> None:
+    """Layers added on several threads (each layer's documents still in order): the same merged sums and group sums,
+    bit for bit, as one thread."""
+    from qk_core.capture.moments import RunningMerge
+
+    per_layer = {layer: sorted(random_documents(5, seed=layer), key=lambda d: d.docs[0]) for layer in (2, 3, 5, 7)}
+    ids = [d.docs[0] for d in per_layer[3]]
+    docs = [[replace(per_layer[layer][i], layer=layer, docs=[eid]) for layer in per_layer] for i, eid in enumerate(ids)]
+    merges = {threads: RunningMerge(len(docs), groups, "float64", threads=threads) for threads in (1, 4)}
+    closed: dict[int, list] = {1: [], 4: []}
+    for doc in docs:
+        for threads, merge in merges.items():
+            out = merge.add(doc[0].docs[0], doc)
+            closed[threads].append(None if out is None else
+                                   (out[0], {la: list(g.arrays()) for la, g in out[1].items()}))
+    assert all(m.broken is None and m.covers(ids) for m in merges.values())
+    for layer in per_layer:
+        one, four = (dict(merges[t].mergers[layer].arrays()) for t in (1, 4))
+        assert one.keys() == four.keys() and all(np.array_equal(one[k], four[k]) for k in one), layer
+    for a, b in zip(closed[1], closed[4], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a[0] == b[0] and a[1].keys() == b[1].keys()
+            for layer in a[1]:
+                assert all(na == nb and np.array_equal(va, vb) for (na, va), (nb, vb) in zip(a[1][layer], b[1][layer],
+                                                                                            strict=True))

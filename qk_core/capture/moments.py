@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, BinaryIO
@@ -835,7 +836,8 @@ class RunningMerge:
     layer per layer, and the open group's float64 query sums. Any other order, or documents with other keys, ends it
     (:attr:`broken`, the memory freed): ``finalize()`` then merges from the files."""
 
-    def __init__(self, n_docs: int, groups: int, dtype: str) -> None:
+    def __init__(self, n_docs: int, groups: int, dtype: str, threads: int = 1) -> None:
+        self.threads = max(1, int(threads))  # layers added at once (each layer's adds stay in document order)
         self.group_of = document_groups(n_docs, groups)
         self.n_docs = int(n_docs)
         self.dtype = dtype
@@ -864,15 +866,25 @@ class RunningMerge:
             return None
         self._keys = keys
         g = int(self.group_of[rank])
-        try:
-            for m in layers:
-                stored = stored_form(m)
-                self.mergers.setdefault(m.layer, MomentMerger()).add(m.layer, stored)
-                if self.lone:
-                    continue
-                if m.layer not in self._open:
-                    self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
+        for m in layers:  # every layer's state, before the layers are added on several threads
+            self.mergers.setdefault(m.layer, MomentMerger())
+            if not self.lone and m.layer not in self._open:
+                self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
+
+        def add_layer(m: LayerMoments) -> None:
+            stored = stored_form(m)
+            self.mergers[m.layer].add(m.layer, stored)
+            if not self.lone:
                 self._open[m.layer].add(stored)
+
+        try:
+            if self.threads > 1 and len(layers) > 1:
+                with ThreadPoolExecutor(max_workers=min(self.threads, len(layers)),
+                                        thread_name_prefix="qk-running-merge") as pool:
+                    list(pool.map(add_layer, layers))
+            else:
+                for m in layers:
+                    add_layer(m)
         except ValueError as exc:  # the document stays committed; the merge from the files will name the problem
             self.stop(f"document {eid}: {exc}")
             return None

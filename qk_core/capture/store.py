@@ -287,7 +287,9 @@ class CaptureWriter:
         committed in sorted example-id order from its first: ``finalize()`` then writes the merge without reading
         any document's moments back (the same bits as the merge from the files, which it falls back to otherwise)."""
         plan = self.manifest.get("moments") or {}
-        self.running = RunningMerge(n_docs, int(plan.get("groups", DEFAULT_GROUPS)), plan.get("dtype", "float64"))
+        layers = len(plan.get("layers") or {}) or 1
+        self.running = RunningMerge(n_docs, int(plan.get("groups", DEFAULT_GROUPS)), plan.get("dtype", "float64"),
+                                    threads=host_threads(layers))
 
     def committed_doc_ids(self) -> set[int]:
         """Example ids whose document file is already committed (skipped on resume)."""
