@@ -46,20 +46,22 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-@cache
+_kept = False  # keep_freed_memory() set the thresholds in this process
+
+
 def keep_freed_memory() -> bool:
-    """Fix glibc's mmap and trim thresholds for this process (once; the policy allowing): whether they are set."""
+    """Fix glibc's mmap and trim thresholds for this process (the policy allowing; once is enough): whether they
+    are set."""
+    global _kept
     libc = _glibc()
-    if libc is None or policy() != "keep":
-        return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
-                                                                                       TRIM_THRESHOLD))
+    if not _kept and libc is not None and policy() == "keep":
+        _kept = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                            TRIM_THRESHOLD))
+    return _kept
 
 
 def release_freed_memory() -> bool:
-    """Hand the heap's free memory back to the system (``malloc_trim``), where :func:`keep_freed_memory` kept it:
+    """Hand the heap's free memory back to the system (``malloc_trim``) where :func:`keep_freed_memory` kept it:
     whether any was released."""
     libc = _glibc()
-    if libc is None or policy() != "keep":
-        return False
-    return bool(libc.malloc_trim(0))
+    return bool(_kept and libc is not None and libc.malloc_trim(0))
