@@ -102,6 +102,38 @@ def test_logits_identical_with_and_without_capture(zoo: Path, fam: str) -> None:
     assert all(r.vectors.shape == (4, backbone.config.head_dim) for r in rows)
 
 
+def test_one_session_reuses_its_row_buffer_across_documents(zoo: Path) -> None:
+    """A session gathers each forward's rows into one reused buffer: rows equal a fresh session's over documents
+    of other lengths and position counts, a ``copy`` survives the next forward, the views do not."""
+    backbone = text_backbone(tf.AutoModelForCausalLM.from_pretrained(zoo / "llama").eval().model)
+    n_q, n_kv = backbone.config.num_attention_heads, backbone.config.num_key_value_heads
+    plan = {layer: ([n_q - 1, 0], list(range(n_kv))) for layer in sorted(tm.attention_modules(backbone))}
+    docs = [(119, np.arange(3, 119, 7)), (40, np.array([1, 2, 39])), (119, np.array([0, 5, 77, 118]))]
+
+    def rows_of(session: CaptureSession, n: int, pos: np.ndarray, copy: bool = False) -> dict:
+        session.set_positions(pos)
+        backbone(input_ids=torch.tensor([list(range(1, n + 1))]), use_cache=False)
+        return {(r.kind, r.layer, r.head): (r.positions, r.vectors) for r in session.collect(copy=copy)}
+
+    with torch.inference_mode():
+        fresh = []
+        for n, pos in docs:
+            with CaptureSession(backbone, plan) as alone:
+                fresh.append({k: (p, v.copy()) for k, (p, v) in rows_of(alone, n, pos).items()})
+        with CaptureSession(backbone, plan) as session:
+            kept = rows_of(session, *docs[0], copy=True)
+            views = rows_of(session, *docs[0])
+            buffer = session._rows_flat.data_ptr()
+            got = [kept] + [rows_of(session, n, pos, copy=True) for n, pos in docs[1:]]
+            assert session._rows_flat.data_ptr() == buffer  # the first document's buffer held every later one
+    for want, have in zip(fresh, got, strict=True):
+        assert want.keys() == have.keys()
+        for key, (p, v) in want.items():
+            assert np.array_equal(have[key][0], p) and np.array_equal(have[key][1], v) and v.shape == (len(p), 16)
+    first = ("q", 0, n_q - 1)
+    assert not np.array_equal(views[first][1][:1], fresh[0][first][1][:1])  # overwritten by the next forward
+
+
 # ---- (b) captured q·k reproduces the model's own logits -----------------------------------------
 @pytest.mark.parametrize("fam", tm.FAMILIES)
 def test_captured_qk_times_scaling_equals_model_logits(zoo: Path, tmp_path: Path, fam: str) -> None:

@@ -14,6 +14,7 @@ waits for those copies once per document. On the CPU they are written into reuse
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,9 @@ class CaptureSession(AttentionHook):
         self._pos_np: dict[tuple[int, str], np.ndarray] = {}
         self._pos_t: dict[tuple[int, str], torch.Tensor] = {}
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # sampled rows: views of one flat float32 buffer, reused per document (_row_buffers)
+        self._rows_flat: torch.Tensor | None = None
+        self._row_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.moments = moments
         self._m_index = {layer: (torch.tensor(q, device=self.device), torch.tensor(kv, device=self.device))
                          for layer, (q, kv, _) in (moments.layers if moments else {}).items()}
@@ -103,6 +107,7 @@ class CaptureSession(AttentionHook):
     def set_positions(self, positions: dict[tuple[int, str], np.ndarray] | np.ndarray) -> None:
         """Positions to gather in the next forward: one array for every layer and kind, or per (layer, kind)."""
         self._buffers.clear()
+        self._row_views.clear()
         self._moments.clear()
         self.calls.clear()
         self._pos_np.clear()
@@ -144,9 +149,44 @@ class CaptureSession(AttentionHook):
             return
         dev = query.device  # layers of a model sharded over devices may live elsewhere
         q_heads, kv_heads = (t.to(dev) for t in gather)
-        q = query[0].index_select(0, q_heads).index_select(1, self._pos_t[(layer, "q")].to(dev))
-        k = key[0].index_select(0, kv_heads).index_select(1, self._pos_t[(layer, "k")].to(dev))
-        self._buffers[layer] = (q.to(self.device, torch.float32), k.to(self.device, torch.float32))
+        # positions first: the transient copy holds the sampled positions of every head, not every position
+        planned = self.heads[layer]  # type: ignore[index]
+        q = _heads(query.index_select(2, self._pos_t[(layer, "q")].to(dev)), planned[0], q_heads)
+        k = _heads(key.index_select(2, self._pos_t[(layer, "k")].to(dev)), planned[1], kv_heads)
+        q_out, k_out = self._row_buffers(layer, q.shape, k.shape)
+        q_out.copy_(q)
+        k_out.copy_(k)
+        self._buffers[layer] = (q_out, k_out)
+
+    def _row_buffers(self, layer: int, q_shape: torch.Size, k_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 buffers on the session's device for ``layer``'s sampled rows: views of one flat buffer that holds
+        every planned layer's rows in :meth:`collect`'s order, sized by the first layer's call of a forward and
+        reused by the next documents while it is large enough. Allocated a layer at a time, between the forward's
+        transient blocks and kept to the document's end, they fragmented the CPU heap as the moment stores had
+        (:meth:`_moment_store`). A layer whose head size differs from the first layer's gets buffers of its own."""
+        d = int(q_shape[-1])
+        if not self._row_views:
+            shapes = {other: ((len(qh), len(self._pos_np[(other, "q")]), d),
+                              (len(kh), len(self._pos_np[(other, "k")]), d))
+                      for other, (qh, kh) in sorted(self.heads.items())}  # type: ignore[union-attr]
+            total = sum(math.prod(s) for pair in shapes.values() for s in pair)
+            if self._rows_flat is None or self._rows_flat.numel() < total:
+                self._rows_flat = None  # freed before its successor is allocated
+                self._rows_flat = torch.empty(total, dtype=torch.float32, device=self.device)
+            offset = 0
+            for other, pair in shapes.items():
+                views = []
+                for shape in pair:
+                    size = math.prod(shape)
+                    views.append(self._rows_flat[offset: offset + size].view(shape))
+                    offset += size
+                self._row_views[other] = (views[0], views[1])
+        q_out, k_out = self._row_views[layer]
+        if q_out.shape != q_shape or k_out.shape != k_shape:
+            q_out = torch.empty(q_shape, dtype=torch.float32, device=self.device)
+            k_out = torch.empty(k_shape, dtype=torch.float32, device=self.device)
+            self._row_views[layer] = (q_out, k_out)
+        return q_out, k_out
 
     def _accumulate(self, layer: int, query: torch.Tensor, key: torch.Tensor, m: MomentPlan) -> None:
         """SPEC 12.1 sums of every listed head of ``layer`` over every position, on the layer's device."""
@@ -223,16 +263,32 @@ class CaptureSession(AttentionHook):
         self._moments.clear()
         return out
 
-    def collect(self) -> list[HeadRows]:
-        """All rows of the last forward, moved to host in one transfer (SPEC 1.3)."""
+    def _rows_in_order(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The prefix of the session's flat row buffer when ``parts`` lie in it one after another from its start."""
+        flat, offset = self._rows_flat, 0
+        if flat is None:
+            return None
+        for t in parts:
+            if t.data_ptr() != flat.data_ptr() + offset * flat.element_size():
+                return None
+            offset += t.numel()
+        return flat[:offset]
+
+    def collect(self, copy: bool = False) -> list[HeadRows]:
+        """All rows of the last forward, moved to host in one transfer (SPEC 1.3). On the CPU the rows are views of
+        the session's row buffer, which the next forward overwrites: use them before it, or ask for a ``copy``."""
         missing = self.missing_layers()
         if missing:
             raise CaptureHookError(
                 f"layer(s) {missing} yielded no vectors: their attention never reached the capture function "
                 "(not a self-attention layer of the text model, or skipped in a text-only forward)")
         layers = sorted(self._buffers)
-        parts = [t.reshape(-1) for layer in layers for t in self._buffers[layer]]
-        flat = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, np.float32)
+        parts = [t for layer in layers for t in self._buffers[layer]]
+        joined = self._rows_in_order(parts)
+        if joined is None:  # a fresh tensor, nothing to copy
+            joined, copy = (torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)), False
+        host = joined.cpu()  # from another device: a fresh host tensor
+        flat = host.numpy().copy() if copy and host.data_ptr() == joined.data_ptr() else host.numpy()
         rows: list[HeadRows] = []
         offset = 0
         for layer in layers:

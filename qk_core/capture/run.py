@@ -430,8 +430,8 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
             with torch.inference_mode():
                 loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
             try:
-                rows = session.collect()
-                sums = session.collect_moments(copy=overlap)  # the next forward reuses the session's buffers
+                rows = session.collect(copy=overlap)  # on the CPU, views of buffers the next forward reuses
+                sums = session.collect_moments(copy=overlap)
             except hook.CaptureHookError as exc:
                 raise CaptureError(f"{entry.key}: {exc}") from exc
             moments = [LayerMoments(layer, np.asarray(q), np.asarray(kv), np.asarray(ki), moment_plan.bucket,
