@@ -223,10 +223,11 @@ def main() -> None:
         rows = f" rows only {p['rows_s']:.1f}s" if a.moments else ""
         print(f"pair {p['order']}: plain {p['plain_s']:.1f}s capture {p['capture_s']:.1f}s{rows} ratio {p['ratio']:.3f}"
               f" cpu ratio {p['cpu_ratio']:.3f}", flush=True)
-    # each mode's peak RSS in several fresh processes, alternated: one process's peak is not reproducible (at 8K on
-    # 2026-11-29, in processes that also sampled their RSS every 3 ms from a thread, the capture's ranged over
-    # 1374-1941 MB and the plain forward's over 1258-1419 MB, same code and host; glibc's malloc: with its mmap
-    # threshold fixed at 4 MB by mallopt the capture's was 1316-1318 MB three times, at 6-11% more time)
+    # each mode's peak RSS in several fresh processes, alternated: one process's peak depends on how glibc's heap
+    # happens to be laid out (at 8K on 2026-11-29, before 25cae81, the capture's ranged over 1374-1941 MB and the
+    # plain forward's over 1258-1419 MB, same code and host: the sampled rows, allocated a layer at a time between
+    # the forward's transient blocks and kept to the document's end, fragmented the heap in about one capture
+    # process in four; since then they go into one buffer per capture, CaptureSession._row_buffers)
     runs: dict[str, list[dict]] = {"plain": [], "capture": []}
     for _ in range(a.memory_repeats):
         for m in runs:
