@@ -146,18 +146,14 @@ class Storage:
 
     def size(self, rel: str) -> int:
         """Size of ``rel`` in bytes."""
-        try:
+        with self._reading(rel):
             return int(self.fs.size(self.full(rel)))
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.uri(rel)}: no such file") from exc
 
     @contextlib.contextmanager
     def open_read(self, rel: str) -> Iterator[Any]:
         """A binary file object streaming ``rel`` (one version: a local descriptor / an ETag-pinned S3 read)."""
-        try:
+        with self._reading(rel):
             fh = open(self.local_read_path(rel), "rb") if not self.is_s3 else self.fs.open(self.full(rel), "rb")  # noqa: SIM115
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.uri(rel)}: no such file") from exc
         with fh:
             yield fh
 
@@ -213,8 +209,17 @@ class Storage:
         except Exception as exc:  # botocore, aiohttp and fsspec errors share no base class
             raise StorageError(f"{self.uri(rel)}: upload failed ({type(exc).__name__}: {exc})") from exc
 
-    def _s3_failure(self, rel: str, exc: Exception) -> StorageError:
-        return StorageError(f"{self.uri(rel)}: S3 request failed ({type(exc).__name__}: {exc})")
+    @contextlib.contextmanager
+    def _reading(self, rel: str) -> Iterator[None]:
+        """A read of ``rel``: a missing file, or on S3 any failed request, is a :class:`StorageError` naming it."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.uri(rel)}: no such file") from exc
+        except Exception as exc:  # botocore, aiohttp and fsspec errors share no base class
+            if not self.is_s3 or isinstance(exc, StorageError):
+                raise
+            raise StorageError(f"{self.uri(rel)}: S3 request failed ({type(exc).__name__}: {exc})") from exc
 
     def write_bytes(self, rel: str, data: bytes) -> str:
         with self.atomic_local_file(rel) as tmp:
@@ -268,28 +273,17 @@ class Storage:
         time.sleep(random.uniform(0.5, 1.0) * min(0.5, 0.005 * 2**attempt))
 
     def read_bytes(self, rel: str) -> bytes:
-        try:
+        with self._reading(rel):
             if self.is_s3:
                 return self.fs.cat_file(self.full(rel), max_concurrency=1)  # one GET, never ranges
             with open(self.local_read_path(rel), "rb") as f:
                 return f.read()
-        except FileNotFoundError as exc:
-            raise StorageError(f"{self.uri(rel)}: no such file") from exc
-        except Exception as exc:
-            if not self.is_s3 or isinstance(exc, StorageError):
-                raise
-            raise self._s3_failure(rel, exc) from exc
 
     def record(self, rel: str) -> dict[str, Any]:
         """:func:`file_record` of ``rel``, streamed through one open file (a local descriptor, an ETag-pinned S3
         read): nothing of it is held in memory."""
-        try:
-            with self.open_read(rel) as fh:
-                return file_record(fh)
-        except Exception as exc:
-            if not self.is_s3 or isinstance(exc, StorageError):
-                raise
-            raise self._s3_failure(rel, exc) from exc
+        with self._reading(rel), self.open_read(rel) as fh:
+            return file_record(fh)
 
     def read_text(self, rel: str) -> str:
         data = self.read_bytes(rel)
