@@ -161,9 +161,11 @@ class CaptureSession(AttentionHook):
     def _row_buffers(self, layer: int, q_shape: torch.Size, k_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 buffers on the session's device for ``layer``'s sampled rows: views of one flat buffer that holds
         every planned layer's rows in :meth:`collect`'s order, sized by the first layer's call of a forward and
-        reused by the next documents while it is large enough. Allocated a layer at a time, between the forward's
-        transient blocks and kept to the document's end, they fragmented the CPU heap as the moment stores had
-        (:meth:`_moment_store`). A layer whose head size differs from the first layer's gets buffers of its own."""
+        reused by the next documents while it is large enough. Before, each layer's rows were allocated between the
+        forward's transient blocks and kept to the document's end, after a transient copy of every position of the
+        layer's heads: about one 8K-token SmolLM2 capture process in four then kept 400-500 MB more of the CPU heap
+        (bench/results/capture_cpu_moments_8192.md). A layer whose head size differs from the first layer's gets
+        buffers of its own."""
         d = int(q_shape[-1])
         if not self._row_views:
             shapes = {other: ((len(qh), len(self._pos_np[(other, "q")]), d),
