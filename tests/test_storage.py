@@ -193,6 +193,42 @@ def test_truncated_parquet_is_a_storage_error_naming_the_file(storage: Storage) 
     assert storage.uri("bad/x.json") in str(err.value)
 
 
+def _reads(storage: Storage) -> dict:
+    """Every whole-file read of Storage, by name."""
+
+    def open_and_read(rel: str) -> bytes:
+        with storage.open_read(rel) as fh:
+            return fh.read()
+
+    return {"read_bytes": storage.read_bytes, "record": storage.record, "size": storage.size,
+            "open_read": open_and_read}
+
+
+def test_a_missing_file_is_a_storage_error_naming_it(storage: Storage) -> None:
+    storage.write_bytes("here/a.bin", b"abc")
+    for name, read in _reads(storage).items():
+        with pytest.raises(StorageError, match="no such file") as err:
+            read("here/absent.bin")
+        assert storage.uri("here/absent.bin") in str(err.value), name
+
+
+def test_an_unreachable_s3_endpoint_is_a_storage_error_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed S3 request (here: nothing listens at the endpoint) is a StorageError naming the file, whatever
+    the read, not botocore's own error."""
+    import socket
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    storage = Storage("s3://nowhere/root", f"http://127.0.0.1:{port}")
+    for name, read in _reads(storage).items():
+        with pytest.raises(StorageError, match="S3 request failed") as err:
+            read("a/b.bin")
+        assert storage.uri("a/b.bin") in str(err.value), name
+
+
 def test_credentials_come_from_env_and_never_reach_metadata(
         moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
     """Storage gets no credentials, yet reaches the server; no output carries them."""
