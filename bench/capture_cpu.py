@@ -225,10 +225,11 @@ def main() -> None:
               f" cpu ratio {p['cpu_ratio']:.3f}", flush=True)
     # each mode's peak RSS in several fresh processes, alternated: one process's peak depends on how glibc's heap
     # happens to be laid out (at 8K on 2026-11-29, before 25cae81, the capture's ranged over 1374-1941 MB and the
-    # plain forward's over 1258-1419 MB, same code and host: about one capture process in four kept 400-500 MB more
-    # of the heap, while the hook gathered each layer's rows through a copy of every position of its heads and kept
-    # them to the document's end between the forward's transient blocks; since then it gathers positions first into
-    # one buffer per capture, CaptureSession._row_buffers, and no process has)
+    # plain forward's over 1258-1419 MB, same code and host: 9 of 38 capture processes that day kept 400-500 MB
+    # more of the heap, while the hook gathered each layer's rows through a copy of every position of its heads and
+    # kept them to the document's end between the forward's transient blocks; since 25cae81 it gathers positions
+    # first into one buffer per capture, CaptureSession._row_buffers, and none of 15 has: not yet proof, by chance
+    # alone 0 of 15 would happen about one time in 60)
     runs: dict[str, list[dict]] = {"plain": [], "capture": []}
     for _ in range(a.memory_repeats):
         for m in runs:
