@@ -168,21 +168,15 @@ class CaptureSession(AttentionHook):
         whose head size differs from the first layer's gets buffers of its own."""
         d = int(q_shape[-1])
         if not self._row_views:
-            shapes = {other: ((len(qh), len(self._pos_np[(other, "q")]), d),
-                              (len(kh), len(self._pos_np[(other, "k")]), d))
-                      for other, (qh, kh) in sorted(self.heads.items())}  # type: ignore[union-attr]
-            total = sum(math.prod(s) for pair in shapes.values() for s in pair)
-            if self._rows_flat is None or self._rows_flat.numel() < total:
+            layers = sorted(self.heads)  # type: ignore[arg-type]
+            shapes = [(len(heads), len(self._pos_np[(other, kind)]), d) for other in layers
+                      for kind, heads in zip("qk", self.heads[other], strict=True)]  # type: ignore[index]
+            sizes = [math.prod(shape) for shape in shapes]
+            if self._rows_flat is None or self._rows_flat.numel() < sum(sizes):
                 self._rows_flat = None  # freed before its successor is allocated
-                self._rows_flat = torch.empty(total, dtype=torch.float32, device=self.device)
-            offset = 0
-            for other, pair in shapes.items():
-                views = []
-                for shape in pair:
-                    size = math.prod(shape)
-                    views.append(self._rows_flat[offset: offset + size].view(shape))
-                    offset += size
-                self._row_views[other] = (views[0], views[1])
+                self._rows_flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
+            views = [v.view(shape) for v, shape in zip(self._rows_flat[:sum(sizes)].split(sizes), shapes, strict=True)]
+            self._row_views = {other: (views[2 * i], views[2 * i + 1]) for i, other in enumerate(layers)}
         q_out, k_out = self._row_views[layer]
         if q_out.shape != q_shape or k_out.shape != k_shape:
             q_out = torch.empty(q_shape, dtype=torch.float32, device=self.device)
@@ -287,10 +281,13 @@ class CaptureSession(AttentionHook):
         layers = sorted(self._buffers)
         parts = [t for layer in layers for t in self._buffers[layer]]
         joined = self._rows_in_order(parts)
-        if joined is None:  # a fresh tensor, nothing to copy
-            joined, copy = (torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)), False
-        host = joined.cpu()  # from another device: a fresh host tensor
-        flat = host.numpy().copy() if copy and host.data_ptr() == joined.data_ptr() else host.numpy()
+        if joined is None:  # layers with buffers of their own: joined in a fresh tensor
+            host = (torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)).cpu()
+        else:
+            host = joined.cpu()  # from another device a fresh host tensor; on the CPU the buffer itself
+            if copy and host.data_ptr() == joined.data_ptr():
+                host = host.clone()
+        flat = host.numpy()
         rows: list[HeadRows] = []
         offset = 0
         for layer in layers:
