@@ -33,6 +33,7 @@ from qk_core.capture.sharded import capture_sharded, shard_documents
 from qk_core.config.registry import load_registry
 from qk_core.corpus.build import local_corpus
 from qk_core.io.storage import Storage
+from qk_core.runtime.cluster import start_tracker
 
 REPO = Path(__file__).resolve().parent.parent
 N_DOCS, CHARS, WINDOW = 16, 900, 1024
@@ -306,6 +307,20 @@ def _shard_process(cluster: RayCluster, timeout: float = 120) -> tuple[str, int,
                     return name, pid, int(cmd.split()[0].rsplit(":", 1)[1])
         time.sleep(0.2)
     raise AssertionError(f"no capture shard task seen running within {timeout}s\n{cluster.log_tail()}")
+
+
+def test_start_tracker_lives_on_the_head_node(ray_cluster: RayCluster) -> None:
+    """The actor the tasks report their starts to runs on the head, never on a worker node that may die with the
+    start reports of its tasks' retries (with a soft affinity Ray put it on a worker 5 times of 6 here)."""
+    import ray
+
+    head = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+    trackers = [start_tracker() for _ in range(6)]
+    try:
+        assert [ray.get(t.node.remote(), timeout=60) for t in trackers] == [head] * 6
+    finally:
+        for t in trackers:
+            ray.kill(t)
 
 
 @pytest.fixture
