@@ -51,6 +51,7 @@ lint: setup
 # Speed/memory benchmarks; each writes bench/results/<name>.{json,md} (run on a quiet machine).
 bench: setup
 	$(BIN)/python bench/capture_cpu.py --repeats 4
+	$(BIN)/python bench/capture_phases.py
 	$(BIN)/python bench/accumulate_cpu.py
 	$(BIN)/python bench/moment_host.py
 	$(BIN)/python bench/pca_rotation.py

@@ -1,0 +1,166 @@
+"""Where a capture's time goes beyond the plain backbone forward, CPU (SPEC 1.3, 12; issue 22, item 4).
+
+``capture_cpu.py`` gives the ratios; this gives the parts. In one process (``capture_cpu``'s setup: SmolLM2-135M,
+SOTU documents, bucket L/16, every head, ``capture.moments = true``), plain and capture passes alternate
+``--repeats`` times; during each capture pass the phase functions below are timed by wrapping them (wall time,
+summed over their calls):
+
+- ``hook``: the capture function's work in the forward (``CaptureSession.read``: row gather and moments), of it
+  ``moments`` (``CaptureSession._accumulate``), of that ``sums`` (``accumulate``: the SPEC 12.1 sums on the device);
+- ``probe``: the probe forward of the layers (``probe_layers``, once per capture);
+- ``commit``: the per-document commits (``CaptureWriter.write_document``: rows and moments files);
+- ``finalize``: fan-out, moment merge and verification (``CaptureWriter.finalize``), of it ``fan-out``,
+  ``merge`` (on a thread beside the fan-out, so not additive) and ``verify``.
+
+*products* (measured apart, not a phase): the batched matrix products the sums are made of, alone, on random
+float32 rows of one layer's shapes (per bucket: the query Gram of d + 2 columns, the key Gram, the pair Gram of
+d + 1), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width, which no
+implementation of them avoids.
+
+*rest* is the capture pass less the plain pass less hook, probe, commit and finalize: the forward's own slowdown
+under the hook and the per-document bookkeeping. Percentages are of the plain pass (same documents, same process).
+
+Run (quiet machine; about 1 minute per rotation at 2K, 4 documents)::
+
+    .venv/bin/python bench/capture_phases.py --tokens 2048 --docs 4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+#: phase name -> (module path, owner attribute or None for a module function, function name)
+PHASES = {
+    "hook": ("qk_core.capture.hook", "CaptureSession", "read"),
+    "moments": ("qk_core.capture.hook", "CaptureSession", "_accumulate"),
+    "sums": ("qk_core.capture.hook", None, "accumulate"),
+    "probe": ("qk_core.capture.run", None, "probe_layers"),
+    "commit": ("qk_core.capture.store", "CaptureWriter", "write_document"),
+    "finalize": ("qk_core.capture.store", "CaptureWriter", "finalize"),
+    "fan-out": ("qk_core.capture.store", "CaptureWriter", "_fan_out"),
+    "merge": ("qk_core.capture.store", "CaptureWriter", "_merge_moments"),
+    "verify": ("qk_core.capture.store", "CaptureReader", "verify"),
+}
+ADDITIVE = ("hook", "probe", "commit", "finalize")
+
+
+def _instrument(spent: dict[str, float]) -> None:
+    """Wrap every phase function so its calls add their wall time to ``spent[phase]``."""
+    import importlib
+
+    def timed(fn, phase):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - t
+        return run
+
+    for phase, (module, owner, name) in PHASES.items():
+        target = importlib.import_module(module)
+        target = getattr(target, owner) if owner else target
+        setattr(target, name, timed(getattr(target, name), phase))
+
+
+def _products_s(config, tokens: int, repeats: int = 20) -> float:
+    """Seconds one layer's batched Gram products take (median of ``repeats``), float32, per bucket of L/16 rows."""
+    import torch
+
+    hq, hk = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // hq
+    j, b = 16, tokens // 16
+    q, k, p = (torch.randn(h, j, b, w) for h, w in ((hq, d + 2), (hk, d + 2), (hq, d + 1)))
+    times = []
+    for i in range(repeats + 2):
+        t = time.perf_counter()
+        for x in (q, k, p):
+            x.mT @ x
+        if i >= 2:  # the first two warm up
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    a = ap.parse_args()
+    import capture_cpu as cc
+
+    started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
+    spent: dict[str, float] = collections.defaultdict(float)
+    _instrument(spent)
+    entry, docs, loaded, _, _ = cc._setup(a.tokens, a.docs, a.threads, moments=True)
+    texts = list(docs["text"])
+    cc._plain(loaded, texts[:1], a.tokens)  # warm-up, not timed
+    runs = []
+    for r in range(a.repeats):
+        plain_s, _, plain_cpu, _ = cc._plain(loaded, texts, a.tokens)
+        spent.clear()
+        capture_s, _, extra = cc._capture(entry, docs, loaded)
+        phases = {p: spent.get(p, 0.0) for p in PHASES}
+        phases["rest"] = capture_s - plain_s - sum(phases[p] for p in ADDITIVE)
+        runs.append({"plain_s": plain_s, "plain_cpu_s": plain_cpu, "capture_s": capture_s,
+                     "capture_cpu_s": extra["cpu_s"], "phases": phases})
+        print(f"rotation {r + 1}: plain {plain_s:.2f}s capture {capture_s:.2f}s "
+              + " ".join(f"{p} {v:.3f}" for p, v in phases.items()), flush=True)
+    products = _products_s(loaded.model.config, a.tokens) * loaded.model.config.num_hidden_layers * a.docs
+    load1 = os.getloadavg()
+    plain = statistics.median(x["plain_s"] for x in runs)
+    med = {p: statistics.median(x["phases"][p] for x in runs) for p in [*PHASES, "rest"]}
+    over = statistics.median(x["capture_s"] - x["plain_s"] for x in runs)
+    cmd = (f"python bench/capture_phases.py --tokens {a.tokens} --docs {a.docs} --repeats {a.repeats}"
+           + (f" --threads {a.threads}" if a.threads != 2 else ""))
+    name = f"capture_phases_{a.tokens}"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": cmd, "started": started, "tokens": a.tokens, "docs": a.docs, "threads": a.threads,
+            "cpus": os.cpu_count(), "load_avg_start": load0, "load_avg_end": load1}
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs, "median_s": med,
+                                                  "products_s": products}, indent=2))
+    labels = {"hook": "hook (in the forward)", "moments": "  of it: moments", "sums": "    of that: the sums",
+              "probe": "probe forward", "commit": "commits", "finalize": "finalize", "fan-out": "  of it: fan-out",
+              "merge": "  of it: merge (beside the fan-out)", "verify": "  of it: verify", "rest": "rest"}
+    rows = "\n".join(f"| {labels[p]} | {med[p]:.3f} | {med[p] / a.docs:.3f} | {100 * med[p] / plain:.1f}% |"
+                     for p in [*PHASES, "rest"])
+    md = f"""# Where the capture's time goes beyond the plain forward, CPU (SPEC 1.3, 12; issue 22, item 4)
+
+Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {started}.
+Machine: {os.cpu_count()} CPUs, torch threads {a.threads}; load average {[round(x, 2) for x in load0]} at start,
+{[round(x, 2) for x in load1]} at end. Model: SmolLM2-135M (fp32, sdpa), {a.docs} SOTU documents x {a.tokens}
+tokens, every head, bucket {a.tokens // 16}, `capture.moments = true` (float32 per-bucket sums, Gaussian form).
+
+Plain pass (median of {a.repeats}): {plain:.2f} s; capture pass less plain pass: {over:.2f} s
+({100 * over / plain:.1f}% of it; the target of 5% is {0.05 * plain:.2f} s).
+
+| phase (wall s, median of {a.repeats} rotations) | s | s per document | % of the plain pass |
+|---|---|---|---|
+{rows}
+| products (measured apart) | {products:.3f} | {products / a.docs:.3f} | {100 * products / plain:.1f}% |
+
+Phases as defined in `bench/capture_phases.py`; indented rows are parts of the row above. Raw numbers:
+`{name}.json` beside this file.
+"""
+    (out / f"{name}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
