@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,8 +58,9 @@ PHASES = {
 ADDITIVE = ("hook", "probe", "commit", "finalize")
 
 
-def _instrument(spent: dict[str, float]) -> None:
-    """Wrap every phase function so its calls add their wall time to ``spent[phase]``."""
+@contextlib.contextmanager
+def _instrumented(spent: dict[str, float]) -> Iterator[None]:
+    """While open, every phase function adds the wall time of its calls to ``spent[phase]``; restored on exit."""
     import importlib
 
     def timed(fn, phase):
@@ -70,10 +73,17 @@ def _instrument(spent: dict[str, float]) -> None:
                 spent[phase] += time.perf_counter() - t
         return run
 
-    for phase, (module, owner, name) in PHASES.items():
-        target = importlib.import_module(module)
-        target = getattr(target, owner) if owner else target
-        setattr(target, name, timed(getattr(target, name), phase))
+    originals = []
+    try:
+        for phase, (module, owner, name) in PHASES.items():
+            target = importlib.import_module(module)
+            target = getattr(target, owner) if owner else target
+            originals.append((target, name, getattr(target, name)))
+            setattr(target, name, timed(getattr(target, name), phase))
+        yield
+    finally:
+        for target, name, fn in reversed(originals):
+            setattr(target, name, fn)
 
 
 def _products_s(config, tokens: int, repeats: int = 20) -> float:
@@ -94,19 +104,18 @@ def _products_s(config, tokens: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     import capture_cpu as cc
 
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
     spent: dict[str, float] = collections.defaultdict(float)
-    _instrument(spent)
     entry, docs, loaded, _, _ = cc._setup(a.tokens, a.docs, a.threads, moments=True)
     texts = list(docs["text"])
     cc._plain(loaded, texts[:1], a.tokens)  # warm-up, not timed
@@ -114,7 +123,8 @@ def main() -> None:
     for r in range(a.repeats):
         plain_s, _, plain_cpu, _ = cc._plain(loaded, texts, a.tokens)
         spent.clear()
-        capture_s, _, extra = cc._capture(entry, docs, loaded)
+        with _instrumented(spent):
+            capture_s, _, extra = cc._capture(entry, docs, loaded)
         phases = {p: spent.get(p, 0.0) for p in PHASES}
         phases["rest"] = capture_s - plain_s - sum(phases[p] for p in ADDITIVE)
         runs.append({"plain_s": plain_s, "plain_cpu_s": plain_cpu, "capture_s": capture_s,
@@ -160,7 +170,8 @@ Phases as defined in `bench/capture_phases.py`; indented rows are parts of the r
 """
     (out / f"{name}.md").write_text(md)
     print(md)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""bench/capture_phases.py on the demo model, two short documents: the phase breakdown's code path cannot rot (its
+phases are the capture's own functions, wrapped by name), the parts nest, and the wrapping is undone afterwards."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import capture_phases
+
+pytestmark = pytest.mark.slow  # real weights
+
+
+def _phase_functions() -> dict[str, Any]:
+    """What each phase's name points at now."""
+    out = {}
+    for phase, (module, owner, name) in capture_phases.PHASES.items():
+        target = importlib.import_module(module)
+        out[phase] = getattr(getattr(target, owner) if owner else target, name)
+    return out
+
+
+def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_path: Path) -> None:
+    before = _phase_functions()
+    assert capture_phases.main(["--tokens", "256", "--docs", "2", "--repeats", "1", "--threads",
+                                str(torch.get_num_threads()), "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "capture_phases_256.json").read_text())
+    (r,) = data["runs"]
+    p = r["phases"]
+    # every phase ran in the capture pass (one the capture no longer calls through its name would read 0)
+    assert all(p[name] > 0 for name in capture_phases.PHASES), p
+    # the parts nest: the sums inside the moments inside the hook; fan-out and verify inside finalize
+    assert p["sums"] <= p["moments"] <= p["hook"]
+    assert p["fan-out"] <= p["finalize"] and p["verify"] <= p["finalize"]
+    # rest is what the named phases leave of the capture pass over the plain one
+    named = sum(p[name] for name in capture_phases.ADDITIVE)
+    assert p["rest"] == pytest.approx(r["capture_s"] - r["plain_s"] - named)
+    assert data["products_s"] > 0
+    md = (tmp_path / "capture_phases_256.md").read_text()
+    assert "| commits |" in md and "| products (measured apart) |" in md
+    assert _phase_functions() == before  # the wrappers are gone
