@@ -14,8 +14,8 @@ summed over their calls):
 
 *products* (measured apart, not a phase): the batched matrix products the sums are made of, alone, on random
 float32 rows of one layer's shapes (per bucket: the query Gram of d + 2 columns, the key Gram, the pair Gram of
-d + 1), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width, which no
-implementation of them avoids.
+d + 1), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width as batched
+products, what remains of the sums' cost with every copy and conversion around them gone.
 
 *rest* is the capture pass less the plain pass less hook, probe, commit and finalize: the forward's own slowdown
 under the hook and the per-document bookkeeping. Percentages are of the plain pass (same documents, same process).
