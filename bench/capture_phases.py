@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -58,10 +59,22 @@ PHASES = {
 ADDITIVE = ("hook", "probe", "commit", "finalize")
 
 
+def _owner(module: str, owner: str | None) -> Any:
+    """The module or class a phase's function is an attribute of."""
+    import importlib
+
+    target = importlib.import_module(module)
+    return getattr(target, owner) if owner else target
+
+
+def phase_functions() -> dict[str, Any]:
+    """What each phase's name points at now."""
+    return {phase: getattr(_owner(module, owner), name) for phase, (module, owner, name) in PHASES.items()}
+
+
 @contextlib.contextmanager
 def _instrumented(spent: dict[str, float]) -> Iterator[None]:
     """While open, every phase function adds the wall time of its calls to ``spent[phase]``; restored on exit."""
-    import importlib
 
     def timed(fn, phase):
         @functools.wraps(fn)
@@ -73,17 +86,14 @@ def _instrumented(spent: dict[str, float]) -> Iterator[None]:
                 spent[phase] += time.perf_counter() - t
         return run
 
-    originals = []
+    originals = phase_functions()
     try:
         for phase, (module, owner, name) in PHASES.items():
-            target = importlib.import_module(module)
-            target = getattr(target, owner) if owner else target
-            originals.append((target, name, getattr(target, name)))
-            setattr(target, name, timed(getattr(target, name), phase))
+            setattr(_owner(module, owner), name, timed(originals[phase], phase))
         yield
     finally:
-        for target, name, fn in reversed(originals):
-            setattr(target, name, fn)
+        for phase, (module, owner, name) in PHASES.items():
+            setattr(_owner(module, owner), name, originals[phase])
 
 
 def _products_s(config, tokens: int, repeats: int = 20) -> float:

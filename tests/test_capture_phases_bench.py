@@ -3,11 +3,9 @@ phases are the capture's own functions, wrapped by name), the parts nest, and th
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,17 +16,8 @@ import capture_phases
 pytestmark = pytest.mark.slow  # real weights
 
 
-def _phase_functions() -> dict[str, Any]:
-    """What each phase's name points at now."""
-    out = {}
-    for phase, (module, owner, name) in capture_phases.PHASES.items():
-        target = importlib.import_module(module)
-        out[phase] = getattr(getattr(target, owner) if owner else target, name)
-    return out
-
-
 def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_path: Path) -> None:
-    before = _phase_functions()
+    before = capture_phases.phase_functions()
     assert capture_phases.main(["--tokens", "256", "--docs", "2", "--repeats", "1", "--threads",
                                 str(torch.get_num_threads()), "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "capture_phases_256.json").read_text())
@@ -45,4 +34,4 @@ def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_p
     assert data["products_s"] > 0
     md = (tmp_path / "capture_phases_256.md").read_text()
     assert "| commits |" in md and "| products (measured apart) |" in md
-    assert _phase_functions() == before  # the wrappers are gone
+    assert capture_phases.phase_functions() == before  # the wrappers are gone
