@@ -17,8 +17,11 @@ float32 rows of one layer's shapes (per bucket: the query Gram of d + 2 columns,
 d + 1), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width as batched
 products, what remains of the sums' cost with every copy and conversion around them gone.
 
-*rest* is the capture pass less the plain pass less hook, probe, commit and finalize: the forward's own slowdown
-under the hook and the per-document bookkeeping. Percentages are of the plain pass (same documents, same process).
+*forward not run*: the capture stops each forward once its last layer was read (``CaptureSession.forward``); the
+plain pass less a plain pass stopped at the same point (the last captured layer's attention input, under a hook
+that reads nothing), what the capture saves, subtracted. *rest* is the capture pass less that stopped pass less
+hook, probe, commit and finalize: the forward's own slowdown under the hook and the per-document bookkeeping.
+Percentages are of the plain pass (same documents, same process).
 
 Run (quiet machine; about 1 minute per rotation at 2K, 4 documents)::
 
@@ -114,6 +117,31 @@ def _products_s(config, tokens: int, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+class _Stopped(Exception):  # noqa: N818 - a signal, not an error
+    pass
+
+
+def _stopped_plain(loaded, texts: list[str], window: int, layer: int) -> float:
+    """Seconds of ``capture_cpu``'s plain pass stopped where the capture stops: at the attention input of ``layer``,
+    under a hook that reads nothing."""
+    import torch
+
+    from qk_core.capture.attention import AttentionHook, attach
+
+    class StopAt(AttentionHook):
+        def read(self, module, at, *args) -> None:
+            if at == layer:
+                raise _Stopped
+
+    t = time.perf_counter()
+    with attach(loaded.backbone, StopAt()):
+        for text in texts:
+            x = loaded.tokenizer(text, truncation=True, max_length=window, add_special_tokens=True)["input_ids"]
+            with torch.inference_mode(), contextlib.suppress(_Stopped):
+                loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
+    return time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -129,22 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     entry, docs, loaded, _, _ = cc._setup(a.tokens, a.docs, a.threads, moments=True)
     texts = list(docs["text"])
     cc._plain(loaded, texts[:1], a.tokens)  # warm-up, not timed
+    last = loaded.model.config.num_hidden_layers - 1  # every layer of SmolLM2 is eligible: the capture reads all
     runs = []
     for r in range(a.repeats):
         plain_s, _, plain_cpu, _ = cc._plain(loaded, texts, a.tokens)
+        stopped_s = _stopped_plain(loaded, texts, a.tokens, last)
         spent.clear()
         with _instrumented(spent):
             capture_s, _, extra = cc._capture(entry, docs, loaded)
         phases = {p: spent.get(p, 0.0) for p in PHASES}
-        phases["rest"] = capture_s - plain_s - sum(phases[p] for p in ADDITIVE)
-        runs.append({"plain_s": plain_s, "plain_cpu_s": plain_cpu, "capture_s": capture_s,
+        phases["not run"] = stopped_s - plain_s
+        phases["rest"] = capture_s - stopped_s - sum(phases[p] for p in ADDITIVE)
+        runs.append({"plain_s": plain_s, "plain_cpu_s": plain_cpu, "stopped_s": stopped_s, "capture_s": capture_s,
                      "capture_cpu_s": extra["cpu_s"], "phases": phases})
         print(f"rotation {r + 1}: plain {plain_s:.2f}s capture {capture_s:.2f}s "
               + " ".join(f"{p} {v:.3f}" for p, v in phases.items()), flush=True)
     products = _products_s(loaded.model.config, a.tokens) * loaded.model.config.num_hidden_layers * a.docs
     load1 = os.getloadavg()
     plain = statistics.median(x["plain_s"] for x in runs)
-    med = {p: statistics.median(x["phases"][p] for x in runs) for p in [*PHASES, "rest"]}
+    med = {p: statistics.median(x["phases"][p] for x in runs) for p in [*PHASES, "not run", "rest"]}
     over = statistics.median(x["capture_s"] - x["plain_s"] for x in runs)
     cmd = (f"python bench/capture_phases.py --tokens {a.tokens} --docs {a.docs} --repeats {a.repeats}"
            + (f" --threads {a.threads}" if a.threads != 2 else ""))
@@ -157,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "products_s": products}, indent=2))
     labels = {"hook": "hook (in the forward)", "moments": "  of it: moments", "sums": "    of that: the sums",
               "probe": "probe forward", "commit": "commits", "finalize": "finalize", "fan-out": "  of it: fan-out",
-              "merge": "  of it: merge (beside the fan-out)", "verify": "  of it: verify", "rest": "rest"}
+              "merge": "  of it: merge (beside the fan-out)", "verify": "  of it: verify",
+              "not run": "forward not run (after the last read)", "rest": "rest"}
     rows = "\n".join(f"| {labels[p]} | {med[p]:.3f} | {med[p] / a.docs:.3f} | {100 * med[p] / plain:.1f}% |"
-                     for p in [*PHASES, "rest"])
+                     for p in [*PHASES, "not run", "rest"])
     md = f"""# Where the capture's time goes beyond the plain forward, CPU (SPEC 1.3, 12; issue 22, item 4)
 
 Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {started}.

@@ -17,6 +17,7 @@ import transformers as tf
 
 from qk_core.capture import capture_model
 from qk_core.capture.hook import CaptureSession
+from qk_core.capture.moments import MomentPlan
 from qk_core.capture.store import CaptureError, CaptureReader
 from qk_core.config.registry import ModelEntry, load_registry
 from qk_core.corpus.build import local_corpus
@@ -132,6 +133,55 @@ def test_one_session_reuses_its_row_buffer_across_documents(zoo: Path) -> None:
             assert np.array_equal(have[key][0], p) and np.array_equal(have[key][1], v) and v.shape == (len(p), 16)
     first = ("q", 0, n_q - 1)
     assert not np.array_equal(views[first][1][:1], fresh[0][first][1][:1])  # overwritten by the next forward
+
+
+@pytest.mark.parametrize("fam", tm.FAMILIES)
+def test_capture_forward_stops_after_the_last_layer_it_reads(zoo: Path, fam: str) -> None:
+    """:meth:`CaptureSession.forward` runs the backbone up to the last planned layer's read and no further (that
+    layer's attention, the later layers and the final norm never run), and records exactly what a whole forward
+    under the same session records: the rows, and the SPEC 12.1 moments."""
+    backbone = text_backbone(with_head_class(fam, zoo / fam).eval().model)
+    n_q, n_kv = backbone.config.num_attention_heads, backbone.config.num_key_value_heads
+    modules = tm.attention_modules(backbone)
+    cross = set(getattr(backbone.config, "cross_attention_layers", None) or [])
+    layers = [layer for layer in sorted(modules) if layer not in cross]
+    ids = torch.tensor([list(range(1, 120))])
+    kv_index = [h * n_kv // n_q for h in range(n_q)]
+    ran: list[str] = []
+    hooks = [m.register_forward_hook(lambda mod, *_, name=name: ran.append(name))
+             for name, m in backbone.named_modules() if m in set(modules.values()) or name in ("norm", "final_norm")]
+
+    def captured(plan_layers: list[int], whole: bool) -> tuple[list[str], dict, dict]:
+        plan = {layer: ([n_q - 1, 0], list(range(n_kv))) for layer in plan_layers}
+        moments = MomentPlan({plan_layers[-1]: (list(range(n_q)), list(range(n_kv)), kv_index)}, 32, 4, "float64",
+                             "gaussian")
+        ran.clear()
+        with torch.inference_mode(), CaptureSession(backbone, plan, moments) as session:
+            session.set_positions(np.array([0, 5, 77, 118]))
+            if whole:
+                backbone(input_ids=ids, use_cache=False)
+            else:
+                session.forward(lambda: backbone(input_ids=ids, use_cache=False))
+            rows = {(r.kind, r.layer, r.head): r.vectors.copy() for r in session.collect()}
+            sums = session.collect_moments(copy=True)
+        return list(ran), rows, sums
+
+    try:
+        for plan_layers in (layers, layers[:1]):
+            whole_ran, whole_rows, whole_sums = captured(plan_layers, True)
+            stop_ran, stop_rows, stop_sums = captured(plan_layers, False)
+            last = f"layers.{plan_layers[-1]}."
+            assert any(name.endswith("norm") for name in whole_ran)
+            # the attention modules that finished: those before the last planned layer's, nothing after it
+            assert len(stop_ran) == sum(1 for name in whole_ran if not name.endswith("norm")
+                                        and int(name.split("layers.")[1].split(".")[0]) < plan_layers[-1])
+            assert not any(last in name or name.endswith("norm") for name in stop_ran)
+            assert stop_rows.keys() == whole_rows.keys() and stop_sums.keys() == whole_sums.keys()
+            assert all(np.array_equal(stop_rows[k], v) for k, v in whole_rows.items())
+            assert all(np.array_equal(stop_sums[la][k], v) for la, s in whole_sums.items() for k, v in s.items())
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 # ---- (b) captured q·k reproduces the model's own logits -----------------------------------------

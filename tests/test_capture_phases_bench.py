@@ -28,10 +28,13 @@ def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_p
     # the parts nest: the sums inside the moments inside the hook; fan-out and verify inside finalize
     assert p["sums"] <= p["moments"] <= p["hook"]
     assert p["fan-out"] <= p["finalize"] and p["verify"] <= p["finalize"]
-    # rest is what the named phases leave of the capture pass over the plain one
+    # the forward the capture does not run (negative: saved), and rest: what the named phases leave of the capture
+    # pass over the plain pass stopped where the capture stops; together the capture pass less the plain one
     named = sum(p[name] for name in capture_phases.ADDITIVE)
-    assert p["rest"] == pytest.approx(r["capture_s"] - r["plain_s"] - named)
+    assert p["not run"] == pytest.approx(r["stopped_s"] - r["plain_s"])
+    assert p["rest"] == pytest.approx(r["capture_s"] - r["stopped_s"] - named)
+    assert named + p["not run"] + p["rest"] == pytest.approx(r["capture_s"] - r["plain_s"])
     assert data["products_s"] > 0
     md = (tmp_path / "capture_phases_256.md").read_text()
-    assert "| commits |" in md and "| products (measured apart) |" in md
+    assert "| commits |" in md and "| products (measured apart) |" in md and "| forward not run" in md
     assert capture_phases.phase_functions() == before  # the wrappers are gone

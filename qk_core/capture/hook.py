@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,10 @@ from qk_core.capture.store import HeadRows
 
 class CaptureHookError(AttentionHookError):
     """The capture could not be attached, or a layer yielded no vectors (names the layer)."""
+
+
+class _EveryLayerRead(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by the capture function inside :meth:`CaptureSession.forward` once every planned layer was read."""
 
 
 def _heads(x: torch.Tensor, heads: list[int], index: torch.Tensor) -> torch.Tensor:
@@ -55,8 +60,10 @@ class CaptureSession(AttentionHook):
     """Records sampled Q/K rows of one text backbone while it runs under the capture function.
 
     ``heads`` maps layer -> (sampled query heads, their KV heads, deduplicated, sorted). Before each
-    forward call :meth:`set_positions`; after it, :meth:`collect`. With ``heads=None`` the session only
-    probes: it records what every attention module was handed (:attr:`calls`) and gathers nothing.
+    forward call :meth:`set_positions`; after it, :meth:`collect`. The forward is either a plain call of the
+    backbone (it runs whole) or :meth:`forward` (it stops once every planned layer was read). With
+    ``heads=None`` the session only probes: it records what every attention module was handed (:attr:`calls`)
+    and gathers nothing.
 
     ``moments``: the layers and heads whose SPEC 12.1 moments are accumulated over every position, and how
     (:class:`qk_core.capture.moments.MomentPlan`); None: none.
@@ -89,6 +96,7 @@ class CaptureSession(AttentionHook):
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._stack = contextlib.ExitStack()
         self.backend: str | None = None
+        self._unread: set[int] | None = None  # inside forward(): planned layers not read yet
 
     # ---- context ------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -123,9 +131,31 @@ class CaptureSession(AttentionHook):
                 self._pos_np[key] = pos
                 self._pos_t[key] = torch.as_tensor(pos, dtype=torch.long, device=self.device)
 
+    def forward(self, run: Callable[[], object]) -> None:
+        """Run one forward for the capture alone (``run``: the backbone called on a document) and stop it once every
+        planned layer was read (SPEC 1.3). Q and K of a layer depend only on what comes before its attention, so
+        what follows the last planned layer's read - that layer's attention and MLP, any later layers, the final
+        norm - changes nothing recorded and is not computed: 1/L of the forward of an L-layer model whose last layer
+        is read. The backbone's output is not returned; call the backbone directly for it (it then runs whole)."""
+        self._unread = set(self._index) | set(self._m_index)
+        try:
+            run()
+        except _EveryLayerRead:
+            pass
+        finally:
+            self._unread = None
+
     # ---- called from the attention function --------------------------------------------------
     def read(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any]) -> None:
+        self._read(module, layer, query, key, kwargs)
+        if self._unread:
+            self._unread.discard(layer)
+            if not self._unread:  # the last planned layer: stop before its attention runs
+                raise _EveryLayerRead
+
+    def _read(self, module: torch.nn.Module, layer: int, query: torch.Tensor, key: torch.Tensor,
+              kwargs: dict[str, Any]) -> None:
         if layer in self.calls:
             raise CaptureHookError(f"layer {layer}: attention called twice in one forward")
         scaling = kwargs.get("scaling", getattr(module, "scaling", None))

@@ -3,8 +3,9 @@
 :func:`capture_model` resolves the model's identity (config only), derives the capture fingerprint and
 returns at once when that capture is already complete. Otherwise it loads the model, probes its layers
 (SPEC 1.4, 1.8), samples heads (1.5), and runs one backbone forward per document (1.3: batch 1, no LM
-head, no KV cache, plain causal) under a :class:`~qk_core.capture.hook.CaptureSession`, committing each
-finished document atomically (1.9). Documents already committed are skipped, so a killed run resumes.
+head, no KV cache, plain causal; up to the last layer it reads) under a
+:class:`~qk_core.capture.hook.CaptureSession`, committing each finished document atomically (1.9). Documents
+already committed are skipped, so a killed run resumes.
 Nothing becomes visible before the first document has been captured and validated, and a reader sees
 the capture only after ``finalize()`` wrote ``complete.json``.
 """
@@ -12,6 +13,7 @@ the capture only after ``finalize()`` wrote ``complete.json``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import platform
@@ -427,8 +429,9 @@ def capture_model(entry: ModelEntry, corpus: pd.DataFrame, storage: Storage, *, 
                 raise CaptureError(f"{entry.key}: document {eid} has no tokens")
             session.set_positions(document_positions(entry, n, eid, list(plan)))
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                loaded.backbone(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
+            x = torch.tensor([ids], device=loaded.device)
+            with torch.inference_mode():  # up to the last layer the capture reads
+                session.forward(functools.partial(loaded.backbone, input_ids=x, use_cache=False))
             try:
                 rows = session.collect(copy=overlap)  # on the CPU, views of buffers the next forward reuses
                 sums = session.collect_moments(copy=overlap)
