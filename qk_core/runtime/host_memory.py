@@ -6,8 +6,8 @@ once a few tens of MB lie free there; the next forward then faults the same page
 depends on the allocation history (the capture's forwards, with more allocations between them, faulted more).
 :func:`keep_freed_memory` fixes both thresholds, so freed blocks stay in the heap for the next forward;
 :func:`release_freed_memory` hands what lies free back once the forwards are done. Measured on four 2K-token SmolLM2
-forwards on 2 cores (bench/results/capture_cpu_moments_2048.md against ..._2048_system.md): 0.7-1.7 million minor
-page faults a pass before, 6-71 thousand after; the plain pass 3% faster, the capture 4%.
+forwards on 2 cores (bench/results/capture_cpu_moments_2048_9ce47fc.md against ..._2048_system.md): 0.7-1.7 million
+minor page faults a pass before, 6-71 thousand after; the plain pass 3% faster, the capture 4%.
 
 Elsewhere than glibc on Linux both do nothing. ``QK_HOST_MALLOC=system`` leaves glibc's defaults.
 """
