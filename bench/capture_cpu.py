@@ -10,7 +10,8 @@ Each mode runs in a fresh child process (its own peak RSS), loads the model once
   ``torch.inference_mode()``.
 - ``capture``: :func:`qk_core.capture.capture_model` on the same documents with the registry entry of
   ``smollm2-135m`` at window 8192 (bucket 512, per_bucket 8, all 270 heads): probe forward, one
-  forward per document under the capture function, one host transfer per document, per-document
+  forward per document under the capture function (stopped once its last layer was read), one host transfer per
+  document, per-document
   Parquet commit, and ``finalize()`` (the fan-out into per-head files), into a temporary storage root.
 
 Memory: the peak resident set size of the measured phase, read from ``VmHWM`` after resetting it
@@ -339,7 +340,8 @@ ratio of the medians {summary['wall_ratio_of_medians']:.3f}x; of the fastest pas
 the least disturbed on a shared host, {summary['wall_ratio_of_minimums']:.3f}x); process CPU time
 **{summary['cpu_ratio_median_of_pairs']:.3f}x** (median of the pairs; less sensitive to other jobs on the machine).
 The capture pass is everything after loading:
-the probe forward, the forwards under the capture function, one host transfer per document, the
+the probe forward, the forwards under the capture function (from 402ce5f on stopped once the last layer was read),
+one host transfer per document, the
 per-document Parquet commits and `finalize()`; the plain pass tokenizes each document as the capture does and
 runs its forward (until 2026-11-27 it was handed token ids: its ratios were ~3% higher at 2K, <1% at 8K).
 The first per-document time of the capture includes the probe and the head sampling.

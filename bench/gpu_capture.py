@@ -837,10 +837,12 @@ Target: capture <= 1.05x the plain backbone forward in wall time and peak memory
 
 *capture s* is the whole `capture_model` call (probe, forward under the capture function, host transfer,
 Parquet commit, finalize); *wall ratio* is it against the plain forwards of its documents; *forward ratio* compares
-only its forwards + collects with them. From two documents on: *per-doc ratio*, the steady-state cost of one
-document (the median time between two commits from the second document on, where on an accelerator one
-document's commit runs beside the next one's forward) against one plain forward, and *finalize s* apart (the
-fan-out, the moment merge and the verification after the last commit; paid once per capture).
+only its forwards + collects with them (from 402ce5f on, a capture's forward stops once its last layer was read: it
+skips that layer's attention and MLP, any later layers and the final norm). From two documents on: *per-doc ratio*,
+the steady-state cost of one document (the median time between two commits from the second document on, where on
+an accelerator one document's commit runs beside the next one's forward) against one plain forward, and
+*finalize s* apart (the fan-out, the moment merge and the verification after the last commit; paid once per
+capture).
 Peak memory: {meta['memory_note']}
 
 ## Every-head moments (SPEC 12.1; target <= 1.02x the plain forward on the GPU)
