@@ -135,8 +135,8 @@ class CaptureSession(AttentionHook):
         """Run one forward for the capture alone (``run``: the backbone called on a document) and stop it once every
         planned layer was read (SPEC 1.3). Q and K of a layer depend only on what comes before its attention, so
         what follows the last planned layer's read - that layer's attention and MLP, any later layers, the final
-        norm - changes nothing recorded and is not computed: 1/L of the forward of an L-layer model whose last layer
-        is read. The backbone's output is not returned; call the backbone directly for it (it then runs whole)."""
+        norm - changes nothing recorded and is not computed: about 1/L of the forward of an L-layer model whose last
+        layer is read. The backbone's output is not returned; call the backbone directly for it (it then runs whole)."""
         self._unread = set(self._index) | set(self._m_index)
         try:
             run()
