@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -96,9 +97,10 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], float, int]:
+def _plain(loaded, texts: list[str], window: int, run=None) -> tuple[float, list[float], float, int]:
     """One backbone forward per document, from its text, tokenized as the capture tokenizes it (0.10-0.13 s of a
-    2K-token SOTU document, ~3% of its forward: the same in both passes)."""
+    2K-token SOTU document, ~3% of its forward: the same in both passes). ``run(forward)``, when given, makes each
+    forward call (capture_phases stops it where the capture stops)."""
     import torch
 
     per_doc = []
@@ -106,8 +108,9 @@ def _plain(loaded, texts: list[str], window: int) -> tuple[float, list[float], f
     for text in texts:
         t1 = time.perf_counter()
         x = loaded.tokenizer(text, truncation=True, max_length=window, add_special_tokens=True)["input_ids"]
+        forward = functools.partial(loaded.backbone, input_ids=torch.tensor([x]), use_cache=False)
         with torch.inference_mode():
-            loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
+            forward() if run is None else run(forward)
         per_doc.append(time.perf_counter() - t1)
     return time.perf_counter() - t, per_doc, time.process_time() - c, _faults() - f
 

@@ -124,7 +124,7 @@ class _Stopped(Exception):  # noqa: N818 - a signal, not an error
 def _stopped_plain(loaded, texts: list[str], window: int, layer: int) -> float:
     """Seconds of ``capture_cpu``'s plain pass stopped where the capture stops: at the attention input of ``layer``,
     under a hook that reads nothing."""
-    import torch
+    import capture_cpu as cc
 
     from qk_core.capture.attention import AttentionHook, attach
 
@@ -133,13 +133,12 @@ def _stopped_plain(loaded, texts: list[str], window: int, layer: int) -> float:
             if at == layer:
                 raise _Stopped
 
-    t = time.perf_counter()
+    def until_stopped(forward) -> None:
+        with contextlib.suppress(_Stopped):
+            forward()
+
     with attach(loaded.backbone, StopAt()):
-        for text in texts:
-            x = loaded.tokenizer(text, truncation=True, max_length=window, add_special_tokens=True)["input_ids"]
-            with torch.inference_mode(), contextlib.suppress(_Stopped):
-                loaded.backbone(input_ids=torch.tensor([x]), use_cache=False)
-    return time.perf_counter() - t
+        return cc._plain(loaded, texts, window, until_stopped)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
