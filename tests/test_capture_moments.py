@@ -421,6 +421,54 @@ def test_documents_that_are_their_own_groups_serve_as_the_group_files_layer_by_l
         bad.verify()
 
 
+def test_finalize_hashes_the_documents_moments_files_its_merge_checked_once(
+        setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The merge reads each kept document moments file back and checks it against its committed SHA-256; the
+    verification that follows checks only their sizes (every other file is hashed). A file truncated after the merge's
+    check fails the finalize naming it; one altered then is refused when a layer of it is read, and by
+    ``verify_capture``."""
+    from qk_core.capture import store as capture_store
+
+    res = setup["sampled"]
+    kept = [n for n in CaptureReader(setup["storage"], res.prefix).files if n.startswith("moments/docs/")]
+    assert len(kept) == N_DOCS and res.verification is not None
+    assert res.verification["files_hashed"] == res.verification["files"] - N_DOCS
+    entry, corpus = setup["sampled_reg"].model("m"), setup["corpus"]
+    orig = capture_store.CaptureReader.verify
+    for how, name in (("truncate", "doc-3.npz"), ("flip", "doc-7.npz")):
+        storage = Storage(setup["tmp"] / f"after-merge-{how}")
+        part = capture_model(entry, corpus, storage, device="cpu", only_docs=[7, 3], finalize=False)
+        rel = f"{part.prefix}/moments/docs/{name}"
+
+        def damage_then_verify(self: CaptureReader, rel: str = rel, name: str = name, how: str = how,
+                               **kwargs: Any) -> dict:
+            data = bytearray(self.storage.read_bytes(rel))
+            if how == "truncate":
+                del data[-1]
+            else:  # a byte in the middle of the last layer's range
+                ranges = self.files[f"moments/docs/{name}"]["layers"]
+                lo, hi, _ = ranges[max(ranges, key=int)]
+                data[(lo + hi) // 2] ^= 1
+            self.storage.write_bytes(rel, bytes(data))
+            return orig(self, **kwargs)
+
+        monkeypatch.setattr(capture_store.CaptureReader, "verify", damage_then_verify)
+        writer = CaptureWriter(storage, entry.key, storage.read_json(f"{part.prefix}/manifest.json"))
+        if how == "truncate":
+            with pytest.raises(CaptureError, match=rf"{name}: .*bytes, committed"):
+                writer.finalize()
+            assert not storage.exists(f"{part.prefix}/complete.json")
+            continue
+        writer.finalize()
+        monkeypatch.undo()
+        reader = CaptureReader(storage, part.prefix)
+        reader.read_moment_groups(reader.moment_layers()[0])  # another layer's range is intact
+        with pytest.raises(CaptureError, match=rf"{name}: layer {reader.moment_layers()[-1]}'s bytes"):
+            reader.read_moment_groups(reader.moment_layers()[-1])
+        report = capture_store.verify_capture(storage, part.prefix)
+        assert not report["passed"] and name in report["error"]
+
+
 def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:
     """``capture.moments = false`` (not in the fingerprint: it adds files, not rows) stores no moments, and
     coverage 'all' then fails naming the capture instead of silently falling back."""

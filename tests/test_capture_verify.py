@@ -185,9 +185,9 @@ def test_failed_verification_leaves_the_capture_incomplete(tmp_path: Path, monke
     storage = Storage(tmp_path)
     orig = capture_store.CaptureReader.verify
 
-    def damage_then_verify(self: CaptureReader) -> dict:
+    def damage_then_verify(self: CaptureReader, **kwargs: object) -> dict:
         damage(storage, head_file(self.prefix, "q", 2, 1), "flip")
-        return orig(self)
+        return orig(self, **kwargs)
 
     monkeypatch.setattr(capture_store.CaptureReader, "verify", damage_then_verify)
     with pytest.raises(CaptureError, match=r"L002_H001\.parquet"):

@@ -904,11 +904,12 @@ class RunningMerge:
         self.broken, self.mergers, self._open = why, {}, {}
 
 
-def moments_record(fh: BinaryIO) -> dict[str, Any]:
+def moments_record(fh: BinaryIO, z: NpzReader | None = None) -> dict[str, Any]:
     """A moments file's committed record: SHA-256 and size of the whole file, and under ``layers`` each layer's
     byte range and its SHA-256 (``[lo, hi, sha256]`` by layer number as text), so one layer can be read and
-    checked alone (:func:`qk_core.io.npz.span_record`; a document's file serving as its document group's)."""
-    z = NpzReader(fh)
+    checked alone (:func:`qk_core.io.npz.span_record`; a document's file serving as its document group's). ``z``:
+    an :class:`NpzReader` of ``fh`` already open (its zip directory is not parsed again)."""
+    z = NpzReader(fh) if z is None else z
     spans = {str(layer): z.span(_layer_names(z, layer)) for layer in stored_layers(z)}
     record = span_record(fh, spans)
     record["layers"] = record.pop("spans")
@@ -916,7 +917,7 @@ def moments_record(fh: BinaryIO) -> dict[str, Any]:
 
 
 def _layer_names(z: NpzReader, layer: int) -> list[str]:
-    return [n for n in z.files if n.startswith(f"L{layer}.")]
+    return [n for n in z.grouped().get(f"L{layer}", []) if "." in n]
 
 
 def stored_layer(z: NpzReader, layer: int, check: Callable[[int, int, bytes], None] | None = None
@@ -929,7 +930,7 @@ def stored_layer(z: NpzReader, layer: int, check: Callable[[int, int, bytes], No
 
 def stored_layers(z: NpzReader) -> list[int]:
     """The layers of a moments file."""
-    return sorted({int(name.split(".", 1)[0][1:]) for name in z.files})
+    return sorted(int(part[1:]) for part in z.grouped())
 
 
 def _stored_moments(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:

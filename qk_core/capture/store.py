@@ -55,7 +55,7 @@ import threading
 import time
 import zipfile
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +203,17 @@ class _DocIndex(NamedTuple):
     d: int
     groups: dict[str, tuple[int, int]] | None
     moments_sha256: str | None
+
+
+class _Merged(NamedTuple):
+    """What finalize's moment merge wrote (:meth:`CaptureWriter._merge_moments`)."""
+
+    files: dict[str, dict[str, Any]]  # the committed record of every file written, or read when kept
+    layers: list[int]  # none when a document has no moments
+    note: str
+    groups: int
+    groups_in: str  # "documents" (each document's moments file is its group's), "group files" or "none"
+    checked: set[str]  # kept files the merge read back and checked against their committed SHA-256
 
 
 class _HashingSink(io.RawIOBase):
@@ -496,8 +507,8 @@ class CaptureWriter:
             merging = pool.submit(self._merge_moments, index, keep_doc_files)
             for start in range(0, len(names), per_pass):
                 files.update(self._fan_out(index, names[start:start + per_pass], d, batch_bytes, spill_at))
-            moment_files, moment_layers, moment_note, moment_groups, groups_in = merging.result()
-        files.update(moment_files)
+            merged = merging.result()
+        files.update(merged.files)
         counts = {name: sizes[name] for name in names}
         tokens = pa.table({"example_id": pa.array([doc.example_id for doc in index], pa.int64()),
                            "n_tokens": pa.array([doc.n_tokens for doc in index], pa.int32())})
@@ -514,18 +525,18 @@ class CaptureWriter:
         cut = len(self.prefix) + 1
         summary = {"complete_version": COMPLETE_VERSION, "fingerprint": str(self.fp), "n_docs": len(docs),
                    "rows": counts, "doc_files": "kept" if keep_doc_files else "removed",
-                   "moments": {"layers": moment_layers, "groups": moment_groups, "groups_in": groups_in,
-                               "note": moment_note},
+                   "moments": {"layers": merged.layers, "groups": merged.groups, "groups_in": merged.groups_in,
+                               "note": merged.note},
                    "files": {rel[cut:]: rec for rel, rec in sorted(files.items())}}
         self.storage.write_json(f"{self.prefix}/complete.json", summary)
         try:
-            check = CaptureReader(self.storage, self.prefix).verify()
+            check = CaptureReader(self.storage, self.prefix).verify(checked={rel[cut:] for rel in merged.checked})
         except CaptureError:
             self.storage.delete(f"{self.prefix}/complete.json")
             raise
         if not keep_doc_files:
             self.storage.delete(f"{self.prefix}/docs", recursive=True)
-            if groups_in != "documents" and self.storage.ls(f"{self.prefix}/moments/docs"):
+            if merged.groups_in != "documents" and self.storage.ls(f"{self.prefix}/moments/docs"):
                 self.storage.delete(f"{self.prefix}/moments/docs", recursive=True)
         summary["timing"] = {"fan_out_s": round(fanout_s, 3), "verify_s": check["seconds"]}
         summary["verification"] = {"passed": True, "error": None, **check}
@@ -613,14 +624,11 @@ class CaptureWriter:
     def _moments_doc(self, example_id: int) -> str:
         return f"{self.prefix}/moments/docs/doc-{int(example_id)}.npz"
 
-    def _merge_moments(self, index: list[_DocIndex],
-                       keep_doc_files: bool) -> tuple[dict[str, dict[str, Any]], list[int], str, int, str]:
+    def _merge_moments(self, index: list[_DocIndex], keep_doc_files: bool) -> _Merged:
         """Merge every document's moments per layer in sorted example-id order (SPEC 12.1) into
         ``moments/L<layer>.npz`` and the document groups' query sums (:func:`document_groups`, the leave-one-out
-        intervals of SPEC 4.6) into ``moments/groups/L<layer>_G<g>.npz``. Returns (the committed record of every file
-        written, or read when ``keep_doc_files``; layers; note; groups; where the groups are); no layers when a
-        document has no moments
-        (a capture from before them, or resumed across that change).
+        intervals of SPEC 4.6) into ``moments/groups/L<layer>_G<g>.npz`` (:class:`_Merged`); no layers when a document
+        has no moments (a capture from before them, or resumed across that change).
 
         When this writer merged every document as it committed (:meth:`merge_while_committing`: all of the
         capture's, in sorted order, each committed moments file the one it wrote), the merge is written as it is.
@@ -629,12 +637,14 @@ class CaptureWriter:
         dropped, :func:`host_threads` layers at once. Memory: that many layers' merges and their open groups' query
         sums. Both give the same bits. When every document is its own group, no group file is written: the documents'
         moments files are kept as the groups' (recorded with each layer's checksummed range, :func:`moments_record`;
-        the last element of the result says which: ``"documents"`` or ``"group files"``)."""
+        :attr:`_Merged.groups_in` says which: ``"documents"`` or ``"group files"``)."""
         files: dict[str, dict[str, Any]] = {}
+        checked: set[str] = set()
         shas = {doc.example_id: doc.moments_sha256 for doc in index}
         if not shas or any(v is None for v in shas.values()):
             missing = sum(v is None for v in shas.values())
-            return files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0, "none"
+            return _Merged(files, [], f"{missing} of {len(shas)} documents have no moments: none merged", 0, "none",
+                           set())
         plan = self.manifest.get("moments") or {}
         order = sorted(shas)
         group_of = document_groups(len(order), int(plan.get("groups", DEFAULT_GROUPS)))
@@ -667,6 +677,7 @@ class CaptureWriter:
                 opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files or lone,
                                                                      spans=lone))
                           for eid in order]
+                checked.update(self._moments_doc(eid) for eid in order if self._moments_doc(eid) in files)
                 layers = stored_layers(opened[0])
                 for eid, z in zip(order, opened, strict=True):
                     if stored_layers(z) != layers:
@@ -698,7 +709,7 @@ class CaptureWriter:
         n_groups = int(group_of.max()) + 1
         note = (f"{len(shas)} documents {how} in sorted example-id order; their query sums kept in {n_groups} "
                 f"contiguous groups of that order" + (" (each document's own moments file)" if lone else ""))
-        return files, layers, note, n_groups, "documents" if lone else "group files"
+        return _Merged(files, layers, note, n_groups, "documents" if lone else "group files", checked)
 
     @contextlib.contextmanager
     def _verified_moments(self, eid: int, sha: str, files: dict[str, dict[str, Any]],
@@ -713,7 +724,10 @@ class CaptureWriter:
         with contextlib.ExitStack() as stack:
             try:
                 fh = stack.enter_context(self.storage.open_read(rel))
-                got = moments_record(fh) if spans else file_record(fh)
+                # the spans come from the zip's directory: parsed before the checksum is known, but nothing is read
+                # through it until the whole file's SHA-256 was found to be the committed one
+                reader = NpzReader(fh) if spans else None
+                got = moments_record(fh, reader) if spans else file_record(fh)
             except StorageError as exc:
                 raise CaptureError(f"{uri}: moments of a committed document unreadable ({exc})") from exc
             except (ValueError, zipfile.BadZipFile) as exc:
@@ -721,15 +735,16 @@ class CaptureWriter:
             _check_record(uri, got, {"sha256": sha})
             if keep:
                 files[rel] = got
-            try:
-                reader = NpzReader(fh)
-            except (ValueError, zipfile.BadZipFile) as exc:  # pragma: no cover - a committed checksum of a bad file
-                raise CaptureError(f"{uri}: not a moments file ({exc})") from exc
+            if reader is None:
+                try:
+                    reader = NpzReader(fh)
+                except (ValueError, zipfile.BadZipFile) as exc:  # pragma: no cover - a committed checksum of a bad file
+                    raise CaptureError(f"{uri}: not a moments file ({exc})") from exc
             yield reader
 
 
 def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
-    """Verify every committed file of a capture; ``{"passed", "error", "files", "bytes", "seconds"}``.
+    """Verify every committed file of a capture; ``{"passed", "error", "files", "bytes", "files_hashed", "seconds"}``.
 
     ``error`` is the :class:`CaptureError` message (it names the file) when verification fails.
     """
@@ -737,7 +752,7 @@ def verify_capture(storage: Storage, prefix: str) -> dict[str, Any]:
     try:
         return {"passed": True, "error": None, **CaptureReader(storage, prefix).verify()}
     except CaptureError as exc:
-        return {"passed": False, "error": str(exc), "files": 0, "bytes": 0,
+        return {"passed": False, "error": str(exc), "files": 0, "bytes": 0, "files_hashed": 0,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -836,18 +851,39 @@ class CaptureReader:
         except (pa.ArrowInvalid, OSError) as exc:  # pragma: no cover - a committed checksum of a bad file
             raise CaptureError(f"{self.storage.uri(f'{self.prefix}/{name}')}: not readable ({exc})") from exc
 
-    def verify(self) -> dict[str, Any]:
+    def verify(self, checked: Collection[str] = ()) -> dict[str, Any]:
         """Check every committed file (size and SHA-256) and the manifest's ownership; return counts and time.
 
-        Raises :class:`CaptureError` naming the first file that is missing, truncated, altered or swapped.
+        ``checked``: names (relative to the capture) of committed files the caller has just read back from this
+        storage and found equal to their record (``finalize()``'s merge reads every kept document moments file so):
+        of those only the size is checked, their bytes are not hashed a second time. Raises :class:`CaptureError`
+        naming the first file that is missing, truncated, altered or swapped.
         """
         t0 = time.perf_counter()
         names = sorted(self.files)
+        checked = set(checked)
         with ThreadPoolExecutor(max_workers=host_threads(len(names), alone=True),
                                 thread_name_prefix="qk-verify") as pool:
-            n_bytes = sum(pool.map(self._verified_size, names))  # raises in name order
+            n_bytes = sum(pool.map(lambda name: (self._checked_size(name) if name in checked
+                                                 else self._verified_size(name)), names))  # raises in name order
         self._check_owner()
-        return {"files": len(self.files), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)}
+        return {"files": len(self.files), "bytes": n_bytes, "files_hashed": len(set(names) - checked),
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+    def _checked_size(self, name: str) -> int:
+        """The size of ``<prefix>/<name>`` against its committed record (a file the caller read back and checked:
+        :meth:`verify`)."""
+        rel = f"{self.prefix}/{name}"
+        uri, want = self.storage.uri(rel), self.files.get(name)
+        if want is None:
+            raise CaptureError(f"{uri}: not a committed file of this capture (no checksum in complete.json)")
+        try:
+            size = self.storage.size(rel)
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from exc
+        if "bytes" in want and size != int(want["bytes"]):
+            raise CaptureError(f"{uri}: {size} bytes, committed {want['bytes']} (truncated or replaced)")
+        return size
 
     @property
     def window(self) -> int:

@@ -89,10 +89,22 @@ class NpzReader:
             end = infos[i + 1].header_offset if i + 1 < len(infos) else size
             self._span[info.filename[:-4]] = (info.header_offset, end, info.file_size)
 
+        self._grouped: dict[str, list[str]] | None = None
+
     @property
     def files(self) -> list[str]:
         """The array names, in file order."""
         return list(self._span)
+
+    def grouped(self) -> dict[str, list[str]]:
+        """The array names by their part before the first ``.`` (a name without one is its own part), in file
+        order; formed once."""
+        if self._grouped is None:
+            grouped: dict[str, list[str]] = {}
+            for name in self._span:
+                grouped.setdefault(name.split(".", 1)[0], []).append(name)
+            self._grouped = grouped
+        return self._grouped
 
     def span(self, names: Iterable[str]) -> tuple[int, int]:
         """The byte range [lo, hi) of the file that holds the members ``names`` (what :meth:`read` reads)."""
