@@ -474,7 +474,8 @@ class CaptureWriter:
         be open at once, the pass runs once per group of heads, reading only their row groups.
 
         Then ``complete.json`` is written with the row counts and checksums, every committed file is read
-        back and checked (:meth:`CaptureReader.verify`), and only then are the document files removed
+        back and checked (:meth:`CaptureReader.verify`; of the document moments files the merge has just read back
+        and checked, only the sizes), and only then are the document files removed
         (kept, and checksummed, when ``keep_doc_files``). A failed verification removes ``complete.json``
         again and raises, so a rerun finalizes anew from the document files.
         """
@@ -874,9 +875,7 @@ class CaptureReader:
         """The size of ``<prefix>/<name>`` against its committed record (a file the caller read back and checked:
         :meth:`verify`)."""
         rel = f"{self.prefix}/{name}"
-        uri, want = self.storage.uri(rel), self.files.get(name)
-        if want is None:
-            raise CaptureError(f"{uri}: not a committed file of this capture (no checksum in complete.json)")
+        uri, want = self.storage.uri(rel), self.files[name]
         try:
             size = self.storage.size(rel)
         except StorageError as exc:
