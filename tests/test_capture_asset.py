@@ -122,6 +122,10 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     assert check.passed and check.metadata["verified_at_finalize"].value
     assert check.partition == "tiny|tiny-llama"  # a per-partition check: this capture's result
     assert check.metadata["files_verified"].value == len(reader.complete["files"])
+    # the documents' moments files the merge has just read back and checked: their sizes (issue 22)
+    kept = [n for n in reader.complete["files"] if n.startswith("moments/docs/")]
+    assert len(kept) == 3 and check.metadata["files_hashed"].value == len(reader.complete["files"]) - 3
+    assert "3 by size" in check.description
 
     again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
                         resources=resources, instance=instance)
@@ -129,6 +133,7 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     assert meta2["documents_resumed_or_reused"].value == 3 and meta2["documents_captured_this_run"].value == 0
     check2 = again.get_asset_check_evaluations()[0]
     assert check2.passed and not check2.metadata["verified_at_finalize"].value
+    assert check2.metadata["files_hashed"].value == check2.metadata["files_verified"].value  # verify_capture: all
 
 
 def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[ModuleType, ModuleType, Path]) -> None:

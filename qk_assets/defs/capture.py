@@ -112,9 +112,13 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     headline = {k: metadata[k] for k in ("heads", "layers_sampled", "documents", "tokens_per_second")}
     metadata = results_first(headline, metadata, MetadataValue.json(json.loads(json.dumps(options, default=str))))
     yield Output(result.heads, metadata=metadata)
+    by_size = int(check["files"]) - int(check["files_hashed"])
     yield AssetCheckResult(
         check_name="capture_verified", asset_key="qk_capture", passed=bool(check["passed"]),
-        severity=AssetCheckSeverity.ERROR, description=check["error"] or "every committed file verified",
-        metadata={"files_verified": int(check["files"]), "bytes_verified": int(check["bytes"]),
-                  "verify_seconds": float(check["seconds"]),
+        severity=AssetCheckSeverity.ERROR,
+        description=check["error"] or "every committed file verified" + (
+            f" ({by_size} by size: finalize's moment merge had just read them back and checked their SHA-256)"
+            if by_size else ""),
+        metadata={"files_verified": int(check["files"]), "files_hashed": int(check["files_hashed"]),
+                  "bytes_verified": int(check["bytes"]), "verify_seconds": float(check["seconds"]),
                   "verified_at_finalize": result.verification is not None})
