@@ -194,7 +194,7 @@ class CaptureSession(AttentionHook):
         reused by the next documents while it is large enough. Before, each layer's rows were allocated between the
         forward's transient blocks and kept to the document's end, after a transient copy of every position of the
         layer's heads; an 8K-token SmolLM2 capture process then sometimes kept 400-500 MB more of the CPU heap
-        (9 of 38 processes on 2026-11-29, none of 15 since: bench/results/capture_cpu_moments_8192.md). A layer
+        (9 of 38 processes on 2026-11-29, none of 15 since: bench/results/capture_cpu_moments_8192_25cae81.md). A layer
         whose head size differs from the first layer's gets buffers of its own."""
         d = int(q_shape[-1])
         if not self._row_views:

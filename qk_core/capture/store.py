@@ -239,12 +239,17 @@ class _HashingSink(io.RawIOBase):
         return {"sha256": self.sha.hexdigest(), "bytes": self.size}
 
 
+def _check_size(uri: str, size: int, want: dict[str, Any]) -> None:
+    """A file's size against its committed record, where that records one."""
+    if "bytes" in want and size != int(want["bytes"]):
+        raise CaptureError(f"{uri}: {size} bytes, committed {want['bytes']} (truncated or replaced)")
+
+
 def _check_record(uri: str, got: dict[str, Any], want: dict[str, Any] | None) -> None:
     """A file's :func:`file_record` against the committed one (its size too, where that was committed)."""
     if want is None:
         raise CaptureError(f"{uri}: not a committed file of this capture (no checksum in complete.json)")
-    if "bytes" in want and got["bytes"] != int(want["bytes"]):
-        raise CaptureError(f"{uri}: {got['bytes']} bytes, committed {want['bytes']} (truncated or replaced)")
+    _check_size(uri, int(got["bytes"]), want)
     if got["sha256"] != want["sha256"]:
         raise CaptureError(f"{uri}: SHA-256 {got['sha256'][:16]}... differs from the committed "
                            f"{want['sha256'][:16]}... (altered or swapped)")
@@ -678,7 +683,8 @@ class CaptureWriter:
                 opened = [stack.enter_context(self._verified_moments(eid, shas[eid], files, keep_doc_files or lone,
                                                                      spans=lone))
                           for eid in order]
-                checked.update(self._moments_doc(eid) for eid in order if self._moments_doc(eid) in files)
+                if keep_doc_files or lone:  # each read back and checked just now (verify() checks their sizes)
+                    checked.update(self._moments_doc(eid) for eid in order)
                 layers = stored_layers(opened[0])
                 for eid, z in zip(order, opened, strict=True):
                     if stored_layers(z) != layers:
@@ -863,10 +869,13 @@ class CaptureReader:
         t0 = time.perf_counter()
         names = sorted(self.files)
         checked = set(checked)
+
+        def check(name: str) -> int:
+            return self._checked_size(name) if name in checked else self._verified_size(name)
+
         with ThreadPoolExecutor(max_workers=host_threads(len(names), alone=True),
                                 thread_name_prefix="qk-verify") as pool:
-            n_bytes = sum(pool.map(lambda name: (self._checked_size(name) if name in checked
-                                                 else self._verified_size(name)), names))  # raises in name order
+            n_bytes = sum(pool.map(check, names))  # raises in name order
         self._check_owner()
         return {"files": len(self.files), "bytes": n_bytes, "files_hashed": len(set(names) - checked),
                 "seconds": round(time.perf_counter() - t0, 3)}
@@ -875,13 +884,11 @@ class CaptureReader:
         """The size of ``<prefix>/<name>`` against its committed record (a file the caller read back and checked:
         :meth:`verify`)."""
         rel = f"{self.prefix}/{name}"
-        uri, want = self.storage.uri(rel), self.files[name]
         try:
             size = self.storage.size(rel)
         except StorageError as exc:
             raise CaptureError(str(exc)) from exc
-        if "bytes" in want and size != int(want["bytes"]):
-            raise CaptureError(f"{uri}: {size} bytes, committed {want['bytes']} (truncated or replaced)")
+        _check_size(self.storage.uri(rel), size, self.files[name])
         return size
 
     @property
