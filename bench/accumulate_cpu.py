@@ -2,8 +2,8 @@
 
 At the SmolLM2-135M head layout (9 query / 3 KV heads x 64, 30 layers), every position of one document of L tokens
 (bucket L/16, the bench/capture_cpu.py setting), float32 rows as attention hands them (heads of a (1, L, H, d)
-projection), the Gaussian Ledoit-Wolf form: the capture's call, :func:`qk_core.capture.moments.accumulate` and the
-on-device packing (:func:`qk_core.capture.moments.pack_symmetric`), the minimum and median of ``--repeats``.
+projection), the Gaussian Ledoit-Wolf form: the capture's call, :func:`qk_core.capture.accumulation.accumulate` and the
+on-device packing (:func:`qk_core.capture.accumulation.pack_symmetric`), the minimum and median of ``--repeats``.
 
 For scale: the plain backbone forward of a randomly initialised model of SmolLM2-135M's configuration (same compute
 as the real weights) over the same L, divided by its 30 layers.
@@ -48,7 +48,7 @@ def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from qk_core.capture.moments import BucketLayouts, accumulate, pack_symmetric, triangle_index
+    from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, triangle_index
 
     g = torch.Generator().manual_seed(n)
     q, k = ((torch.randn((1, n, h, D), generator=g)).transpose(1, 2)[0] for h in (HQ, HK))  # strided heads

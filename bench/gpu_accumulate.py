@@ -5,7 +5,7 @@ shape's head layout, every position of one document of L tokens (bucket L/16), t
 of ``--repeats`` after warm-up):
 
 - ``attention``: the layer's causal attention alone (``scaled_dot_product_attention``, GQA), for scale;
-- ``widened``: :func:`qk_core.capture.moments.accumulate` with the rows widened to float32 before the products
+- ``widened``: :func:`qk_core.capture.accumulation.accumulate` with the rows widened to float32 before the products
   (``native=False``; the capture's path until 2026-11-28);
 - ``accumulate``: the same call as the capture makes it (float32 sums, Gaussian Ledoit-Wolf form; on CUDA the bf16
   rows multiplied on the tensor cores with float32 accumulation, ``_accumulate_native``);
@@ -77,8 +77,8 @@ def errors(ref: dict[str, Any], *paths: dict[str, Any]) -> list[dict[str, float]
 def case(name: str, n: int, repeats: int, dev: str = "cuda") -> dict[str, Any]:
     import torch
 
+    from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, to_host, triangle_index
     from qk_core.capture.hook import copy_on_side_stream
-    from qk_core.capture.moments import BucketLayouts, accumulate, pack_symmetric, to_host, triangle_index
 
     hq, hk, d = SHAPES[name]
     g = torch.Generator(device=dev).manual_seed(n)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: the script's path at a small L, no timings")
     a = ap.parse_args(argv)
-    from qk_core.capture.moments import native_works
+    from qk_core.capture.accumulation import native_works
 
     if not torch.cuda.is_available() and not a.tiny:
         print("no CUDA device visible (--tiny runs the CPU smoke version)", file=sys.stderr)

@@ -6,7 +6,7 @@ and all host work on them is the capture's: the commit of each document's moment
 atomic rename) and, in ``finalize()``, the checked read of every document's file, the float64 merge per layer, the
 document groups' file, the merged file and the verification of everything written. That host work does not
 depend on the device, so it is measured here, through the capture's own writer (``CaptureWriter``), on sums of
-the right shapes and dtypes: one layer's sums from :func:`qk_core.capture.moments.accumulate` on random vectors,
+the right shapes and dtypes: one layer's sums from :func:`qk_core.capture.accumulation.accumulate` on random vectors,
 used for every layer of ``--docs`` documents (each with one row, so the row fan-out costs next to nothing).
 
 - ``commit s``: ``write_document`` of one document (its moments file and its one-row document file), median;
@@ -59,7 +59,8 @@ def case(name: str, n_docs: int, as_committed: bool = False) -> dict[str, Any]:
     import torch
     from capture_cpu import _mb  # this folder: MB of the files under a root whose path holds a part
 
-    from qk_core.capture.moments import LayerMoments, MomentPlan, accumulate, pack_symmetric, to_host, triangle_index
+    from qk_core.capture.accumulation import accumulate, pack_symmetric, to_host, triangle_index
+    from qk_core.capture.moments import LayerMoments, MomentPlan
     from qk_core.capture.store import CaptureWriter, HeadRows, host_threads
     from qk_core.io.storage import Storage
 

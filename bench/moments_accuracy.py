@@ -5,7 +5,7 @@ every head of every eligible layer at every position is captured (the capture's 
 per-position rows), then
 
 - ``float64``: a numpy float64 brute force of the sums (per bucket: x x^T, x t, x; pooled K; pairs);
-- ``float32``: :func:`qk_core.capture.moments.accumulate` with ``dtype=float32`` (the capture's default,
+- ``float32``: :func:`qk_core.capture.accumulation.accumulate` with ``dtype=float32`` (the capture's default,
   ``capture.moment_dtype``: each sum over at most one bucket of one document in float32, everything above in
   float64), with the exact Ledoit-Wolf terms (``q_xxs``, ``q_xxs2``, ``q_r4``: ``lw_intensity = "exact"``);
 - ``float64 accumulate``: the same function in float64 (``capture.moment_dtype = "float64"``).
@@ -105,7 +105,8 @@ def _rel(got: np.ndarray, want: np.ndarray, head_axes: int = 1) -> float:
 def measure(tokens: int, threads: int) -> dict:
     import torch
 
-    from qk_core.capture.moments import document_moments, merge_documents
+    from qk_core.capture.accumulation import document_moments
+    from qk_core.capture.moments import merge_documents
     from qk_core.config.options import PCAOptions, RotationOptions
     from qk_core.geometry.from_moments import layer_geometry
 

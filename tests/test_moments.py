@@ -13,15 +13,8 @@ import tiny_models as tm
 import torch
 
 from qk_core.capture import capture_model
-from qk_core.capture.moments import (
-    DOC_KEYS,
-    LW_KEYS,
-    BucketLayouts,
-    LayerMoments,
-    accumulate,
-    document_moments,
-    merge_documents,
-)
+from qk_core.capture.accumulation import BucketLayouts, accumulate, document_moments
+from qk_core.capture.moments import DOC_KEYS, LW_KEYS, LayerMoments, merge_documents
 from qk_core.capture.store import CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.config.registry import load_registry
@@ -314,7 +307,7 @@ def test_native_path_is_used_only_where_its_self_check_passes(monkeypatch: pytes
     """:func:`native_works` runs the native path on a small layer of the device and compares it with the widened
     one: it passes here, and fails for a product that is off by one part in 1e4 or that raises (an older torch
     without ``bmm(out_dtype=...)``), so such a device keeps the widened path."""
-    from qk_core.capture import moments
+    from qk_core.capture import accumulation as moments
 
     assert moments.native_works.__wrapped__("cpu")
     real = moments._mm32

@@ -5,7 +5,7 @@ tensors each attention call hands the kernel - after projections, q/k norm, RoPE
 and any write hook (``debias``) - exactly what the kernel sees. Rows are gathered on the model's device with
 ``index_select`` and moved to host once per document by :meth:`CaptureSession.collect` (SPEC 1.3). In the same read,
 for every head of the layers in ``moments`` and every position, the SPEC 12.1 sums are formed on the device
-(:func:`qk_core.capture.moments.accumulate`), their symmetric d x d sums packed there as the upper triangles the
+(:func:`qk_core.capture.accumulation.accumulate`), their symmetric d x d sums packed there as the upper triangles the
 moments file stores. On a CUDA device each layer's sums are copied into pinned host buffers on a side stream as soon
 as they are formed, so the transfer runs beside the next layers' compute; :meth:`CaptureSession.collect_moments`
 waits for those copies once per document. On the CPU they are written into reused host buffers.
@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, to_host, triangle_index
 from qk_core.capture.attention import AttentionHook, AttentionHookError, attach
 from qk_core.capture.layers import CallInfo
-from qk_core.capture.moments import BucketLayouts, MomentPlan, accumulate, pack_symmetric, to_host, triangle_index
+from qk_core.capture.moments import MomentPlan
 from qk_core.capture.store import HeadRows
 
 
@@ -271,7 +272,7 @@ class CaptureSession(AttentionHook):
     def collect_moments(self, copy: bool = False) -> dict[int, dict[str, np.ndarray]]:
         """Every moment layer's sums of the last forward on the host (SPEC 12.1): per-bucket query sums in the
         accumulation dtype, the others float64; the symmetric d x d sums as the upper triangles a moments
-        file stores (:func:`qk_core.capture.moments.pack_symmetric`). They are views of the session's host
+        file stores (:func:`qk_core.capture.accumulation.pack_symmetric`). They are views of the session's host
         buffers. On the CPU the next forward overwrites them: write them before it, or ask for a ``copy``.
         From a CUDA device (after waiting for the side-stream copies) they stay valid through the next
         forward, which fills the other pinned buffers, and are overwritten by the one after it."""
