@@ -6,7 +6,11 @@ projection), the Gaussian Ledoit-Wolf form: the capture's call, :func:`qk_core.c
 on-device packing (:func:`qk_core.capture.accumulation.pack_symmetric`), the minimum and median of ``--repeats``.
 
 For scale: the plain backbone forward of a randomly initialised model of SmolLM2-135M's configuration (same compute
-as the real weights) over the same L, divided by its 30 layers.
+as the real weights) over the same L, divided by its 30 layers. For a floor: the call's batched Gram products alone
+(the same shapes, rows already laid out: per query head and bucket one (d + 2)-wide Gram, per KV head and bucket one,
+per pair one (d + 1)-wide; 2 L ((Hq + Hk)(d + 2)^2 + Hq (d + 1)^2) flops), and the rate of one large GEMM of the
+forward's own (L x 576 @ 576 x 1536, its MLP's up projection): how fast this CPU multiplies when the shapes are
+not the limit.
 
 ``--against REF``: the same call from the code of git revision REF (a temporary worktree), run alternately with
 this tree's in the same process tree (child processes take turns, so a shared host disturbs both alike).
@@ -48,7 +52,15 @@ def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, triangle_index
+    try:
+        from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, triangle_index
+    except ImportError:  # --against a revision from before qk_core.capture.accumulation (3d38144)
+        from qk_core.capture.moments import (  # type: ignore[attr-defined,no-redef]
+            BucketLayouts,
+            accumulate,
+            pack_symmetric,
+            triangle_index,
+        )
 
     g = torch.Generator().manual_seed(n)
     q, k = ((torch.randn((1, n, h, D), generator=g)).transpose(1, 2)[0] for h in (HQ, HK))  # strided heads
@@ -59,6 +71,12 @@ def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
                                          native=False), tri)
 
     out = {"accumulate_ms": _times(call, repeats)}
+    # the call's products alone, on rows laid out as the call lays them out (bucket-major, [1, t] columns)
+    B = n // 16
+    Yq, Yk, Yp = (torch.randn((h, 16, B, D + extra), generator=g) for h, extra in ((HQ, 2), (HK, 2), (HQ, 1)))
+    out["grams_ms"] = _times(lambda: (Yq.mT @ Yq, Yk.mT @ Yk, Yp.mT @ Yp), repeats)
+    a_, w_ = torch.randn((n, 576), generator=g), torch.randn((576, 1536), generator=g)
+    out["gemm_ms"] = _times(lambda: a_ @ w_, repeats)
     if forward:
         from transformers import LlamaConfig, LlamaModel
 
@@ -81,10 +99,15 @@ def child(root: str, lengths: list[int], repeats: int, forward: bool) -> dict[st
     return {str(n): _one(n, repeats, forward) for n in lengths}
 
 
-def _stats(runs: list[dict[str, Any]], n: int) -> tuple[float, float]:
-    """(min, median) ms of accumulate at length n over the runs of one side."""
-    xs = [x for run in runs for x in run[str(n)]["accumulate_ms"]]
+def _stats(runs: list[dict[str, Any]], n: int, key: str = "accumulate_ms") -> tuple[float, float]:
+    """(min, median) ms of ``key`` (accumulate, by default) at length n over the runs of one side."""
+    xs = [x for run in runs for x in run[str(n)].get(key, [])]
     return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
+
+
+def gram_flops(n: int) -> float:
+    """Flops of the batched Gram products of one call at n tokens (every position; module doc)."""
+    return 2.0 * n * ((HQ + HK) * (D + 2) ** 2 + HQ * (D + 1) ** 2)
 
 
 def main() -> None:
@@ -131,8 +154,13 @@ def main() -> None:
     for n in lengths:
         fwd = statistics.median(runs["this"][0][str(n)]["forward_ms"]) / LAYERS
         (mn, md), (rmn, rmd) = _stats(runs["this"], n), _stats(runs["ref"], n)
+        gram, gemm = _stats(runs["this"], n, "grams_ms")[1], _stats(runs["this"], n, "gemm_ms")[1]
+        flops = gram_flops(n)
         rows.append({"tokens": n, "min_ms": mn, "median_ms": md, "ref_min_ms": rmn, "ref_median_ms": rmd,
-                     "forward_layer_ms": fwd, "share_of_forward": md / fwd, "ref_share_of_forward": rmd / fwd})
+                     "forward_layer_ms": fwd, "share_of_forward": md / fwd, "ref_share_of_forward": rmd / fwd,
+                     "gram_gflop": flops / 1e9, "grams_ms": gram, "grams_gflops": flops / gram / 1e6,
+                     "call_gflops": flops / md / 1e6, "gemm_gflops": 2.0 * n * 576 * 1536 / gemm / 1e6,
+                     "grams_share_of_forward": gram / fwd})
     cmd = "python bench/accumulate_cpu.py" + (f" --against {a.against}" if a.against else "")
     meta = {"command": cmd, "started": started, "revision": rev, "against": a.against, "cpus": os.cpu_count(),
             "load_avg_start": load0, "load_avg_end": os.getloadavg(), "repeats": a.repeats, "rounds": a.rounds}
@@ -144,6 +172,10 @@ def main() -> None:
         f"{r['min_ms']:.1f} / {r['median_ms']:.1f} "
         f"| {r['forward_layer_ms']:.0f} | {100 * r['ref_share_of_forward']:.1f}% | {100 * r['share_of_forward']:.1f}% |"
         for r in rows)
+    floor = "\n".join(
+        f"| {r['tokens']} | {r['gram_gflop']:.3f} | {r['grams_ms']:.2f} ({r['grams_gflops']:.0f}) "
+        f"| {r['median_ms']:.2f} ({r['call_gflops']:.0f}) | {r['gemm_gflops']:.0f} "
+        f"| {100 * r['grams_share_of_forward']:.1f}% |" for r in rows)
     (out / "accumulate_cpu.md").write_text(f"""# Moment accumulation per layer on a CPU (SPEC 12.1, issue 22)
 
 Command: `{cmd}` at {rev}, started {started}. {meta['cpus']} CPUs, torch threads {env['OMP_NUM_THREADS']}; load average
@@ -159,6 +191,17 @@ attention hands them, Gaussian form: `accumulate` + `pack_symmetric`, the captur
 
 *forward ms per layer*: a plain backbone forward of a random SmolLM2-135M-shaped model over L tokens / {LAYERS}
 (median), for scale; *share*: median accumulate / that. The capture pays the share once per layer and document.
+
+## The floor: the call's Gram products alone ({rev}, medians)
+
+| L | GFLOP per call | the products alone, ms (GFLOP/s) | the whole call, ms (GFLOP/s of its products) \
+| a forward GEMM, GFLOP/s | the products' share of a forward layer |
+|---|---|---|---|---|---|
+{floor}
+
+The products are the sums' arithmetic (module doc of `bench/accumulate_cpu.py`): a call cannot cost less than them
+at this CPU's rate, whatever the copies around them cost. The GEMM is one of the forward's own shapes, for how fast
+this CPU multiplies when the shapes are not the limit.
 """)
     print((out / "accumulate_cpu.md").read_text())
 

@@ -207,7 +207,7 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     # every vector sum comes from Grams of rows augmented with [1, t] (_augmented): per (head, bucket) Y^T Y holds
     # sum x x^T, sum x and sum x t in one batched product (the padding's zero rows add nothing); the rows are copied
     # once into buffers kept for the next layers (on a CPU faster than a contiguous copy, a padded
-    # one and separate products: bench/results/accumulate_cpu.md)
+    # one and separate products: bench/results/accumulate_cpu_a4085e4.md)
     Y = _augmented(q, qb, acc, 2, "q")  # (Hq, U, M, d + 2)
     Gq = Y.mT @ Y
     vals = {"q_x": Gq[..., d, :d], "q_xt": Gq[..., d + 1, :d], "q_xx": Gq[..., :d, :d]}
