@@ -307,18 +307,18 @@ def test_native_path_is_used_only_where_its_self_check_passes(monkeypatch: pytes
     """:func:`native_works` runs the native path on a small layer of the device and compares it with the widened
     one: it passes here, and fails for a product that is off by one part in 1e4 or that raises (an older torch
     without ``bmm(out_dtype=...)``), so such a device keeps the widened path."""
-    from qk_core.capture import accumulation as moments
+    from qk_core.capture import accumulation
 
-    assert moments.native_works.__wrapped__("cpu")
-    real = moments._mm32
-    monkeypatch.setattr(moments, "_mm32", lambda a, b: real(a, b) * (1 + 1e-4))
-    assert not moments.native_works.__wrapped__("cpu")
+    assert accumulation.native_works.__wrapped__("cpu")
+    real = accumulation._mm32
+    monkeypatch.setattr(accumulation, "_mm32", lambda a, b: real(a, b) * (1 + 1e-4))
+    assert not accumulation.native_works.__wrapped__("cpu")
 
     def old_torch(a: Any, b: Any) -> Any:
         raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
 
-    monkeypatch.setattr(moments, "_mm32", old_torch)
-    assert not moments.native_works.__wrapped__("cpu")
+    monkeypatch.setattr(accumulation, "_mm32", old_torch)
+    assert not accumulation.native_works.__wrapped__("cpu")
 
 
 @pytest.mark.parametrize("tails", ["gaussian", "heavy"])
