@@ -7,10 +7,9 @@ on-device packing (:func:`qk_core.capture.accumulation.pack_symmetric`), the min
 
 For scale: the plain backbone forward of a randomly initialised model of SmolLM2-135M's configuration (same compute
 as the real weights) over the same L, divided by its 30 layers. For a floor: the call's batched Gram products alone
-(the same shapes, rows already laid out: per query head and bucket one (d + 2)-wide Gram, per KV head and bucket one,
-per pair one (d + 1)-wide; 2 L ((Hq + Hk)(d + 2)^2 + Hq (d + 1)^2) flops), and the rate of one large GEMM of the
-forward's own (L x 576 @ 576 x 1536, its MLP's up projection): how fast this CPU multiplies when the shapes are
-not the limit.
+(the same shapes, rows already laid out: per query head, KV head and pair and per bucket one d-wide Gram;
+2 L (2 Hq + Hk) d^2 flops), and the rate of one large GEMM of the forward's own (L x 576 @ 576 x 1536, its MLP's
+up projection): how fast this CPU multiplies when the shapes are not the limit.
 
 ``--against REF``: the same call from the code of git revision REF (a temporary worktree), run alternately with
 this tree's in the same process tree (child processes take turns, so a shared host disturbs both alike).
@@ -71,9 +70,9 @@ def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
                                          native=False), tri)
 
     out = {"accumulate_ms": _times(call, repeats)}
-    # the call's products alone, on rows laid out as the call lays them out (bucket-major, [1, t] columns)
+    # the call's Grams alone, on rows laid out as the call lays them out (by bucket: _bucketed)
     B = n // 16
-    Yq, Yk, Yp = (torch.randn((h, 16, B, D + extra), generator=g) for h, extra in ((HQ, 2), (HK, 2), (HQ, 1)))
+    Yq, Yk, Yp = (torch.randn((h, 16, B, D), generator=g) for h in (HQ, HK, HQ))
     out["grams_ms"] = _times(lambda: (Yq.mT @ Yq, Yk.mT @ Yk, Yp.mT @ Yp), repeats)
     a_, w_ = torch.randn((n, 576), generator=g), torch.randn((576, 1536), generator=g)
     out["gemm_ms"] = _times(lambda: a_ @ w_, repeats)
@@ -107,7 +106,7 @@ def _stats(runs: list[dict[str, Any]], n: int, key: str = "accumulate_ms") -> tu
 
 def gram_flops(n: int) -> float:
     """Flops of the batched Gram products of one call at n tokens (every position; module doc)."""
-    return 2.0 * n * ((HQ + HK) * (D + 2) ** 2 + HQ * (D + 1) ** 2)
+    return 2.0 * n * (2 * HQ + HK) * D**2
 
 
 def main() -> None:

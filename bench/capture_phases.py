@@ -13,8 +13,8 @@ summed over their calls):
   ``merge`` (on a thread beside the fan-out, so not additive) and ``verify``.
 
 *products* (measured apart, not a phase): the batched matrix products the sums are made of, alone, on random
-float32 rows of one layer's shapes (per bucket: the query Gram of d + 2 columns, the key Gram, the pair Gram of
-d + 1), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width as batched
+float32 rows of one layer's shapes (per bucket: the query Gram, the key Gram and the pair Gram, each d columns
+wide), times layers and documents: the arithmetic of SPEC 12.1's d x d sums at this bucket width as batched
 products, what remains of the sums' cost with every copy and conversion around them gone.
 
 *forward not run*: the capture stops each forward once its last layer was read (``CaptureSession.forward``); the
@@ -106,7 +106,7 @@ def _products_s(config, tokens: int, repeats: int = 20) -> float:
     hq, hk = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // hq
     j, b = 16, tokens // 16
-    q, k, p = (torch.randn(h, j, b, w) for h, w in ((hq, d + 2), (hk, d + 2), (hq, d + 1)))
+    q, k, p = (torch.randn(h, j, b, d) for h in (hq, hk, hq))
     times = []
     for i in range(repeats + 2):
         t = time.perf_counter()

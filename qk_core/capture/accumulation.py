@@ -31,7 +31,7 @@ def _pos_sums(pos: np.ndarray, B: int, J: int) -> dict[str, np.ndarray]:
 
 @dataclass(frozen=True, eq=False)
 class _Buckets:
-    """How a set of positions regroups into buckets (:func:`_augmented`), with its device tensors: formed once per
+    """How a set of positions regroups into buckets (:func:`_bucketed`), with its device tensors: formed once per
     document and reused by every layer (:class:`BucketLayouts`). ``order`` / ``flat`` are None for every position
     of a document (0..n-1, the capture's case: a zero-padded reshape)."""
 
@@ -45,7 +45,7 @@ class _Buckets:
     t: Any  # (U, M) positions, 0 at the padding, in the accumulation dtype
     s: Any  # (U, M) t - tau_b
     sums: dict[str, Any]  # :func:`_pos_sums` as float64 tensors on the device
-    rows: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # :func:`_augmented` buffers, reused per layer
+    rows: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # :func:`_bucketed` buffers, reused per layer
 
 
 class BucketLayouts:
@@ -100,38 +100,33 @@ class BucketLayouts:
         return out
 
 
-def _rows_buffer(bk: _Buckets, name: str, H: int, d: int, extra: int, dtype: Any, dev: Any) -> Any:
-    """The (H, U, M, d + extra) buffer ``name`` of layout ``bk``: zeros, then the columns [1, t][:extra] after the d
-    of the rows (written once: a caller writes only the rows' real positions, so the padding's rows stay zero)."""
+def _rows_buffer(bk: _Buckets, name: str, H: int, d: int, dtype: Any, dev: Any) -> Any:
+    """The (H, U, M, d) buffer ``name`` of layout ``bk``, zeros when made (a caller writes only the rows' real
+    positions, so the padding's rows stay zero)."""
     import torch
 
-    key = (name, H, d, extra, dtype, str(dev))
+    key = (name, H, d, dtype, str(dev))
     Y = bk.rows.get(key)
     if Y is None:
-        Y = torch.zeros((H, bk.U, bk.M, d + extra), dtype=dtype, device=dev)
-        if extra:
-            Y[..., d] = 1
-        if extra > 1:
-            Y[..., d + 1] = bk.t
+        Y = torch.zeros((H, bk.U, bk.M, d), dtype=dtype, device=dev)
         bk.rows[key] = Y
     return Y
 
 
-def _augmented(x: Any, bk: _Buckets, dtype: Any, extra: int, name: str) -> Any:
-    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d + extra) in ``dtype`` for the U buckets of ``bk``
-    that hold a position, followed by the columns [1, t][:extra], zero rows as padding (M = the largest bucket
-    count): the Gram Y^T Y of a bucket's rows holds sum x x^T, sum x and sum x t. One copy from ``x``, whatever its
-    strides, into the buffer ``name`` of ``bk`` (:func:`_rows_buffer`), reused by the next layers."""
+def _bucketed(x: Any, bk: _Buckets, dtype: Any, name: str) -> Any:
+    """Rows of ``x`` (H, n, d) regrouped by bucket into (H, U, M, d) in ``dtype`` for the U buckets of ``bk`` that
+    hold a position, zero rows as padding (M = the largest bucket count): one copy from ``x``, whatever its strides,
+    into the buffer ``name`` of ``bk`` (:func:`_rows_buffer`), reused by the next layers."""
     H, n, d = x.shape
-    Y = _rows_buffer(bk, name, H, d, extra, dtype, x.device)
+    Y = _rows_buffer(bk, name, H, d, dtype, x.device)
     if bk.order is None:  # every position in order: bucket u holds rows u M .. u M + M - 1
         full = n // bk.M
         if full:
-            Y[:, :full, :, :d].copy_(x[:, : full * bk.M].unflatten(1, (full, bk.M)))
+            Y[:, :full].copy_(x[:, : full * bk.M].unflatten(1, (full, bk.M)))
         if full < bk.U:
-            Y[:, full, : n - full * bk.M, :d].copy_(x[:, full * bk.M:])
+            Y[:, full, : n - full * bk.M].copy_(x[:, full * bk.M:])
     else:  # (a gather from the strided view attention hands over was pathologically slow on a loaded CPU)
-        Y.view(H, bk.U * bk.M, d + extra)[:, bk.flat, :d] = x.contiguous().index_select(1, bk.order).to(dtype)
+        Y.view(H, bk.U * bk.M, d)[:, bk.flat] = x.contiguous().index_select(1, bk.order).to(dtype)
     return Y
 
 
@@ -204,15 +199,15 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
         _accumulate_native(q, k, kv, grouped, qb, B, J, out)
         return out
 
-    # every vector sum comes from Grams of rows augmented with [1, t] (_augmented): per (head, bucket) Y^T Y holds
-    # sum x x^T, sum x and sum x t in one batched product (the padding's zero rows add nothing); the rows are copied
-    # once into buffers kept for the next layers (on a CPU faster than a contiguous copy, a padded
-    # one and separate products: bench/results/accumulate_cpu_a4085e4.md)
-    Y = _augmented(q, qb, acc, 2, "q")  # (Hq, U, M, d + 2)
-    Gq = Y.mT @ Y
-    vals = {"q_x": Gq[..., d, :d], "q_xt": Gq[..., d + 1, :d], "q_xx": Gq[..., :d, :d]}
+    # the rows are copied once, bucket by bucket, into buffers kept for the next layers (_bucketed); per (head,
+    # bucket) one batched Gram X^T X holds sum x x^T (the padding's zero rows add nothing), and sum x and sum x t are
+    # a sum and a weighted sum over the bucket's rows. On the 2-core development CPU the d-wide Grams with the two
+    # sums beside them took 2.6 ms for a SmolLM2 layer at 2K where Grams of rows augmented with [1, t] (d + 2 wide)
+    # took 3.1 ms, the same x x^T bits (2026-11-30, bench/results/accumulate_cpu.md)
+    X = _bucketed(q, qb, acc, "q")  # (Hq, U, M, d)
+    vals = {"q_x": X.sum(2), "q_xt": _weighted(qb.t, X), "q_xx": X.mT @ X}
     if exact:
-        X, sp = Y[..., :d], qb.s
+        sp = qb.s
         Xt, r2 = X.transpose(-1, -2), (X * X).sum(-1)  # (Hq, U, M)
         vals.update({
             "q_xxs": Xt @ (X * sp[..., None]), "q_xxs2": Xt @ (X * (sp * sp)[..., None]),
@@ -228,27 +223,28 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
     del vals
 
     # key sums, pooled; formed per bucket as well (bounded float32 sums), added in float64
-    K = _augmented(k, kb, acc, 2, "k")
-    Gk = (K.mT @ K).sum(1, dtype=f64)
-    out["k_x"], out["k_xt"], out["k_xx"] = Gk[:, d, :d], Gk[:, d + 1, :d], Gk[:, :d, :d]
+    K = _bucketed(k, kb, acc, "k")
+    out["k_x"] = K.sum(2).sum(1, dtype=f64)
+    out["k_xt"] = _weighted(kb.t, K).sum(1, dtype=f64)
+    out["k_xx"] = (K.mT @ K).sum(1, dtype=f64)
 
-    # same-position pairs delta = q - k(kv head), per bucket, augmented with [1]
+    # same-position pairs delta = q - k(kv head), per bucket
     paired = np.array_equal(q_pos, k_pos)  # the capture's case: rows already paired, none to select
     common, iq, ik = ((q_pos, None, None) if paired else
                       np.intersect1d(q_pos, k_pos, assume_unique=True, return_indices=True))
     out["p_n"] = torch.full((Hq,), float(len(common)), dtype=f64, device=dev)
     if len(common) and paired:  # one layout (qb is kb): subtract the rows laid out above (padding stays 0)
-        D = _rows_buffer(qb, "p", Hq, d, 1, acc, dev)
-        Kq = K[..., :d].unsqueeze(1) if grouped else K[..., :d].index_select(0, kv)
-        torch.sub(Y[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else Y[..., :d], Kq,
-                  out=D[..., :d].unflatten(0, (Hk, Hq // Hk)) if grouped else D[..., :d])
+        D = _rows_buffer(qb, "p", Hq, d, acc, dev)
+        Kq = K.unsqueeze(1) if grouped else K.index_select(0, kv)
+        torch.sub(X.unflatten(0, (Hk, Hq // Hk)) if grouped else X, Kq,
+                  out=D.unflatten(0, (Hk, Hq // Hk)) if grouped else D)
     elif len(common):
         diff = (q.index_select(1, torch.as_tensor(iq, device=dev)).to(acc)
                 - k.index_select(1, torch.as_tensor(ik, device=dev)).index_select(0, kv).to(acc))
-        D = _augmented(diff, layouts.get(common, B, J, dev, acc), acc, 1, "p")
+        D = _bucketed(diff, layouts.get(common, B, J, dev, acc), acc, "p")
     if len(common):
-        Gp = (D.mT @ D).sum(1, dtype=f64)
-        out["p_x"], out["p_xx"] = Gp[:, d, :d], Gp[:, :d, :d]
+        out["p_x"] = D.sum(2).sum(1, dtype=f64)
+        out["p_xx"] = (D.mT @ D).sum(1, dtype=f64)
     else:
         out["p_x"] = torch.zeros((Hq, d), dtype=f64, device=dev)
         out["p_xx"] = torch.zeros((Hq, d, d), dtype=f64, device=dev)
