@@ -11,8 +11,10 @@ as the real weights) over the same L, divided by its 30 layers. For a floor: the
 2 L (2 Hq + Hk) d^2 flops), and the rate of one large GEMM of the forward's own (L x 576 @ 576 x 1536, its MLP's
 up projection): how fast this CPU multiplies when the shapes are not the limit.
 
-``--against REF``: the same call from the code of git revision REF (a temporary worktree), run alternately with
-this tree's in the same process tree (child processes take turns, so a shared host disturbs both alike).
+``--against REF``: the same call from the code of git revision REF (its accumulate module loaded from a temporary
+worktree), in the same child process as this tree's, the two calls alternating: a shared host disturbs both alike.
+(Between processes the same call's time varied by up to 1.8x on the 2-core development host, 2026-11-30: the sides
+of an A/B in separate processes cannot be compared.)
 
 Run (2 cores: a minute or two)::
 
@@ -22,6 +24,7 @@ Run (2 cores: a minute or two)::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -36,8 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 HQ, HK, D, LAYERS = 9, 3, 64, 30  # SmolLM2-135M
 
 
-def _times(fn: Any, repeats: int) -> list[float]:
-    for _ in range(2):
+def _times(fn: Any, repeats: int, warm: int = 2) -> list[float]:
+    for _ in range(warm):
         fn()
     out = []
     for _ in range(repeats):
@@ -47,29 +50,43 @@ def _times(fn: Any, repeats: int) -> list[float]:
     return out
 
 
-def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
+def _accumulation(root: Path) -> Any:
+    """The module of the checkout at ``root`` that holds ``accumulate`` (``qk_core/capture/accumulation.py``; before
+    3d38144 ``moments.py``), loaded from its file under a name of its own beside this tree's (what it imports from
+    ``qk_core`` is this tree's)."""
+    path = root / "qk_core" / "capture" / "accumulation.py"
+    if not path.exists():
+        path = root / "qk_core" / "capture" / "moments.py"
+    spec = importlib.util.spec_from_file_location("_ref_accumulation", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _one(n: int, repeats: int, forward: bool, ref: Any = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    try:
-        from qk_core.capture.accumulation import BucketLayouts, accumulate, pack_symmetric, triangle_index
-    except ImportError:  # --against a revision from before qk_core.capture.accumulation (3d38144)
-        from qk_core.capture.moments import (  # type: ignore[attr-defined,no-redef]
-            BucketLayouts,
-            accumulate,
-            pack_symmetric,
-            triangle_index,
-        )
+    from qk_core.capture import accumulation
 
     g = torch.Generator().manual_seed(n)
     q, k = ((torch.randn((1, n, h, D), generator=g)).transpose(1, 2)[0] for h in (HQ, HK))  # strided heads
-    pos, kv, layouts, tri = np.arange(n), np.arange(HQ) // (HQ // HK), BucketLayouts(), triangle_index(D, "cpu")
+    pos, kv = np.arange(n), np.arange(HQ) // (HQ // HK)
 
-    def call() -> Any:
-        return pack_symmetric(accumulate(q, pos, k, pos, kv, n // 16, 16, torch.float32, "gaussian", layouts,
-                                         native=False), tri)
+    def caller(mod: Any) -> Any:
+        layouts, tri = mod.BucketLayouts(), mod.triangle_index(D, "cpu")
+        return lambda: mod.pack_symmetric(mod.accumulate(q, pos, k, pos, kv, n // 16, 16, torch.float32, "gaussian",
+                                                         layouts, native=False), tri)
 
-    out = {"accumulate_ms": _times(call, repeats)}
+    calls = {"accumulate_ms": caller(accumulation), **({"ref_accumulate_ms": caller(ref)} if ref else {})}
+    out: dict[str, Any] = {key: [] for key in calls}
+    for fn in calls.values():
+        _times(fn, 0)  # warm-up
+    for r in range(repeats):  # the sides alternate call by call, each first every other time
+        for key in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+            out[key] += _times(calls[key], 1, warm=0)
     # the call's Grams alone, on rows laid out as the call lays them out (by bucket: _bucketed)
     B = n // 16
     Yq, Yk, Yp = (torch.randn((h, 16, B, D), generator=g) for h in (HQ, HK, HQ))
@@ -89,13 +106,15 @@ def _one(n: int, repeats: int, forward: bool) -> dict[str, Any]:
     return out
 
 
-def child(root: str, lengths: list[int], repeats: int, forward: bool) -> dict[str, Any]:
-    """Milliseconds of accumulate + pack per length, with the qk_core under ``root``."""
-    sys.path.insert(0, root)
+def child(ref_root: str | None, lengths: list[int], repeats: int, forward: bool) -> dict[str, Any]:
+    """Milliseconds of accumulate + pack per length, this tree's and (with ``ref_root``) that checkout's, alternated
+    in this process."""
+    sys.path.insert(0, str(REPO))
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    return {str(n): _one(n, repeats, forward) for n in lengths}
+    ref = _accumulation(Path(ref_root)) if ref_root else None
+    return {str(n): _one(n, repeats, forward, ref) for n in lengths}
 
 
 def _stats(runs: list[dict[str, Any]], n: int, key: str = "accumulate_ms") -> tuple[float, float]:
@@ -113,23 +132,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of this tree and --against")
+    ap.add_argument("--rounds", type=int, default=3, help="child processes, each timing both sides alternately")
     ap.add_argument("--against", help="a git revision to time beside this tree")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ref-root", help=argparse.SUPPRESS)
     ap.add_argument("--forward", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, lengths, a.repeats, a.forward)))
+        print("RESULT " + json.dumps(child(a.ref_root, lengths, a.repeats, a.forward)))
         return
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
 
-    def run(root: Path, forward: bool = False) -> dict[str, Any]:
-        proc = subprocess.run([sys.executable, __file__, "--child", str(root), "--lengths", a.lengths, "--repeats",
-                               str(a.repeats), *(["--forward"] if forward else [])],
-                              env=env, cwd=root, capture_output=True, text=True, check=True)
+    def run(ref_root: Path | None, forward: bool = False) -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, __file__, "--child", "--lengths", a.lengths, "--repeats",
+                               str(a.repeats), *(["--ref-root", str(ref_root)] if ref_root else []),
+                               *(["--forward"] if forward else [])],
+                              env=env, cwd=REPO, capture_output=True, text=True, check=True)
         return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,11 +160,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(ref_root), a.against],
                            check=True, capture_output=True)
         try:
-            runs: dict[str, list[dict[str, Any]]] = {"this": [], "ref": []}
-            for r in range(a.rounds):
-                runs["this"].append(run(REPO, forward=r == 0))
-                if ref_root is not None:
-                    runs["ref"].append(run(ref_root))
+            runs = [run(ref_root, forward=r == 0) for r in range(a.rounds)]
         finally:
             if ref_root is not None:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(ref_root)], check=False)
@@ -151,16 +168,18 @@ def main() -> None:
                          text=True).stdout.strip()
     rows = []
     for n in lengths:
-        fwd = statistics.median(runs["this"][0][str(n)]["forward_ms"]) / LAYERS
-        (mn, md), (rmn, rmd) = _stats(runs["this"], n), _stats(runs["ref"], n)
-        gram, gemm = _stats(runs["this"], n, "grams_ms")[1], _stats(runs["this"], n, "gemm_ms")[1]
+        fwd = statistics.median(runs[0][str(n)]["forward_ms"]) / LAYERS
+        (mn, md), (rmn, rmd) = _stats(runs, n), _stats(runs, n, "ref_accumulate_ms")
+        gram, gemm = _stats(runs, n, "grams_ms")[1], _stats(runs, n, "gemm_ms")[1]
         flops = gram_flops(n)
         rows.append({"tokens": n, "min_ms": mn, "median_ms": md, "ref_min_ms": rmn, "ref_median_ms": rmd,
                      "forward_layer_ms": fwd, "share_of_forward": md / fwd, "ref_share_of_forward": rmd / fwd,
                      "gram_gflop": flops / 1e9, "grams_ms": gram, "grams_gflops": flops / gram / 1e6,
                      "call_gflops": flops / md / 1e6, "gemm_gflops": 2.0 * n * 576 * 1536 / gemm / 1e6,
                      "grams_share_of_forward": gram / fwd})
-    cmd = "python bench/accumulate_cpu.py" + (f" --against {a.against}" if a.against else "")
+    given = {"--lengths": (a.lengths, "2048,8192"), "--repeats": (a.repeats, 15), "--rounds": (a.rounds, 3),
+             "--against": (a.against, None)}
+    cmd = "python bench/accumulate_cpu.py" + "".join(f" {k} {v}" for k, (v, default) in given.items() if v != default)
     meta = {"command": cmd, "started": started, "revision": rev, "against": a.against, "cpus": os.cpu_count(),
             "load_avg_start": load0, "load_avg_end": os.getloadavg(), "repeats": a.repeats, "rounds": a.rounds}
     out = Path(a.out)
@@ -181,7 +200,7 @@ Command: `{cmd}` at {rev}, started {started}. {meta['cpus']} CPUs, torch threads
 {[round(x, 2) for x in load0]} at start, {[round(x, 2) for x in meta['load_avg_end']]} at end (a shared host).
 SmolLM2-135M's head layout ({HQ}/{HK} heads x {D}), every position of one document, bucket L/16, float32 rows as
 attention hands them, Gaussian form: `accumulate` + `pack_symmetric`, the capture's per-layer call.
-{a.rounds} alternating rounds of {a.repeats} calls per side, each side in its own child process.
+{a.rounds} child processes, each with {a.repeats} calls per side, the sides alternating call by call.
 
 | L | {a.against or '-'} min / median ms | {rev} min / median ms | forward ms per layer | {a.against or '-'} share \
 | {rev} share |

@@ -201,9 +201,9 @@ def accumulate(q: Any, q_pos: np.ndarray, k: Any, k_pos: np.ndarray, kv_index: A
 
     # the rows are copied once, bucket by bucket, into buffers kept for the next layers (_bucketed); per (head,
     # bucket) one batched Gram X^T X holds sum x x^T (the padding's zero rows add nothing), and sum x and sum x t are
-    # a sum and a weighted sum over the bucket's rows. On the 2-core development CPU the d-wide Grams with the two
-    # sums beside them took 2.6 ms for a SmolLM2 layer at 2K where Grams of rows augmented with [1, t] (d + 2 wide)
-    # took 3.1 ms, the same x x^T bits (2026-11-30, bench/results/accumulate_cpu.md)
+    # a sum and a weighted sum over the bucket's rows. On the 2-core development CPU a SmolLM2 layer's call at 2K
+    # took 3.8 ms (median) this way, 4.4 ms with Grams of rows augmented with [1, t] (d + 2 wide, odd for the BLAS
+    # kernels), with the same x x^T bits (2026-11-30, bench/results/accumulate_cpu.md)
     X = _bucketed(q, qb, acc, "q")  # (Hq, U, M, d)
     vals = {"q_x": X.sum(2), "q_xt": _weighted(qb.t, X), "q_xx": X.mT @ X}
     if exact:
