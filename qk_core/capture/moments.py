@@ -40,7 +40,7 @@ documents and shards are added in float64. From bf16 / fp16 rows on a CUDA devic
 the tensor cores from the rows as they are (every product exact, float32 accumulation: ``_accumulate_native`` there),
 the same error class as widening them first. float32 (the default) has a relative error of order sqrt(B) 2^-24
 per bucket sum (bench/results/moments_accuracy.md, SmolLM2 at 2K and 8K: below 1e-6 of each head's largest sum
-for every sum the Gaussian form keeps, 5.1e-6 for the exact term q_xxs); float64 is exact to rounding. A
+for every sum the Gaussian form keeps, 5.3e-6 for the exact term q_xxs); float64 is exact to rounding. A
 document's per-bucket query sums stay in the accumulation dtype up to its file (they are exactly those
 numbers); every sum read back, and every merged sum, is float64.
 Documents are merged in sorted example-id order, so a sharded capture gives bit-identical sums; the merge is fed
