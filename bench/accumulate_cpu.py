@@ -18,7 +18,7 @@ of an A/B in separate processes cannot be compared.)
 
 Run (2 cores: a minute or two)::
 
-    .venv/bin/python bench/accumulate_cpu.py --against 809c4a2     # writes bench/results/accumulate_cpu.{json,md}
+    .venv/bin/python bench/accumulate_cpu.py --against 3d38144     # writes bench/results/accumulate_cpu.{json,md}
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def child(ref_root: str | None, lengths: list[int], repeats: int, forward: bool)
 
 
 def _stats(runs: list[dict[str, Any]], n: int, key: str = "accumulate_ms") -> tuple[float, float]:
-    """(min, median) ms of ``key`` (accumulate, by default) at length n over the runs of one side."""
+    """(min, median) ms of ``key`` (this tree's accumulate, by default) at length n over the child processes."""
     xs = [x for run in runs for x in run[str(n)].get(key, [])]
     return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
 
