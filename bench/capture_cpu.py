@@ -83,7 +83,12 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
     entry = reg.model(MODEL)
     entry = dataclasses.replace(entry, window=tokens, bucket=tokens // 16,
                                 capture=dataclasses.replace(entry.capture, max_docs=n_docs, moments=moments))
-    docs = sotu_corpus(reg.corpus(entry.corpus).params).head(n_docs)
+    params = reg.corpus(entry.corpus).params
+    if n_docs > int(params.get("n_docs", 16)):  # the corpus's longest n_docs addresses (up to its own: the same ones)
+        params = {**params, "n_docs": n_docs}
+    docs = sotu_corpus(params).head(n_docs)
+    if len(docs) < n_docs:
+        raise SystemExit(f"--docs {n_docs}: corpus '{entry.corpus}' holds {len(docs)} documents")
     t = time.perf_counter()
     loaded = load_model(entry, "cpu")
     load_s = time.perf_counter() - t
