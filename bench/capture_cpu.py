@@ -84,7 +84,8 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
     entry = dataclasses.replace(entry, window=tokens, bucket=tokens // 16,
                                 capture=dataclasses.replace(entry.capture, max_docs=n_docs, moments=moments))
     params = reg.corpus(entry.corpus).params
-    if n_docs > int(params.get("n_docs", 16)):  # the corpus's longest n_docs addresses (up to its own: the same ones)
+    # up to the entry's own count its documents (earlier records' ones); beyond it the n_docs longest addresses
+    if n_docs > int(params.get("n_docs", 16)):
         params = {**params, "n_docs": n_docs}
     docs = sotu_corpus(params).head(n_docs)
     if len(docs) < n_docs:
