@@ -84,10 +84,10 @@ def _setup(tokens: int, n_docs: int, threads: int, moments: bool = False) -> tup
     entry = dataclasses.replace(entry, window=tokens, bucket=tokens // 16,
                                 capture=dataclasses.replace(entry.capture, max_docs=n_docs, moments=moments))
     params = reg.corpus(entry.corpus).params
-    # up to the entry's own count its documents (earlier records' ones); beyond it the n_docs longest addresses
-    if n_docs > int(params.get("n_docs", 16)):
-        params = {**params, "n_docs": n_docs}
-    docs = sotu_corpus(params).head(n_docs)
+    docs = sotu_corpus(params)  # the entry's documents (the earlier records' ones)
+    if len(docs) < n_docs:  # more than the entry lists: the corpus's n_docs longest addresses
+        docs = sotu_corpus({**params, "n_docs": n_docs})
+    docs = docs.head(n_docs)
     if len(docs) < n_docs:
         raise SystemExit(f"--docs {n_docs}: corpus '{entry.corpus}' holds {len(docs)} documents")
     t = time.perf_counter()
