@@ -26,13 +26,14 @@ from functools import cache
 from dagster import (
     AddDynamicPartitionsRequest,
     DynamicPartitionsDefinition,
+    Failure,
     MultiPartitionKey,
     MultiPartitionsDefinition,
     PartitionsDefinition,
 )
 
 from qk_assets.resources import initialise_pools
-from qk_core.config.registry import Registry, load_registry
+from qk_core.config.registry import ModelEntry, Registry, load_registry
 
 MODEL_DIM = "model"
 CORPUS_DIM = "corpus"
@@ -80,6 +81,18 @@ def split_key(partition_key: str) -> tuple[str, str]:
     if not sep:
         raise ValueError(f"'{partition_key}' is not a (model, corpus) partition key '<corpus>|<model>'")
     return model, corpus
+
+
+def listed_pair(partition_key: str) -> tuple[str, str, ModelEntry]:
+    """(model, corpus, the model's registry entry) of a per-model partition the registry lists. A pair it does not
+    list (a partition of the grid materialised by hand) is a :class:`dagster.Failure` naming the field to edit."""
+    model, corpus = split_key(partition_key)
+    entry = registry().model(model)
+    if corpus not in entry.corpora:
+        raise Failure(description=(
+            f"{registry().path}: model '{model}' is not captured on corpus '{corpus}' (field 'corpora' lists "
+            f"{list(entry.corpora)}); add '{corpus}' there to analyse this pair"))
+    return model, corpus, entry
 
 
 def registry_pairs(reg: Registry) -> list[tuple[str, str]]:

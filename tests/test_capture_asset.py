@@ -201,3 +201,40 @@ def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleTy
     storage = Storage(tmp / "storage")
     assert not storage.exists(asset_rel(["qk_capture"], "tiny|tiny-mllama"))
     assert not storage.exists("captures/tiny-mllama")
+
+
+def test_an_unlisted_pair_materialised_by_hand_fails_naming_the_registry_field(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A (model, corpus) partition of the grid the registry does not list (qk_assets.partitions): materialising it by
+    hand fails naming the registry file and the field to edit, and stores nothing."""
+    from dagster import AssetKey, materialize
+
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+
+    tm.build_tiny_model("llama", tmp_path / "llama")
+    for name in ("corpus", "other"):
+        tm.write_corpus_jsonl(tmp_path / f"{name}.jsonl", tm.sample_texts(2, 80, seed=3))
+    reg = tm.write_registry(tmp_path / "registry.toml", {
+        "tiny-llama": {"family": "llama", "source": {"local": str(tmp_path / "llama")}, "window": 64, "bucket": 16}},
+        tmp_path / "corpus.jsonl", extra_corpora={"other": tmp_path / "other.jsonl"})
+    monkeypatch.setenv("QK_REGISTRY", str(reg))
+    try:
+        corpus_mod, capture_mod = reload_modules()
+        res = StorageResource(root=str(tmp_path / "storage"))
+        resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
+                     "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
+        assets = [corpus_mod.corpus, capture_mod.qk_capture]
+        instance = partitioned_instance()
+        assert materialize(assets, selection=[AssetKey("corpus")], partition_key="other", resources=resources,
+                           instance=instance).success
+        result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="other|tiny-llama",
+                             resources=resources, raise_on_error=False, instance=instance)
+        assert not result.success
+        failure = str(next(e for e in result.all_events if e.is_step_failure).step_failure_data.error)
+        assert str(reg) in failure and "'tiny-llama' is not captured on corpus 'other'" in failure
+        assert "field 'corpora' lists ['tiny']" in failure and "add 'other' there" in failure
+        assert not Storage(tmp_path / "storage").exists("captures")
+    finally:
+        monkeypatch.undo()
+        reload_modules()

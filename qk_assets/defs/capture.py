@@ -19,7 +19,6 @@ from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
     AssetIn,
-    Failure,
     MetadataValue,
     Output,
     asset,
@@ -28,7 +27,7 @@ from dagster import (
 from qk_assets.automation import PER_PAIR
 from qk_assets.checks import check_spec
 from qk_assets.metadata import results_first, table_value
-from qk_assets.partitions import model_corpus_partitions, registry, split_key
+from qk_assets.partitions import listed_pair, model_corpus_partitions
 from qk_assets.resources import GPU_POOL, RayClusterResource, StorageResource, TorchDeviceResource
 from qk_core.capture import capture_model
 from qk_core.capture.run import layers_frame
@@ -66,12 +65,7 @@ def qk_capture(context: AssetExecutionContext, corpus: pd.DataFrame, storage: St
     With a Ray cluster set (``QK_RAY_ADDRESS``) the documents are split over ``capture.shards`` Ray tasks
     of ``capture.num_gpus`` GPUs each on the cluster's workers; the stored capture is the same.
     """
-    model, corpus_name = split_key(context.partition_key)
-    entry = registry().model(model)
-    if corpus_name not in entry.corpora:
-        raise Failure(description=(
-            f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
-            f"lists {list(entry.corpora)}); add '{corpus_name}' there to capture this pair"))
+    model, corpus_name, entry = listed_pair(context.partition_key)
     store = storage.get()
     if ray.enabled:
         context.log.info(f"{entry.key}: {entry.capture.shards} shard(s) of {entry.capture.num_gpus} GPU(s) each "

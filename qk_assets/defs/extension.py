@@ -28,7 +28,6 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
-    Failure,
     MetadataValue,
     Output,
     multi_asset,
@@ -39,7 +38,7 @@ from qk_assets.figures import save_figures
 from qk_assets.io_manager import asset_rel
 from qk_assets.metadata import results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
-from qk_assets.partitions import model_corpus_partitions, model_partitions, pair_key, registry, split_key
+from qk_assets.partitions import listed_pair, model_corpus_partitions, model_partitions, pair_key, registry
 from qk_assets.resources import GPU_POOL, StorageResource, TorchDeviceResource
 from qk_core.capture.store import CaptureError
 from qk_core.config.options import resolve_options
@@ -87,12 +86,7 @@ CAPTURE = "qk_capture"
 def extension_retrieval(context: AssetExecutionContext, config: AnalysisConfig, storage: StorageResource,
                         device: TorchDeviceResource, corpus: pd.DataFrame):
     """SPEC 13.2 on one variant: probe at lengths around C, accuracy with Wilson intervals, effective length."""
-    model, corpus_name = split_key(context.partition_key)
-    entry = registry().model(model)
-    if corpus_name not in entry.corpora:
-        raise Failure(description=(
-            f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
-            f"lists {list(entry.corpora)})"))
+    model, corpus_name, entry = listed_pair(context.partition_key)
     if entry.variant is None or corpus_name != entry.corpus:
         why = (f"'{model}' is not a context-extension variant (SPEC 13.1: declare it under [variants.<base>] in "
                f"{registry().path})" if entry.variant is None else

@@ -28,12 +28,12 @@ the outputs are empty - the verdicts say why in one row - and no model is loaded
 """
 
 import pandas as pd
-from dagster import AssetExecutionContext, AssetIn, AssetOut, Failure, MetadataValue, Output, multi_asset
+from dagster import AssetExecutionContext, AssetIn, AssetOut, MetadataValue, Output, multi_asset
 
 from qk_assets.figures import save_figures
 from qk_assets.metadata import results_first
 from qk_assets.options import AnalysisConfig, analysis_options
-from qk_assets.partitions import model_corpus_partitions, registry, split_key
+from qk_assets.partitions import listed_pair, model_corpus_partitions, registry
 from qk_assets.resources import GPU_POOL, StorageResource, TorchDeviceResource
 from qk_core.capture.store import CaptureError
 from qk_core.config.options import resolve_options
@@ -87,12 +87,7 @@ def interventions(context: AssetExecutionContext, config: AnalysisConfig, storag
     from qk_core.interventions.study import run_study  # torch only when the asset runs
     from qk_core.plots.interventions import fig_accuracy, fig_contrast, fig_debias_profile
 
-    model, corpus_name = split_key(context.partition_key)
-    entry = registry().model(model)
-    if corpus_name not in entry.corpora:
-        raise Failure(description=(
-            f"{registry().path}: model '{model}' is not captured on corpus '{corpus_name}' (field 'corpora' "
-            f"lists {list(entry.corpora)})"))
+    model, corpus_name, entry = listed_pair(context.partition_key)
     (opts,) = analysis_options(model, config, "interventions")
     if not opts.runs_on(corpus_name):
         yield from _not_run(model, corpus_name, opts)
