@@ -34,7 +34,7 @@ D = 16
 DRIFT = HeadSpec(q=CloudSpec(slope=2.0e-3, m_a=0.5, sigma=0.5), k=CloudSpec(slope=2.0e-3, m_a=0.0, sigma=0.5))
 FAST = {"bootstrap": 40, "pairs_per_bucket": 64}  # plasticity run config: small, the checks do not care
 PLASTICITY_OUTS = ["plasticity_heads", "plasticity_profiles", "plasticity_bins", "plasticity_pairs",
-                   "plasticity_heatmap", "plasticity_components", "plasticity_metrics"]
+                   "plasticity_heatmap", "plasticity_components", "plasticity_query_heads", "plasticity_metrics"]
 GEOMETRY_OUTS = ["pca_heads", "pca_layers", "pca_metrics", "rotation_heads", "rotation_layers", "rotation_metrics"]
 
 

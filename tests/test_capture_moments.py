@@ -272,6 +272,42 @@ def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: d
     np.testing.assert_array_equal(percentile.heads["ap_overall"], every.heads["ap_overall"])
 
 
+def test_plasticity_query_model_of_every_eligible_head_equals_the_rows_of_every_position(
+        setup: dict[str, Any]) -> None:
+    """SPEC 12.2 (issue 22, item 2): with coverage 'all' the query model (4.1) of every eligible head, the 11 the
+    capture did not sample as well, comes from the moments alone; each equals the row-based fit over the rows of
+    every position (a capture with per_bucket = B), and a sampled head's equals its ``plasticity_heads`` row."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import QUERY_HEAD_COLUMNS, analyse_capture
+    from qk_core.plasticity.query_model import fit_query_model
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    opts = PlasticityOptions(bootstrap=0, pairs_per_bucket=16, min_queries_per_bucket=5)
+    every = analyse_capture("m", storage, res.prefix, heads, opts)
+    qh = every.query_heads
+    n_tokens = int(res.doc_tokens["n_tokens"].sum())
+    assert list(qh.columns) == QUERY_HEAD_COLUMNS and len(qh) == 16
+    assert set(qh["coverage"]) == {"all"} and set(qh["status"]) == {"ok"} and set(qh["n_docs"]) == {N_DOCS}
+    assert set(qh["n_queries_model"]) == {n_tokens}
+    assert sorted(map(tuple, qh.loc[qh["sampled"], ["layer", "q_head"]].to_numpy().tolist())) == sorted(heads)
+    drift = ["beta_norm_per_token", "beta_norm_window", "alpha_pos", "sigma_pos", "mean_coord_r2"]
+    mine = qh[qh["sampled"]].set_index(["layer", "q_head"])[drift].sort_index()
+    pd.testing.assert_frame_equal(mine, every.heads.set_index(["layer", "q_head"])[drift].sort_index())
+    full = CaptureReader(setup["full_storage"], setup["full"].prefix)
+    for row in qh.itertuples():
+        h = full.read_head(row.layer, row.q_head)
+        assert len(h.q) == n_tokens
+        model = fit_query_model(h.q.astype(np.float64), h.q_pos, h.window, h.bucket, opts.covariance, 5)
+        want = {"beta_norm_per_token": np.linalg.norm(model.beta), "alpha_pos": model.alpha_pos,
+                "sigma_pos": np.sqrt(model.sigma_pos2), "mean_coord_r2": model.r2.mean()}
+        for col, value in want.items():
+            np.testing.assert_allclose(getattr(row, col), value, rtol=1e-9, atol=1e-12, err_msg=f"{row} {col}")
+    sampled = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
+    assert len(sampled.query_heads) == 5 and set(sampled.query_heads["coverage"]) == {"sampled"}
+    assert sampled.query_heads["sampled"].all() and (sampled.query_heads["n_queries_model"] < n_tokens).all()
+
+
 def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dict[str, Any]) -> None:
     """``capture.moment_groups = 2`` over 5 documents: groups of the sorted ids {3, 5, 7} and {9, 12}; their
     query sums add up to the merged sums and the plasticity jackknife leaves out 2 groups (SPEC 4.6)."""

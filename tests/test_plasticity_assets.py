@@ -50,7 +50,7 @@ def materialised(tmp_path_factory: pytest.TempPathFactory):
         root, {m: heads_for(m) for m in MODELS}, d=D, window=WINDOW, bucket=BUCKET, per_bucket=PER_BUCKET,
         doc_tokens=DOCS)
     outs = ["plasticity_heads", "plasticity_profiles", "plasticity_bins", "plasticity_pairs", "plasticity_heatmap",
-            "plasticity_components", "plasticity_metrics"]
+            "plasticity_components", "plasticity_query_heads", "plasticity_metrics"]
     results = {}
     inst = partitions_instance(MODELS)
     for model in MODELS:
@@ -146,7 +146,7 @@ def test_model_metrics_aggregate_the_heads(materialised) -> None:
 
 def test_figures_are_written_and_embedded(materialised) -> None:
     root = materialised["root"]
-    for name in ("profiles", "heatmap", "components", "closed_vs_empirical"):
+    for name in ("profiles", "heatmap", "components", "closed_vs_empirical", "depth_query_model"):
         png = root / "figures" / "plasticity" / "smollm2-135m" / "sotu-demo" / f"{name}.png"
         assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     mats = materialised["results"]["smollm2-135m"].get_asset_materialization_events()
@@ -154,6 +154,12 @@ def test_figures_are_written_and_embedded(materialised) -> None:
     assert "fig_profiles" in meta["plasticity_profiles"] and "fig_heatmap" in meta["plasticity_heatmap"]
     assert "fig_components" in meta["plasticity_components"]
     assert "fig_closed_vs_empirical" in meta["plasticity_heads"]
+    assert "fig_depth_query_model" in meta["plasticity_query_heads"]
+    # coverage 'sampled' (these synthetic captures hold no moments): the query model of each analysed head
+    query = materialised["read"]("plasticity_query_heads", "smollm2-135m")
+    heads = materialised["read"]("plasticity_heads", "smollm2-135m")
+    assert len(query) == len(heads) and set(query["coverage"]) == {"sampled"} and query["sampled"].all()
+    assert meta["plasticity_query_heads"]["heads"].value == len(heads)
     assert (root / "figures" / "plasticity" / "all_models" / "decile_profiles.png").exists()
 
 
@@ -225,7 +231,7 @@ def test_materialisations_lead_with_headline_values_and_end_with_options(materia
 
     metrics = materialised["read"]("plasticity_metrics", "smollm2-135m")
     mats = materialised["results"]["smollm2-135m"].get_asset_materialization_events()
-    assert len(mats) == 7
+    assert len(mats) == 8
     for e in mats:
         meta = e.materialization.metadata
         assert_results_first(meta, ["ap_overall", "ap_drop", "ap_first20", "ap_last20", "n_heads"], metrics)

@@ -17,6 +17,9 @@ calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
 - ``plasticity_heatmap``: non-empty cells of the pooled 2-D heatmap (bin edges in raw tokens, pairs,
   mean PP closed form and empirical);
 - ``plasticity_components``: per head and original query coordinate: R^2 on position and weight;
+- ``plasticity_query_heads``: per head, its query model (SPEC 4.1: |beta| per token and x L, alpha_pos, sigma_pos,
+  mean R^2): with coverage ``all`` of every eligible head, from the capture's moments alone (SPEC 12.2), ``sampled``
+  marking the heads that have key pairs and so AP; with ``sampled`` the analysed heads' rows;
 - ``plasticity_metrics``: the long metrics format (qk_core.io.metrics) with model-level bootstrap lo / hi.
 
 ``plasticity_deciles`` (unpartitioned) collects the ``ap_decile`` rows of every model that has them.
@@ -71,6 +74,13 @@ UNITS = {
 }
 
 
+#: the query model's per-head values drawn by depth (qk_core.plots.geometry.fig_depth_heatmaps panels)
+QUERY_PANELS = [("beta_norm_window", "|beta| x L (window-normalised)", "positive"),
+                ("alpha_pos", "alpha_pos (drift-axis intercept)", "signed"),
+                ("sigma_pos", "sigma_pos (drift-axis residual sd)", "positive"),
+                ("mean_coord_r2", "mean R^2 of coordinates on t", "positive")]
+
+
 def plasticity_options(model_key: str, config: AnalysisConfig | None = None) -> PlasticityOptions:
     """Defaults < the registry's ``analysis.plasticity`` table < run config (SPEC 4 options)."""
     (opts,) = analysis_options(model_key, config, "plasticity")
@@ -99,6 +109,10 @@ def _md(df: pd.DataFrame, n: int = 30) -> MetadataValue:
             "Mean PP by inter-key distance x query-to-key-midpoint distance, pooled over heads (SPEC 4.7).")),
         "plasticity_components": AssetOut(**OUT, description=(
             "Per head and query coordinate: R^2 on position and normalised weight (SPEC 4.8).")),
+        "plasticity_query_heads": AssetOut(**OUT, description=(
+            "Per head: its query model (|beta| per token and x L, alpha_pos, sigma_pos, mean R^2; SPEC 4.1), with "
+            "coverage `all` for every eligible head from the capture's moments (SPEC 12.2), `sampled` marking the "
+            "heads with key pairs (AP in plasticity_heads); positions and documents each rests on.")),
         "plasticity_metrics": AssetOut(**OUT, description=(
             "Per-model plasticity metrics in the long format: ap_overall, ap_first20, ap_last20, ap_drop, "
             "ap_quintile, ap_decile, ap_length_bin, ap_length_bin_ruler, ap_position_bin (model-level "
@@ -165,6 +179,12 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
         **common, "cells": len(result.heatmap), **save_figures(store, folder, {"heatmap": figures["heatmap"]})}))
     yield Output(result.components, output_name="plasticity_components", metadata=results_first(lead, {
         **common, **save_figures(store, folder, {"components": figures["components"]})}))
+    qh = result.query_heads
+    yield Output(qh, output_name="plasticity_query_heads", metadata=results_first(lead, {
+        **common, "heads": len(qh), "heads_sampled": int(qh["sampled"].sum()) if len(qh) else 0,
+        "coverage": ", ".join(sorted(set(qh["coverage"].dropna().astype(str)))) if len(qh) else "",
+        "positions_per_head": int(qh["n_queries_model"].median()) if qh["n_queries_model"].notna().any() else 0,
+        **save_figures(store, folder, {"depth_query_model": figures["depth_query_model"]})}))
     yield Output(result.metrics, output_name="plasticity_metrics", metadata=results_first(lead, {
         **common, "preview": _md(result.metrics[["metric", "key", "value", "lo", "hi", "median", "n_heads"]]
                         .rename(columns=MEAN_MEDIAN), 60)}))
@@ -179,6 +199,7 @@ def plasticity(context: AssetExecutionContext, config: AnalysisConfig, storage: 
 
 
 def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
+    from qk_core.plots.geometry import fig_depth_heatmaps
     from qk_core.plots.plasticity import fig_closed_vs_empirical, fig_components, fig_heatmap, fig_profiles
 
     empty = pd.DataFrame(columns=["layer", "q_head", "tau_tokens", "tau_frac", "ap", "ap_empirical", "status"])
@@ -188,6 +209,8 @@ def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
         "heatmap": fig_heatmap(result.heatmap, model, L, B, record),
         "components": fig_components(result.components, model, L, B, record),
         "closed_vs_empirical": fig_closed_vs_empirical(prof, result.heads, model, L, B, record),
+        "depth_query_model": fig_depth_heatmaps(result.query_heads, QUERY_PANELS, model,
+                                                f"{model}: query model by depth (SPEC 4.1)"),
     }
 
 

@@ -129,7 +129,7 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
     base = {"layer": int(head.layer), "q_head": int(head.q_head), "kv_head": int(head.kv_head), "d": head.d,
             "L": L, "B": B, "covariance": opts.covariance, "n_queries": len(head.q_pos), "n_keys": len(head.k_pos),
-            "n_docs": len(np.unique(head.k_doc))}
+            "n_docs": len(np.unique(head.k_doc)), "coverage": "sampled" if query_sums is None else "all"}
     # a row holds NaN/inf iff its float64 sum is not finite (float32 values cannot overflow a float64 sum)
     bad_q = int((~np.isfinite(np.sum(head.q, axis=1, dtype=np.float64))).sum())
     bad_k = int((~np.isfinite(np.sum(head.k, axis=1, dtype=np.float64))).sum())
@@ -143,7 +143,6 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
     q_starts = np.concatenate([[0], np.cumsum(q_counts)])
     q_sorted = np.asarray(head.q)[q_order]
     q32 = np.asarray(q_sorted, dtype=np.float32)  # the empirical estimator's products are float32 (4.3)
-    base["coverage"] = "sampled" if query_sums is None else "all"
     try:
         t_sorted = np.asarray(head.q_pos, dtype=np.float64)[q_order]
         if query_sums is None:
@@ -324,6 +323,17 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
                        "pp_empirical": pa_["pp_empirical"]}, loo, loo_emp)
 
 
+def _drift(model: QueryModel, L: int) -> dict[str, float]:
+    """SPEC 4.1 / 4.9: the drift's size (per token and x L), the rotated coordinate 1's intercept and residual
+    spread, the mean R^2 of the query coordinates on position."""
+    return {
+        "beta_norm_per_token": float(np.linalg.norm(model.beta)),
+        "beta_norm_window": float(np.linalg.norm(model.beta)) * L,
+        "alpha_pos": model.alpha_pos, "sigma_pos": float(np.sqrt(model.sigma_pos2)),
+        "mean_coord_r2": float(model.r2.mean()),
+    }
+
+
 def _diagnostics(model: QueryModel, L: int) -> dict[str, float]:
     """SPEC 4.9: drift size, mean R^2, shape of the coordinate-1 residual."""
     r = model.resid1
@@ -335,10 +345,7 @@ def _diagnostics(model: QueryModel, L: int) -> dict[str, float]:
     flat = m2 <= (10 * np.finfo(np.float64).eps * mean) ** 2
     sd = float(r.std())
     return {
-        "beta_norm_per_token": float(np.linalg.norm(model.beta)),
-        "beta_norm_window": float(np.linalg.norm(model.beta)) * L,
-        "alpha_pos": model.alpha_pos, "sigma_pos": float(np.sqrt(model.sigma_pos2)),
-        "mean_coord_r2": float(model.r2.mean()),
+        **_drift(model, L),
         "resid1_skew": (np.nan if flat else m3 / m2**1.5) if sd > 0 else 0.0,
         "resid1_excess_kurtosis": (np.nan if flat else m4 / m2**2 - 3.0) if sd > 0 else 0.0,
     }
@@ -387,6 +394,9 @@ class ModelResult:
     options: dict[str, Any]
     window: int  # L, raw tokens
     bucket: int  # B, raw tokens
+    #: the query model (SPEC 4.1) per head at the options' coverage (:func:`query_model_heads`): every eligible head
+    #: from the capture's moments with coverage ``all``, else the analysed heads' rows of ``heads``
+    query_heads: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=QUERY_HEAD_COLUMNS))
 
 
 def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
@@ -400,17 +410,20 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
     J = n_buckets(L, B)
 
     def one(layer: int, q_head: int) -> HeadResult:
+        def unread(why: str) -> HeadResult:
+            return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
+                                "covariance": opts.covariance, "coverage": opts.coverage}, "read_error", why, J,
+                               W.shape[0])
+
         try:
             head = read_head(int(layer), int(q_head))
         except (CaptureError, StorageError) as exc:
-            return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
-                                "covariance": opts.covariance}, "read_error", str(exc), J, W.shape[0])
+            return unread(str(exc))
         try:
             sums = None if sums_of is None else sums_of(int(layer), int(q_head))
             groups = sums_of.groups(int(layer), int(q_head)) if sums_of is not None and _jackknife(opts) else None
         except (CaptureError, StorageError, KeyError) as exc:
-            return failed_head({"layer": int(layer), "q_head": int(q_head), "L": L, "B": B,
-                                "covariance": opts.covariance}, "read_error", f"moments: {exc}", J, W.shape[0])
+            return unread(f"moments: {exc}")
         return _analyse_head(head, opts, doc_ids, W, sums, groups)
 
     if workers <= 1:
@@ -506,7 +519,8 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     metrics = model_metrics(model_key, heads_df, aps, np.stack(boots) if boots else np.zeros((0, 0, 0)), L, B,
                             opts, record, np.stack(boots_emp) if boots_emp else None,
                             (np.stack(loos), np.stack(loos_emp)) if loos else None)
-    return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record, L, B)
+    return ModelResult(heads_df, _cat(profiles), bins_df, pairs_df, _cat(comps), heat, metrics, record, L, B,
+                       _analysed_query_heads(heads_df))
 
 
 class PairColumns:
@@ -642,8 +656,59 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
                                "'jackknife_t' with coverage 'all' refits the query model without each group (SPEC "
                                "4.6); capture it again, or use interval 'percentile'")
         sums_of = CaptureQuerySums(reader)
-    return analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress,
-                         sums_of=sums_of)
+    result = analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress,
+                           sums_of=sums_of)
+    if sums_of is not None:  # SPEC 12.2: the query model of every eligible head, not only of the sampled ones
+        result.query_heads = query_model_heads(model_key, reader, opts, heads)
+    return result
+
+
+#: one row per head of ``plasticity_query_heads``: its SPEC 4.1 query model, on what it rests, whether the head is
+#: among the capture's sampled heads (the only ones with key pairs, hence AP: ``plasticity_heads``)
+QUERY_HEAD_COLUMNS = ["model", "layer", "q_head", "kv_head", "d", "L", "B", "coverage", "covariance",
+                      "n_queries_model", "n_docs", "sampled", "beta_norm_per_token", "beta_norm_window", "alpha_pos",
+                      "sigma_pos", "mean_coord_r2", "lw_intensity", "status", "reason", "options"]
+
+
+def _analysed_query_heads(heads_df: pd.DataFrame) -> pd.DataFrame:
+    """The query-model columns of the analysed heads' rows (:data:`QUERY_HEAD_COLUMNS`)."""
+    out = heads_df.reindex(columns=QUERY_HEAD_COLUMNS)
+    out["sampled"] = True
+    return out
+
+
+def query_model_heads(model_key: str, reader: CaptureReader, opts: PlasticityOptions,
+                      sampled: Iterable[tuple[int, int]]) -> pd.DataFrame:
+    """SPEC 4.1 query model of every eligible head from the capture's merged moments alone (SPEC 12.2), one layer
+    read at a time: :data:`QUERY_HEAD_COLUMNS`, ``sampled`` marking the heads of ``sampled``. A head whose model
+    cannot be fitted gets its status and reason. For a sampled head the values are those of ``plasticity_heads``
+    with coverage ``all`` (the same sums, the same fit)."""
+    L, B = reader.window, reader.bucket
+    chosen = {(int(la), int(h)) for la, h in sampled}
+    n_docs = int(reader.complete["n_docs"])
+    opt_json = opts.record_json(L, B)
+    rows = []
+    for layer in reader.moment_layers():
+        lm = reader.read_moments(layer)
+        for i, q_head in enumerate(lm.q_heads):
+            sums = _head_query_sums(lm, i)
+            base = {"model": model_key, "layer": int(layer), "q_head": int(q_head),
+                    "kv_head": int(lm.kv_heads[lm.kv_index[i]]), "d": lm.d, "L": L, "B": B, "coverage": "all",
+                    "covariance": opts.covariance, "n_queries_model": int(np.rint(sums["n"].sum())),
+                    "n_docs": n_docs, "sampled": (int(layer), int(q_head)) in chosen, "options": opt_json}
+            try:
+                model = fit_query_model_from_moments(sums, L, B, opts.covariance, opts.min_queries_per_bucket)
+            except QueryModelError as exc:
+                rows.append({**base, "status": "query_model_failed", "reason": str(exc)})
+                continue
+            rows.append({**base, **_drift(model, L), "status": "ok", "reason": "",
+                         "lw_intensity": model.lw_intensity if opts.covariance == "full" else "none"})
+    return pd.DataFrame(rows, columns=QUERY_HEAD_COLUMNS)
+
+
+def _head_query_sums(lm: LayerMoments, i: int) -> dict[str, np.ndarray]:
+    """The per-bucket query sums of the ``i``-th query head of ``lm`` (keys without ``q_``), (J, ...) each."""
+    return {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")}
 
 
 def _jackknife(opts: PlasticityOptions) -> bool:
@@ -673,8 +738,7 @@ class CaptureQuerySums:
 
     def __call__(self, layer: int, q_head: int) -> dict[str, np.ndarray]:
         lm = self._layer("all", layer)
-        i = lm.head_index(q_head)
-        return {k[2:]: v[i] for k, v in lm.sums.items() if k.startswith("q_")}
+        return _head_query_sums(lm, lm.head_index(q_head))
 
     def groups(self, layer: int, q_head: int) -> QueryGroups:
         """The head's per-bucket query sums of every document group, (G, J, ...)."""

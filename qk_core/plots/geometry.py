@@ -143,7 +143,8 @@ def _robust_sym(vals: np.ndarray) -> float:
 def fig_depth_heatmaps(heads: pd.DataFrame, panels: Sequence[tuple[str, str, str]], model: str,
                        title: str = "") -> Figure:
     """Layer (x) by query head (y) maps; ``panels`` = [(column, label, scale)], scale one of
-    ``"corr"`` (-1..1, diverging), ``"abs"`` (0..1, sequential), ``"signed"`` (symmetric robust range).
+    ``"corr"`` (-1..1, diverging), ``"abs"`` (0..1, sequential), ``"signed"`` (symmetric robust range),
+    ``"positive"`` (0 to a robust maximum, sequential).
 
     Cells of heads without a row are grey (with coverage "sampled": heads not sampled; with "all" every
     eligible head has one, SPEC 12.1); heads that could not be analysed are crossed.
@@ -169,6 +170,8 @@ def fig_depth_heatmaps(heads: pd.DataFrame, panels: Sequence[tuple[str, str, str
             cmap, norm = colormaps["RdBu_r"], Normalize(-1, 1)
         elif scale == "abs":
             cmap, norm = colormaps["viridis"], Normalize(0, 1)
+        elif scale == "positive":
+            cmap, norm = colormaps["viridis"], Normalize(0, _robust_sym(grid))
         else:
             m = _robust_sym(grid)
             cmap, norm = colormaps["RdBu_r"], Normalize(-m, m)

@@ -568,14 +568,17 @@ def _as_frame(text: str) -> pd.DataFrame | None:
 
 
 # ---- what each value rests on (SPEC 12.3) ------------------------------------------------------
-#: per-head tables and their (Q positions, K positions) columns: the positions a head's value rests on
-HEAD_TABLES = {"pca_heads": ("PCA (SPEC 2)", "n_q", "n_k"),
-               "rotation_heads": ("rotation (SPEC 3)", "n_q", "n_k"),
-               "plasticity_heads": ("plasticity (SPEC 4)", "n_queries_model", "n_keys")}
+#: per-head tables and their (Q positions, K positions) columns: the positions a head's value rests on (the query
+#: model rests on queries alone)
+HEAD_TABLES: dict[str, tuple[str, str, str | None]] = {
+    "pca_heads": ("PCA (SPEC 2)", "n_q", "n_k"),
+    "rotation_heads": ("rotation (SPEC 3)", "n_q", "n_k"),
+    "plasticity_heads": ("plasticity (SPEC 4)", "n_queries_model", "n_keys"),
+    "plasticity_query_heads": ("query model (SPEC 4.1)", "n_queries_model", None)}
 
 
-def _median_count(df: pd.DataFrame, col: str) -> str:
-    vals = pd.to_numeric(df[col], errors="coerce").dropna() if col in df else pd.Series(dtype=float)
+def _median_count(df: pd.DataFrame, col: str | None) -> str:
+    vals = pd.to_numeric(df[col], errors="coerce").dropna() if col is not None and col in df else pd.Series(dtype=float)
     if vals.empty:
         return "–"
     lo, med, hi = vals.min(), vals.median(), vals.max()
