@@ -7,6 +7,8 @@ each document group, SPEC 4.6, 12.2):
 
 - plasticity (SPEC 4) of every head of each (model, corpus) capture: :func:`qk_core.plasticity.analyse_capture`,
   what the ``plasticity`` asset runs;
+- the query model of every eligible head (SPEC 4.1, 12.2: ``plasticity_query_heads``), the part of plasticity's time
+  that :func:`qk_core.plasticity.analysis.query_model_heads` takes, timed apart;
 - the cross-corpus comparison (SPEC 10): :func:`qk_core.cross_corpus.compare.compare_corpora` on the inputs the
   ``cross_corpus`` asset reads (:func:`qk_assets.defs.cross_corpus.load_corpus`). Since 2026-11-27 those include
   plasticity's stored leave-one-out refits (``plasticity_profiles.ap_loo``), which the comparison reads instead of
@@ -52,10 +54,16 @@ def _timed(fn: Any, repeats: int) -> tuple[Any, dict[str, float]]:
 
 def measure(model: str, storage: Any, repeats: int) -> list[dict[str, Any]]:
     from qk_assets.defs.cross_corpus import load_corpus
+    from qk_core.capture.store import CaptureReader
     from qk_core.config.options import resolve_options
     from qk_core.config.registry import load_registry
     from qk_core.cross_corpus.compare import CrossCorpusOptions, compare_corpora
     from qk_core.plasticity import analyse_capture
+
+    try:  # the query model of every eligible head (plasticity_query_heads), in a checkout that has it
+        from qk_core.plasticity.analysis import query_model_heads
+    except ImportError:
+        query_model_heads = None
 
     entry = load_registry().model(model)
     popts = resolve_options("plasticity", entry.analysis)
@@ -69,6 +77,12 @@ def measure(model: str, storage: Any, repeats: int) -> list[dict[str, Any]]:
                      "heads_ok": int((res.heads["status"] == "ok").sum()),
                      "coverage": popts.coverage, "interval": popts.interval, **cost})
         print(f"{model} {corpus} plasticity: {cost['wall_s']:.1f} s wall, {cost['cpu_s']:.1f} s CPU", flush=True)
+        if popts.coverage == "all" and query_model_heads is not None:  # its part of the above, apart
+            reader = CaptureReader(storage, prefix)
+            res, cost = _timed(lambda: query_model_heads(model, reader, popts, heads), repeats)  # noqa: B023
+            rows.append({"model": model, "stage": "query model, every eligible head", "corpus": corpus,
+                         "heads": len(res), "heads_ok": int((res["status"] == "ok").sum()),
+                         "coverage": popts.coverage, "interval": "", **cost})
     if len(entry.corpora) >= 2:
         inputs = [load_corpus(storage, model, c)[0] for c in entry.corpora]
         opts = CrossCorpusOptions.of_plasticity(popts)
