@@ -5,16 +5,20 @@ settings (window, bucket, documents, sampled heads and positions) plus ``capture
 is analysed twice: ``coverage = "sampled"`` (the sampled heads' sampled rows, the thesis's protocol) and
 ``coverage = "all"`` (every eligible head over every position, from the capture's moments; SPEC 12.2).
 
-Per-head quantities of PCA (SPEC 2), rotation (SPEC 3) and the plasticity query model (SPEC 4.1) are compared
-per metric: the model mean over heads under each coverage, their difference, the spread over heads (IQR of
+Per-head quantities of PCA (SPEC 2), rotation (SPEC 3), AP (SPEC 4.5; of the sampled heads under both coverages:
+it needs their key pairs) and the query model (SPEC 4.1; with "all" of every eligible head, ``plasticity_query_heads``)
+are compared per metric: the model mean over heads under each coverage, their difference, the spread over heads (IQR of
 each), the median and 90th percentile over heads of the per-head |difference|, and the heads and positions
 each rests on. Model-level plasticity metrics (SPEC 4.5) are compared with their intervals (the document
 bootstrap percentile rule for both: the jackknife-t rule refits the query model without each document, which
 the merged moments cannot).
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
+    .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
 
-writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: one capture per model).
+writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: one capture per model); ``--heads N`` samples N
+heads instead of the entry's ``capture.heads`` (the demo models have fewer eligible heads than the thesis's 300, so
+only positions are sampled there) and writes ``coverage_gap_heads<N>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ PCA_COLS = {c: u for c, u in PCA_UNITS.items() if c in ("pc0_evr", "pc0_r_q", "p
 ROT_COLS = {c: u for c, u in ROTATION_UNITS.items() if c in (
     "alpha_k", "alpha_k_window", "mu_q_a", "bias_strength", "bias_strength_window", "r_q_a", "r_k_a",
     "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
-PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP",
-              "beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)"}
+PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP"}
+# the query model (SPEC 4.1): with coverage "all" of every eligible head (plasticity_query_heads), AP of sampled ones
+QUERY_COLS = {"beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
+              "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
 
 
 def _capture(entry: Any, docs: pd.DataFrame, storage: Any) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -113,7 +119,7 @@ def compare(sampled: pd.DataFrame, every: pd.DataFrame, cols: dict[str, str], an
     return rows
 
 
-def measure(model: str, threads: int) -> dict[str, Any]:
+def measure(model: str, threads: int, n_heads: int | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -123,7 +129,8 @@ def measure(model: str, threads: int) -> dict[str, Any]:
 
     reg = load_registry()
     entry = reg.model(model)
-    entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True))
+    entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True,
+                                                                  heads=n_heads or entry.capture.heads))
     corpus_name = entry.corpora[0]
     docs, _ = build_corpus(reg.corpus(corpus_name))
     if entry.capture.max_docs:
@@ -146,6 +153,7 @@ def measure(model: str, threads: int) -> dict[str, Any]:
         for analysis, cols in (("pca", PCA_COLS), ("rotation", ROT_COLS)):
             rows += compare(sampled[0][analysis], every[0][analysis], cols, analysis)
         rows += compare(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity")
+        rows += compare(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model")
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
         ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
@@ -172,18 +180,20 @@ def _reading(run: dict[str, Any]) -> list[str]:
                and not m["lo_sampled"] <= m["value_all"] <= m["hi_sampled"]]
     heads = ("every eligible head was sampled (the 300-head cap does not bind), so the difference is the positions "
              "alone" if run["sampled_heads"] == run["eligible_heads"] else
-             f"{run['sampled_heads']} of {run['eligible_heads']} heads sampled")
+             f"{run['sampled_heads']} of {run['eligible_heads']} heads sampled: the PCA, rotation and query-model rows "
+             f"compare them with every eligible head; AP rests on key pairs, which only the sampled heads have, so its "
+             f"rows (and the model-level values below) compare the same {run['sampled_heads']} heads, positions alone")
     return [f"Reading: {heads}. Model means that move by more than 1%: {', '.join(moved) or 'none'}. "
             f"Model-level plasticity values of every position outside the sampled 95% interval: "
             f"{', '.join(outside) or 'none'} (of {len(run['model_metrics'])}).", ""]
 
 
-def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> None:
+def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, name: str = "coverage_gap") -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"command": "python bench/coverage_gap.py " + " ".join(sys.argv[1:]), "threads": args.threads,
             "load_before": os.getloadavg()[0], "machine": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "wall_s": wall_s}
-    (RESULTS / "coverage_gap.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=float))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1, default=float))
     lines = ["# Sampled heads and positions against every head at every position (SPEC 12.3, issue 22 item 3)", "",
              f"`{meta['command']}` ({args.threads} threads, load {meta['load_before']:.2f} before, "
              f"{wall_s:.0f} s wall). One capture per model with the registry entry's own sampling plus "
@@ -220,21 +230,25 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -
                          f"[{_f(m.get('lo_sampled'))}, {_f(m.get('hi_sampled'))}] | {_f(m['value_all'])} "
                          f"[{_f(m.get('lo_all'))}, {_f(m.get('hi_all'))}] | {inside} |")
         lines.append("")
-    (RESULTS / "coverage_gap.md").write_text("\n".join(lines))
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=None, help="model keys (default: the registry's demo group)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=None,
+                   help="sample this many heads instead of the entry's capture.heads (the thesis's 300 of a larger "
+                        "model's heads, at the demo's scale); results go to coverage_gap_heads<N>.*")
     args = p.parse_args()
     from qk_core.config.registry import load_registry
 
     models = args.models or load_registry().in_group("demo")
     t = time.perf_counter()
-    runs = [measure(m, args.threads) for m in models]
-    write(runs, args, time.perf_counter() - t)
-    print((RESULTS / "coverage_gap.md").read_text())
+    runs = [measure(m, args.threads, args.heads) for m in models]
+    name = "coverage_gap" if args.heads is None else f"coverage_gap_heads{args.heads}"
+    write(runs, args, time.perf_counter() - t, name)
+    print((RESULTS / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":
