@@ -303,9 +303,13 @@ def test_plasticity_query_model_of_every_eligible_head_equals_the_rows_of_every_
                 "sigma_pos": np.sqrt(model.sigma_pos2), "mean_coord_r2": model.r2.mean()}
         for col, value in want.items():
             np.testing.assert_allclose(getattr(row, col), value, rtol=1e-9, atol=1e-12, err_msg=f"{row} {col}")
+    # the model-level query-model values rest on every eligible head too
+    row = every.metrics.set_index("metric").loc["query_drift_norm_window"]
+    assert row["n_heads"] == 16 and np.isclose(row["value"], qh["beta_norm_window"].mean(), rtol=1e-12)
     sampled = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
     assert len(sampled.query_heads) == 5 and set(sampled.query_heads["coverage"]) == {"sampled"}
     assert sampled.query_heads["sampled"].all() and (sampled.query_heads["n_queries_model"] < n_tokens).all()
+    assert sampled.metrics.set_index("metric").loc["query_drift_norm_window", "n_heads"] == 5
 
 
 def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dict[str, Any]) -> None:

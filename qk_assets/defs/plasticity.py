@@ -20,7 +20,8 @@ calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
 - ``plasticity_query_heads``: per head, its query model (SPEC 4.1: |beta| per token and x L, alpha_pos, sigma_pos,
   mean R^2): with coverage ``all`` of every eligible head, from the capture's moments alone (SPEC 12.2), ``sampled``
   marking the heads that have key pairs and so AP; with ``sampled`` the analysed heads' rows;
-- ``plasticity_metrics``: the long metrics format (qk_core.io.metrics) with model-level bootstrap lo / hi.
+- ``plasticity_metrics``: the long metrics format (qk_core.io.metrics) with model-level bootstrap lo / hi; with
+  coverage ``all`` its query-model rows (``query_drift_*``, ``query_mean_coord_r2``) average every eligible head.
 
 ``plasticity_deciles`` (unpartitioned) collects the ``ap_decile`` rows of every model that has them.
 

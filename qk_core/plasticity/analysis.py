@@ -660,7 +660,24 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
                            sums_of=sums_of)
     if sums_of is not None:  # SPEC 12.2: the query model of every eligible head, not only of the sampled ones
         result.query_heads = query_model_heads(model_key, reader, opts, heads)
+        result.metrics = _every_head_drift(result.metrics, result.query_heads, model_key, result.options)
     return result
+
+
+def _every_head_drift(metrics: pd.DataFrame, query_heads: pd.DataFrame, model_key: str,
+                      record: dict[str, Any]) -> pd.DataFrame:
+    """``metrics`` with its query-model rows (query_drift_norm_window, query_drift_norm, query_mean_coord_r2) taken
+    over every eligible head of ``query_heads`` instead of the analysed ones, in place (their ``n_heads`` says how
+    many)."""
+    ok = query_heads[query_heads["status"] == "ok"]
+    units = dict(EXTRA_METRICS)
+    out = metrics.copy()
+    for col in ("beta_norm_window", "beta_norm_per_token", "mean_coord_r2"):
+        row = metric_row(model_key, METRIC_NAMES[col], ok[col], unit=units[col], options=record)
+        at = out.index[out["metric"] == row["metric"]]
+        if len(at):
+            out.loc[at[0], list(row)] = list(row.values())
+    return out
 
 
 #: one row per head of ``plasticity_query_heads``: its SPEC 4.1 query model, on what it rests, whether the head is
