@@ -666,9 +666,9 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
 
 def _every_head_drift(metrics: pd.DataFrame, query_heads: pd.DataFrame, model_key: str,
                       record: dict[str, Any]) -> pd.DataFrame:
-    """``metrics`` with its query-model rows (query_drift_norm_window, query_drift_norm, query_mean_coord_r2) taken
-    over every eligible head of ``query_heads`` instead of the analysed ones, in place (their ``n_heads`` says how
-    many)."""
+    """A copy of ``metrics`` whose query-model rows (query_drift_norm_window, query_drift_norm, query_mean_coord_r2)
+    average every eligible head of ``query_heads`` instead of the analysed ones, each row where it was (its
+    ``n_heads`` says how many)."""
     ok = query_heads[query_heads["status"] == "ok"]
     units = dict(EXTRA_METRICS)
     out = metrics.copy()
