@@ -107,17 +107,28 @@ def test_first_demo_materialises_every_stage_for_every_model(demo_run: dict, mon
     monkeypatch.setenv("DAGSTER_HOME", str(demo_run["home"]))  # the instance config's storage reads it
     with DagsterInstance.from_config(str(demo_run["home"])) as instance:
         runs = instance.get_run_records(RunsFilter(tags={"dagster/backfill": backfill_id}))
-        # when each run's last materialization was recorded (the backfill launches a partition on its inputs'
-        # materializations; the run's own end is stamped a few ms later, and a downstream run may start before it)
-        # (a run without one counts as never written, so the order check below fails naming its partition)
-        written = {r.dagster_run.run_id: max((e.timestamp for e in instance.get_records_for_run(
-            r.dagster_run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records), default=float("inf"))
-            for r in runs}
+        # when each run materialized each asset: the backfill launches a partition once what it reads is
+        # materialized, while the run upstream may still be writing its other outputs (and its own end is stamped
+        # later still)
+        written: dict[str, dict[AssetKey, float]] = {}
+        for r in runs:
+            seen = written.setdefault(r.dagster_run.run_id, {})
+            for e in instance.get_records_for_run(r.dagster_run.run_id,
+                                                  of_type=DagsterEventType.ASSET_MATERIALIZATION).records:
+                key = e.event_log_entry.dagster_event.asset_key
+                seen[key] = max(seen.get(key, 0.0), e.timestamp)
     assert runs and all(r.dagster_run.status == DagsterRunStatus.SUCCESS for r in runs)
     by_part = {r.dagster_run.tags.get("dagster/partition"): r for r in runs}
     upstream = {f"{c}|{m}": [c] for m in MODELS for c in CORPORA} | {m: [f"{c}|{m}" for c in CORPORA] for m in MODELS}
+    from qk_assets.definitions import defs
+
+    graph = defs.resolve_asset_graph()
     for part, ups in upstream.items():  # each partition's run starts after what it reads was materialized
-        assert max(written[by_part[u].dagster_run.run_id] for u in ups) <= by_part[part].start_time, (part, ups)
+        run = by_part[part]
+        reads = {parent for key in run.dagster_run.asset_selection for parent in graph.get(key).parent_keys}
+        for u in ups:  # (an upstream run that wrote none of it fails here, naming the partitions)
+            times = [t for key, t in written[by_part[u].dagster_run.run_id].items() if key in reads]
+            assert times and max(times) <= run.start_time, (part, u, sorted(k.to_user_string() for k in reads))
     report = [r for r in runs if AssetKey("report_html") in (r.dagster_run.asset_selection or set())]
     assert len(report) == 1 and report[0].end_time == max(r.end_time for r in runs)
     assert f"report: {(storage / 'report' / 'index.html').as_uri()}" in out
