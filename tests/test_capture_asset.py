@@ -39,6 +39,16 @@ def partitioned_instance():
     return instance
 
 
+def resources_at(root: Path, device: str = "cpu") -> dict:
+    """The capture's resources over a storage root ``root`` (local disk, no Ray cluster)."""
+    from qk_assets.io_manager import ParquetIOManager
+    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+
+    res = StorageResource(root=str(root))
+    return {"storage": res, "io_manager": ParquetIOManager(storage=res), "device": TorchDeviceResource(device=device),
+            "ray": RayClusterResource()}
+
+
 @pytest.fixture
 def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, Path]]:
     tm.build_tiny_model("llama", tmp_path / "llama")
@@ -78,13 +88,10 @@ def test_asset_definition() -> None:
 def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Path]) -> None:
     from dagster import AssetKey, materialize
 
-    from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+    from qk_assets.io_manager import asset_rel
 
     corpus_mod, capture_mod, tmp = modules
-    res = StorageResource(root=str(tmp / "storage"))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="auto"), "ray": RayClusterResource()}
+    resources = resources_at(tmp / "storage", "auto")
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
     assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
@@ -140,13 +147,9 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     """A head file altered after the capture completed: the rerun's check fails naming it, downstream never runs."""
     from dagster import AssetIn, AssetKey, asset, materialize
 
-    from qk_assets.io_manager import ParquetIOManager
-    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
     corpus_mod, capture_mod, tmp = modules
-    res = StorageResource(root=str(tmp / "storage"))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
+    resources = resources_at(tmp / "storage")
     ran: list[str] = []
 
     @asset(ins={"qk_capture": AssetIn()}, partitions_def=capture_mod.qk_capture.partitions_def)
@@ -182,13 +185,10 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
 def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:
     from dagster import AssetKey, materialize
 
-    from qk_assets.io_manager import ParquetIOManager, asset_rel
-    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
+    from qk_assets.io_manager import asset_rel
 
     corpus_mod, capture_mod, tmp = modules
-    res = StorageResource(root=str(tmp / "storage"))
-    resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                 "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
+    resources = resources_at(tmp / "storage")
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
     assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
@@ -209,8 +209,6 @@ def test_an_unlisted_pair_materialised_by_hand_fails_naming_the_registry_field(
     hand fails naming the registry file and the field to edit, and stores nothing."""
     from dagster import AssetKey, materialize
 
-    from qk_assets.io_manager import ParquetIOManager
-    from qk_assets.resources import RayClusterResource, StorageResource, TorchDeviceResource
 
     tm.build_tiny_model("llama", tmp_path / "llama")
     for name in ("corpus", "other"):
@@ -221,9 +219,7 @@ def test_an_unlisted_pair_materialised_by_hand_fails_naming_the_registry_field(
     monkeypatch.setenv("QK_REGISTRY", str(reg))
     try:
         corpus_mod, capture_mod = reload_modules()
-        res = StorageResource(root=str(tmp_path / "storage"))
-        resources = {"storage": res, "io_manager": ParquetIOManager(storage=res),
-                     "device": TorchDeviceResource(device="cpu"), "ray": RayClusterResource()}
+        resources = resources_at(tmp_path / "storage")
         assets = [corpus_mod.corpus, capture_mod.qk_capture]
         instance = partitioned_instance()
         assert materialize(assets, selection=[AssetKey("corpus")], partition_key="other", resources=resources,
