@@ -49,6 +49,19 @@ def resources_at(root: Path, device: str = "cpu") -> dict:
             "ray": RayClusterResource()}
 
 
+def capture_run(assets: list, pair: str, resources: dict, instance, *also: str, corpus_first: bool = True,
+                raise_on_error: bool = True):
+    """Materialise the partition ``pair`` ("corpus|model") of ``qk_capture`` (and of the assets ``also``, in the same
+    run), after the corpus partition when ``corpus_first``; the capture run's result."""
+    from dagster import AssetKey, materialize
+
+    if corpus_first:
+        assert materialize(assets, selection=[AssetKey("corpus")], partition_key=pair.split("|")[0],
+                           resources=resources, instance=instance).success
+    return materialize(assets, selection=[AssetKey(k) for k in ("qk_capture", *also)], partition_key=pair,
+                       resources=resources, raise_on_error=raise_on_error, instance=instance)
+
+
 @pytest.fixture
 def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType, Path]]:
     tm.build_tiny_model("llama", tmp_path / "llama")
@@ -86,18 +99,13 @@ def test_asset_definition() -> None:
 
 
 def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Path]) -> None:
-    from dagster import AssetKey, materialize
-
     from qk_assets.io_manager import asset_rel
 
     corpus_mod, capture_mod, tmp = modules
     resources = resources_at(tmp / "storage", "auto")
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
-                       instance=instance).success
-    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
-                         resources=resources, instance=instance)
+    result = capture_run(assets, "tiny|tiny-llama", resources, instance)
     assert result.success
     value = result.output_for_node("qk_capture")
     assert list(value.columns) == VALUE_COLUMNS and len(value) == 6
@@ -134,8 +142,7 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
     assert len(kept) == 3 and check.metadata["files_hashed"].value == len(reader.complete["files"]) - 3
     assert "3 by size" in check.description
 
-    again = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-llama",
-                        resources=resources, instance=instance)
+    again = capture_run(assets, "tiny|tiny-llama", resources, instance, corpus_first=False)
     meta2 = again.asset_materializations_for_node("qk_capture")[0].metadata
     assert meta2["documents_resumed_or_reused"].value == 3 and meta2["documents_captured_this_run"].value == 0
     check2 = again.get_asset_check_evaluations()[0]
@@ -145,8 +152,7 @@ def test_materialise_capture_partition(modules: tuple[ModuleType, ModuleType, Pa
 
 def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[ModuleType, ModuleType, Path]) -> None:
     """A head file altered after the capture completed: the rerun's check fails naming it, downstream never runs."""
-    from dagster import AssetIn, AssetKey, asset, materialize
-
+    from dagster import AssetIn, asset
 
     corpus_mod, capture_mod, tmp = modules
     resources = resources_at(tmp / "storage")
@@ -159,10 +165,7 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
 
     assets = [corpus_mod.corpus, capture_mod.qk_capture, downstream]
     instance = partitioned_instance()
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
-                       instance=instance).success
-    first = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
-                        partition_key="tiny|tiny-llama", resources=resources, instance=instance)
+    first = capture_run(assets, "tiny|tiny-llama", resources, instance, "downstream")
     assert first.success and ran == ["downstream"]
     value = first.output_for_node("qk_capture")
     row = value.iloc[0]
@@ -172,9 +175,8 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     data[len(data) // 3] ^= 0x01
     path.write_bytes(bytes(data))
     ran.clear()
-    second = materialize(assets, selection=[AssetKey("qk_capture"), AssetKey("downstream")],
-                         partition_key="tiny|tiny-llama", resources=resources, raise_on_error=False,
-                         instance=instance)
+    second = capture_run(assets, "tiny|tiny-llama", resources, instance, "downstream", corpus_first=False,
+                         raise_on_error=False)
     check = second.get_asset_check_evaluations()[0]
     assert not check.passed and rel.rsplit("/", 1)[1] in check.description and "SHA-256" in check.description
     assert check.partition == "tiny|tiny-llama" and check.blocking
@@ -183,18 +185,13 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
 
 
 def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:
-    from dagster import AssetKey, materialize
-
     from qk_assets.io_manager import asset_rel
 
     corpus_mod, capture_mod, tmp = modules
     resources = resources_at(tmp / "storage")
     assets = [corpus_mod.corpus, capture_mod.qk_capture]
     instance = partitioned_instance()
-    assert materialize(assets, selection=[AssetKey("corpus")], partition_key="tiny", resources=resources,
-                       instance=instance).success
-    result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="tiny|tiny-mllama",
-                         resources=resources, raise_on_error=False, instance=instance)
+    result = capture_run(assets, "tiny|tiny-mllama", resources, instance, raise_on_error=False)
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure)
     assert "requested layer 1 is a cross-attention layer" in str(failure.step_failure_data.error)
@@ -207,9 +204,6 @@ def test_an_unlisted_pair_materialised_by_hand_fails_naming_the_registry_field(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A (model, corpus) partition of the grid the registry does not list (qk_assets.partitions): materialising it by
     hand fails naming the registry file and the field to edit, and stores nothing."""
-    from dagster import AssetKey, materialize
-
-
     tm.build_tiny_model("llama", tmp_path / "llama")
     for name in ("corpus", "other"):
         tm.write_corpus_jsonl(tmp_path / f"{name}.jsonl", tm.sample_texts(2, 80, seed=3))
@@ -222,10 +216,7 @@ def test_an_unlisted_pair_materialised_by_hand_fails_naming_the_registry_field(
         resources = resources_at(tmp_path / "storage")
         assets = [corpus_mod.corpus, capture_mod.qk_capture]
         instance = partitioned_instance()
-        assert materialize(assets, selection=[AssetKey("corpus")], partition_key="other", resources=resources,
-                           instance=instance).success
-        result = materialize(assets, selection=[AssetKey("qk_capture")], partition_key="other|tiny-llama",
-                             resources=resources, raise_on_error=False, instance=instance)
+        result = capture_run(assets, "other|tiny-llama", resources, instance, raise_on_error=False)
         assert not result.success
         failure = str(next(e for e in result.all_events if e.is_step_failure).step_failure_data.error)
         assert str(reg) in failure and "'tiny-llama' is not captured on corpus 'other'" in failure
