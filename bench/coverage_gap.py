@@ -8,17 +8,22 @@ is analysed twice: ``coverage = "sampled"`` (the sampled heads' sampled rows, th
 Per-head quantities of PCA (SPEC 2), rotation (SPEC 3), AP (SPEC 4.5; of the sampled heads under both coverages:
 it needs their key pairs) and the query model (SPEC 4.1; with "all" of every eligible head, ``plasticity_query_heads``)
 are compared per metric: the model mean over heads under each coverage, their difference, the spread over heads (IQR of
-each), the median and 90th percentile over heads of the per-head |difference|, and the heads and positions
-each rests on. Model-level plasticity metrics (SPEC 4.5) are compared with their intervals (the document
-bootstrap percentile rule for both: the jackknife-t rule refits the query model without each document, which
-the merged moments cannot).
+each), the median and 90th percentile over heads of the per-head |difference|, the heads and positions each rests
+on, and the gap of the means split into what drawing the heads and what sampling positions contributes, each against
+the standard error chance gives it (:func:`split_gap`). Model-level plasticity metrics (SPEC 4.5) are compared with
+their intervals (the document bootstrap percentile rule for both: the jackknife-t rule refits the query model without
+each document, which the merged moments cannot).
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
     .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
 
-writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: one capture per model); ``--heads N`` samples N
-heads instead of the entry's ``capture.heads`` (the demo models have fewer eligible heads than the thesis's 300, so
-only positions are sampled there) and writes ``coverage_gap_heads<N>.{json,md}``.
+The position-sampling part of each gap is also measured under ``--draws`` more position draws: captures of the same
+heads with the next sampler seeds (no moments), analysed with coverage "sampled". Every head of a capture reads the
+same sampled positions, so only other draws show that part's noise, and whether its mean over the draws is a bias.
+
+writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: 1 + draws captures per model); ``--heads N``
+samples N heads instead of the entry's ``capture.heads`` (the demo models have fewer eligible heads than the thesis's
+300, so only positions are sampled there) and writes ``coverage_gap_heads<N>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ ROT_COLS = {c: u for c, u in ROTATION_UNITS.items() if c in (
     "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
 PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP"}
 # the query model (SPEC 4.1): with coverage "all" of every eligible head (plasticity_query_heads), AP of sampled ones
+#: two-sided 95% normal quantile: a head-sampling part beyond this many standard errors is flagged (:func:`split_gap`)
+Z95 = 1.96
 QUERY_COLS = {"beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
               "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
 
@@ -92,34 +99,116 @@ def _median_count(df: pd.DataFrame) -> int | None:
     return int(np.median(df[col])) if col in df and len(df) else None
 
 
-def compare(sampled: pd.DataFrame, every: pd.DataFrame, cols: dict[str, str], analysis: str) -> list[dict]:
-    """One row per column: model means under each coverage, spread over heads and per-head differences."""
-    s = sampled[sampled["status"] == "ok"] if "status" in sampled else sampled
-    a = every[every["status"] == "ok"] if "status" in every else every
-    joined = s.merge(a, on=KEYS, suffixes=("_s", "_a"))
+def split_gap(sampled: np.ndarray, paired: np.ndarray, every: np.ndarray) -> dict[str, float]:
+    """The model mean's gap (sampled protocol - every head at every position) split in two.
+
+    ``every``: a metric's value of each of the N eligible heads from every position; ``paired``: of the n heads the
+    capture sampled, their value from every position; ``sampled``: the same n heads' value from their sampled
+    positions (row for row). Then mean(sampled) - mean(every) = heads + positions:
+
+    - ``heads`` = mean(paired) - mean(every), what drawing n of the N heads moves the mean. The head sampler draws
+      them uniformly without replacement (SPEC 1.5), so its standard error is the finite-population one,
+      ``se_heads`` = sqrt(S^2 / n (1 - n / N)), S^2 the variance over the N heads (ddof 1): 0 when every head is
+      sampled.
+    - ``positions`` = mean(sampled - paired), what sampling positions moves the same heads' mean. Every head of a
+      capture reads the same sampled positions (SPEC 1.6: drawn per document and bucket), so the heads' errors are
+      correlated and their spread does not give this part's standard error: :func:`position_draws` does, from
+      captures of other position draws.
+    """
+    n, big_n = len(paired), len(every)
+    heads = float(paired.mean() - every.mean()) if n and big_n else float("nan")
+    se_heads = (float(np.sqrt(every.var(ddof=1) / n * (1 - n / big_n))) if n and big_n > 1 else float("nan"))
+    positions = float((sampled - paired).mean()) if n else float("nan")
+    return {"gap": heads + positions, "heads": heads, "se_heads": se_heads, "positions": positions}
+
+
+def position_draws(parts: np.ndarray) -> dict[str, float]:
+    """The position-sampling part of a metric's gap (:func:`split_gap`) under R independent position draws (the same
+    heads, R sampler seeds): ``positions_sd``, its standard deviation over draws (the noise of one run's part);
+    ``positions_bias``, its mean, with standard error sd / sqrt(R) and ``positions_t`` = bias / that, flagged
+    (``positions_biased``) beyond the two-sided 95% quantile of Student's t with R - 1 degrees of freedom: a bias of the
+    sampled estimator, not noise."""
+    from scipy import stats
+
+    parts = np.asarray(parts, float)
+    parts = parts[np.isfinite(parts)]
+    r = len(parts)
+    if r < 2:
+        return {"positions_sd": float("nan"), "positions_bias": float("nan"), "positions_bias_se": float("nan"),
+                "positions_t": float("nan"), "positions_biased": False, "draws": r}
+    sd = float(parts.std(ddof=1))
+    se = sd / np.sqrt(r)
+    t = float(parts.mean() / se) if se > 0 else float("nan")
+    return {"positions_sd": sd, "positions_bias": float(parts.mean()), "positions_bias_se": se, "positions_t": t,
+            "positions_biased": bool(np.isfinite(t) and abs(t) > stats.t.ppf(0.975, r - 1)), "draws": r}
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"] if "status" in df else df
+
+
+def _values(df: pd.DataFrame, col: str) -> pd.Series:
+    """A metric's finite values of the heads with status ok, indexed by (layer, q_head)."""
+    ok = _ok(df)
+    v = pd.to_numeric(ok[col], errors="coerce")
+    v.index = pd.MultiIndex.from_frame(ok[KEYS])
+    return v[np.isfinite(v)]
+
+
+def compare(sampled: pd.DataFrame, every: pd.DataFrame, cols: dict[str, str], analysis: str,
+            draws: tuple[pd.DataFrame, ...] = ()) -> list[dict]:
+    """One row per column: model means under each coverage, spread over heads, per-head differences, and the gap of
+    the means split into head and position sampling (:func:`split_gap`), the latter also under the other position
+    draws ``draws`` (the same heads' sampled-coverage rows of captures with other sampler seeds: :func:`position_draws`
+    over this capture's and theirs)."""
     rows = []
     for col, unit in cols.items():
-        if col not in s or col not in a:
+        if col not in sampled or col not in every:
             continue
-        vs, va = (pd.to_numeric(df[col], errors="coerce").to_numpy(float) for df in (s, a))
-        vs, va = vs[np.isfinite(vs)], va[np.isfinite(va)]
-        diff = (pd.to_numeric(joined[f"{col}_a"], errors="coerce")
-                - pd.to_numeric(joined[f"{col}_s"], errors="coerce")).abs().to_numpy(float)
-        diff = diff[np.isfinite(diff)]
+        vs, va = _values(sampled, col), _values(every, col)
+        both = vs.index.intersection(va.index)
+        js, ja = vs[both].to_numpy(), va[both].to_numpy()
+        diff = np.abs(ja - js)
+        split = split_gap(js, ja, va.to_numpy())
+        parts = [split["positions"]]
+        for other in draws:
+            vo = _values(other, col)
+            common = vo.index.intersection(va.index)
+            parts.append(float((vo[common] - va[common]).mean()) if len(common) else float("nan"))
         rows.append({
             "analysis": analysis, "metric": col, "unit": unit,
             "mean_sampled": float(vs.mean()) if len(vs) else float("nan"),
             "mean_all": float(va.mean()) if len(va) else float("nan"),
-            "iqr_sampled": _iqr(vs), "iqr_all": _iqr(va),
+            "iqr_sampled": _iqr(vs.to_numpy()), "iqr_all": _iqr(va.to_numpy()),
             "median_abs_diff": float(np.median(diff)) if len(diff) else float("nan"),
             "p90_abs_diff": float(np.percentile(diff, 90)) if len(diff) else float("nan"),
             "heads_sampled": len(vs), "heads_all": len(va), "heads_both": len(diff),
-            "q_positions_sampled": _median_count(s), "q_positions_all": _median_count(a),
+            "q_positions_sampled": _median_count(_ok(sampled)), "q_positions_all": _median_count(_ok(every)),
+            **{f"split_{k}": v for k, v in split.items()}, **position_draws(np.array(parts)),
+            "position_parts": parts,
         })
     return rows
 
 
-def measure(model: str, threads: int, n_heads: int | None = None) -> dict[str, Any]:
+def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, n: int,
+             cost: dict[str, float]) -> list[tuple[dict[str, pd.DataFrame], Any]]:
+    """``n`` more captures of the same heads (``capture_model(heads=...)``) with other sampler seeds, so other sampled
+    positions, no moments; each analysed with coverage "sampled" (:func:`position_draws`)."""
+    from qk_core.capture import capture_model
+
+    chosen = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
+    out = []
+    t = time.perf_counter()
+    for k in range(1, n + 1):
+        e = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, seed=entry.capture.seed + k,
+                                                                   moments=False))
+        again = capture_model(e, docs, storage, heads=chosen).heads
+        out.append((_geometry(e.key, storage, again, "sampled"), _plasticity(e.key, storage, again, e, "sampled")))
+    cost["redraws_s"] = time.perf_counter() - t
+    return out
+
+
+def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -150,10 +239,13 @@ def measure(model: str, threads: int, n_heads: int | None = None) -> dict[str, A
                 sampled = (geo, plast)
             else:
                 every = (geo, plast)
+        other = _redraws(entry, docs, storage, heads, draws, cost)
         for analysis, cols in (("pca", PCA_COLS), ("rotation", ROT_COLS)):
-            rows += compare(sampled[0][analysis], every[0][analysis], cols, analysis)
-        rows += compare(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity")
-        rows += compare(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model")
+            rows += compare(sampled[0][analysis], every[0][analysis], cols, analysis,
+                            tuple(g[analysis] for g, _ in other))
+        rows += compare(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity", tuple(p.heads for _, p in other))
+        rows += compare(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model",
+                        tuple(p.heads for _, p in other))
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
         ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
@@ -161,7 +253,8 @@ def measure(model: str, threads: int, n_heads: int | None = None) -> dict[str, A
     eligible = len(every[0]["pca"])
     return {"model": model, "corpus": corpus_name, "window": entry.window, "bucket": entry.bucket,
             "documents": len(docs), "sampled_heads": len(heads), "eligible_heads": eligible,
-            "per_bucket": entry.capture.per_bucket, "cost_s": cost, "heads": rows,
+            "per_bucket": entry.capture.per_bucket, "seed": entry.capture.seed, "draws": draws, "cost_s": cost,
+            "heads": rows,
             "model_metrics": json.loads(model_metrics.to_json(orient="records"))}
 
 
@@ -183,9 +276,28 @@ def _reading(run: dict[str, Any]) -> list[str]:
              f"{run['sampled_heads']} of {run['eligible_heads']} heads sampled: the PCA, rotation and query-model rows "
              f"compare them with every eligible head; AP rests on key pairs, which only the sampled heads have, so its "
              f"rows (and the model-level values below) compare the same {run['sampled_heads']} heads, positions alone")
+    z_heads = {f"{r['analysis']} {r['metric']}": _z_heads(r) for r in run["heads"]}
+    off = [f"{k} ({z:+.1f} SE)" for k, z in z_heads.items() if abs(z) > Z95]
+    tested = sum(np.isfinite(z) for z in z_heads.values())
+    biased = [f"{r['analysis']} {r['metric']} ({r['positions_bias']:+.3g}, t = {r['positions_t']:+.1f})"
+              for r in run["heads"] if r["positions_biased"]]
+    head_part = ("" if not tested else
+                 f"The head-sampling part lies beyond {Z95} of its standard errors for {', '.join(off) or 'no metric'} "
+                 f"(of {tested}; a uniform draw of heads puts about 1 in 20 there by chance, and the metrics are "
+                 f"correlated). ")
     return [f"Reading: {heads}. Model means that move by more than 1%: {', '.join(moved) or 'none'}. "
             f"Model-level plasticity values of every position outside the sampled 95% interval: "
-            f"{', '.join(outside) or 'none'} (of {len(run['model_metrics'])}).", ""]
+            f"{', '.join(outside) or 'none'} (of {len(run['model_metrics'])}).", "",
+            f"Where the gaps come from (second table). {head_part}Over {run['draws'] + 1} position draws of the same "
+            f"heads, the position-sampling part has a mean beyond the 95% Student-t bound (a bias of the sampled "
+            f"estimator, not noise) for {', '.join(biased) or 'no metric'} (of {len(run['heads'])}).", ""]
+
+
+def _z_heads(row: dict[str, Any]) -> float:
+    """The head-sampling part of a metric's gap in units of its standard error (:func:`split_gap`); nan where every
+    head is sampled."""
+    se = row["split_se_heads"]
+    return row["split_heads"] / se if np.isfinite(se) and se > 0 else float("nan")
 
 
 def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, name: str = "coverage_gap") -> None:
@@ -220,6 +332,24 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                          f"{_f(r['median_abs_diff'])} | {_f(r['p90_abs_diff'])} | {r['heads_sampled']} / "
                          f"{r['heads_all']} / {r['heads_both']} | {r['q_positions_sampled']} / "
                          f"{r['q_positions_all']} |")
+        lines += ["", "Where each model mean's gap (sampled - all) comes from (`split_gap`, `position_draws`): drawing "
+                  "the sampled heads from the eligible ones (± its finite-population standard error; none when every "
+                  f"head is sampled), and sampling positions of the same heads: this capture's part, its standard "
+                  f"deviation over {run['draws'] + 1} position draws (sampler seeds {run['seed']} to "
+                  f"{run['seed'] + run['draws']}, the same heads), and its mean over them ± standard error, t:", "",
+                  "| analysis | metric | gap | from head sampling | head-sampling SE / mean | from position sampling "
+                  "(sd over draws) | position bias over draws (t) |", "|---|---|---|---|---|---|---|"]
+        for r in run["heads"]:
+            rel = r["split_se_heads"] / abs(r["mean_all"]) if r["mean_all"] else float("nan")
+            z = _z_heads(r)
+            head = f"{_f(r['split_heads'], 3)} ± {_f(r['split_se_heads'], 2)}" + (
+                f" ({z:+.1f} SE)" if np.isfinite(z) else "")
+            flag = " **biased**" if r["positions_biased"] else ""
+            lines.append(f"| {r['analysis']} | {r['metric']} | {_f(r['split_gap'], 3)} | {head} | "
+                         f"{_f(100 * rel, 2) + '%' if np.isfinite(rel) and rel > 0 else ''} | "
+                         f"{_f(r['split_positions'], 3)} ({_f(r['positions_sd'], 2)}) | "
+                         f"{_f(r['positions_bias'], 3)} ± {_f(r['positions_bias_se'], 2)} "
+                         f"({_f(r['positions_t'], 2)}){flag} |")
         lines += ["", "Model-level plasticity metrics (SPEC 4.5; 95% document bootstrap percentile intervals):", "",
                   "| metric | key | sampled [lo, hi] | all [lo, hi] | all inside sampled interval |",
                   "|---|---|---|---|---|"]
@@ -240,12 +370,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=None,
                    help="sample this many heads instead of the entry's capture.heads (the thesis's 300 of a larger "
                         "model's heads, at the demo's scale); results go to coverage_gap_heads<N>.*")
+    p.add_argument("--draws", type=int, default=4,
+                   help="captures of the same heads with other sampler seeds, for the position-sampling part's noise "
+                        "and bias (position_draws)")
     args = p.parse_args()
     from qk_core.config.registry import load_registry
 
     models = args.models or load_registry().in_group("demo")
     t = time.perf_counter()
-    runs = [measure(m, args.threads, args.heads) for m in models]
+    runs = [measure(m, args.threads, args.heads, args.draws) for m in models]
     name = "coverage_gap" if args.heads is None else f"coverage_gap_heads{args.heads}"
     write(runs, args, time.perf_counter() - t, name)
     print((RESULTS / f"{name}.md").read_text())
