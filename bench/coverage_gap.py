@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from qk_core.geometry.pca import PCA_UNITS
 from qk_core.geometry.rotation import ROTATION_UNITS
@@ -55,10 +56,10 @@ ROT_COLS = {c: u for c, u in ROTATION_UNITS.items() if c in (
     "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
 PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP"}
 # the query model (SPEC 4.1): with coverage "all" of every eligible head (plasticity_query_heads), AP of sampled ones
-#: two-sided 95% normal quantile: a head-sampling part beyond this many standard errors is flagged (:func:`split_gap`)
-Z95 = 1.96
 QUERY_COLS = {"beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
               "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
+#: two-sided 95% normal quantile: a head-sampling part beyond this many standard errors is flagged (:func:`split_gap`)
+Z95 = 1.96
 
 
 def _capture(entry: Any, docs: pd.DataFrame, storage: Any) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -128,8 +129,6 @@ def position_draws(parts: np.ndarray) -> dict[str, float]:
     ``positions_bias``, its mean, with standard error sd / sqrt(R) and ``positions_t`` = bias / that, flagged
     (``positions_biased``) beyond the two-sided 95% quantile of Student's t with R - 1 degrees of freedom: a bias of the
     sampled estimator, not noise."""
-    from scipy import stats
-
     parts = np.asarray(parts, float)
     parts = parts[np.isfinite(parts)]
     r = len(parts)
