@@ -107,10 +107,10 @@ def split_gap(sampled: np.ndarray, paired: np.ndarray, every: np.ndarray) -> dic
     capture sampled, their value from every position; ``sampled``: the same n heads' value from their sampled
     positions (row for row). Then mean(sampled) - mean(every) = heads + positions:
 
-    - ``heads`` = mean(paired) - mean(every), what drawing n of the N heads moves the mean. The head sampler draws
-      them uniformly without replacement (SPEC 1.5), so its standard error is the finite-population one,
-      ``se_heads`` = sqrt(S^2 / n (1 - n / N)), S^2 the variance over the N heads (ddof 1): 0 when every head is
-      sampled.
+    - ``heads`` = mean(paired) - mean(every), what drawing n of the N heads moves the mean. The head sampler
+      (``qk_core.capture.sampling.sample_heads``, SPEC 1.5) draws them uniformly without replacement, so its
+      standard error is the finite-population one, ``se_heads`` = sqrt(S^2 / n (1 - n / N)), S^2 the variance over
+      the N heads (ddof 1): 0 when every head is sampled.
     - ``positions`` = mean(sampled - paired), what sampling positions moves the same heads' mean. Every head of a
       capture reads the same sampled positions (SPEC 1.6: drawn per document and bucket), so the heads' errors are
       correlated and their spread does not give this part's standard error: :func:`position_draws` does, from
