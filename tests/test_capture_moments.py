@@ -225,9 +225,13 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
     n_tokens = int(res.doc_tokens["n_tokens"].sum())
     every = geometry_of_capture("m", storage, res.heads, PCAOptions(coverage="all"),
                                 RotationOptions(coverage="all", capture_floor="beta"))
+    chosen = set(zip(res.heads["layer"], res.heads["q_head"], strict=True))
     for table in (every["pca"][0], every["rotation"][0]):
         assert len(table) == 16 and set(table["coverage"]) == {"all"} and set(table["status"]) == {"ok"}
         assert set(table["n_q"]) == set(table["n_k"]) == {n_tokens} and set(table["n_docs"]) == {N_DOCS}
+        # the capture's 5 sampled heads are marked (SPEC 12.3: the sampled protocol's heads among every head)
+        marked = table[table["sampled"].astype(bool)]
+        assert set(zip(marked["layer"], marked["q_head"], strict=True)) == chosen and len(marked) == 5
     assert '"coverage": "all"' in every["pca"][0]["options"].iloc[0]
     full = CaptureReader(setup["full_storage"], setup["full"].prefix)
     want = {(layer, r["q_head"]): r for layer in full.moment_layers()
@@ -242,6 +246,7 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
         for x, y in zip(a, b, strict=True):
             pd_testing.assert_frame_equal(x, y)
     assert set(sampled["pca"][0]["coverage"]) == {"sampled"} and len(sampled["pca"][0]) == 5
+    assert set(sampled["pca"][0]["sampled"]) == set(sampled["rotation"][0]["sampled"]) == {True}
     assert set(sampled["pca"][0]["n_docs"]) == {N_DOCS}
 
 

@@ -114,8 +114,9 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
 @multi_asset(
     outs={
         "pca_heads": AssetOut(**OUT, description=(
-            "One row per head (every eligible head with coverage `all`, the sampled ones with `sampled`; "
-            "`coverage`, `n_q`, `n_k`, `n_docs` say what each row rests on, SPEC 12.3): EVR, r_q, r_k per "
+            "One row per head (every eligible head with coverage `all`, the capture's sampled heads with coverage "
+            "`sampled`; `coverage`, `n_q`, `n_k`, `n_docs` say what each row rests on and `sampled` marks the "
+            "capture's sampled heads, SPEC 12.3): EVR, r_q, r_k per "
             "component (sign rule applied), PC0 taxonomy, "
             "positional budgets, the pooled mean and the components (row-major, n_components x d), counts, "
             "status/reason for heads that could not be analysed, options (SPEC 2).")),
@@ -126,7 +127,8 @@ def _diagnostics_meta(heads: pd.DataFrame, options: RotationOptions) -> dict:
             "Per-model PCA values in the long metrics format: `pca_share_<class>`, pos_budget_q/k, "
             "pca_pc0_*, pca_evr / pca_abs_r_q / pca_abs_r_k per component (key `pc<j>`).")),
         "rotation_heads": AssetOut(**OUT, description=(
-            "One row per head (as pca_heads: `coverage`, `n_q`, `n_k`, `n_docs`): drift axis a, separation axis "
+            "One row per head (as pca_heads: `coverage`, `sampled`, `n_q`, `n_k`, `n_docs`): drift axis a, "
+            "separation axis "
             "b, alpha_Q/alpha_K (per token and x L), "
             "mu_Q/K^a, mu_Q/K^b, bias_strength (per token, x L), r_q_a, r_k_a, variance fractions, "
             "separation_strength, split-half axis stability and position capture with pass/fail flags "

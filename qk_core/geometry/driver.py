@@ -4,7 +4,7 @@ once, PCA and rotation from the same moments; tables per model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,8 @@ def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca
                 items = _counted(items, len(capture), progress)
             out.update(run_geometry(model, items, *sampled, keep_points=keep_points))
         if any(o is not None for o in every):
-            out.update(geometry_of_moments(model, capture_moments(storage, capture), *every))
+            chosen = {(int(la), int(h)) for la, h in zip(capture["layer"], capture["q_head"], strict=True)}
+            out.update(geometry_of_moments(model, capture_moments(storage, capture), *every, sampled=chosen))
             if every[1] is not None:  # the plane figure's points: sampled rows on the every-position axes
                 rot = out["rotation"]
                 out["rotation"] = (*rot[:3], plane_points(storage, capture, rot[0], keep_points))
@@ -93,19 +94,24 @@ def capture_moments(storage: Storage, capture: pd.DataFrame) -> Iterator[tuple[i
 
 
 def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], pca_options: PCAOptions | None,
-                        rotation_options: RotationOptions | None) -> dict[str, tuple]:
+                        rotation_options: RotationOptions | None,
+                        sampled: Collection[tuple[int, int]] = ()) -> dict[str, tuple]:
     """SPEC 2 and/or 3 of every head of every layer from merged moments (SPEC 12.2): tables as
-    :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs. The rotation's
+    :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs; column ``sampled``
+    marks the (layer, q_head) pairs ``sampled`` lists (the capture's sampled heads, whose rows the sampled protocol
+    rests on: SPEC 12.3 compares the two). The rotation's
     plane points are empty (they need rows: :func:`plane_points`); its noise floor is the within-document
     permutation floor from the moments (:func:`qk_core.geometry.rotation.moment_permutation_floor`), or the
     analytic one by option."""
     pca_rows: list[dict[str, Any]] = []
     rot_rows: list[dict[str, Any]] = []
+    chosen = {(int(la), int(h)) for la, h in sampled}
     for window, lm in layers:
         for rec in layer_geometry(lm, window, pca_options, rotation_options):
             base = {"model": model, "layer": lm.layer, "q_head": rec["q_head"], "kv_head": rec["kv_head"],
-                    "coverage": "all", "d": lm.d, "window": window, "bucket": lm.bucket, "n_q": rec["n_q"],
-                    "n_k": rec["n_k"], "n_docs": rec["n_docs"]}
+                    "coverage": "all", "sampled": (int(lm.layer), int(rec["q_head"])) in chosen, "d": lm.d,
+                    "window": window, "bucket": lm.bucket, "n_q": rec["n_q"], "n_k": rec["n_k"],
+                    "n_docs": rec["n_docs"]}
             if rec["pca"] is not None:
                 pca_rows.append({**base, **rec["pca"]})
             if rec["rotation"] is not None:

@@ -92,7 +92,7 @@ def _int_or(value: Any, default: int) -> int:
 
 def head_columns(model: str, meta: dict[str, Any], head: HeadData | HeadInputError) -> dict[str, Any]:
     """The identity columns of one per-head row (counts, d, L, B come from the rows actually read)."""
-    out = {"model": model, **meta, "coverage": "sampled"}  # SPEC 12.3: coverage, positions and documents
+    out = {"model": model, **meta, "coverage": "sampled", "sampled": True}  # SPEC 12.3: coverage, positions, documents
     if isinstance(head, HeadData):
         out.update(d=head.d, kv_head=head.kv_head, window=head.window, bucket=head.bucket,
                    n_q=len(head.q), n_k=len(head.k),
