@@ -4,7 +4,7 @@ once, PCA and rotation from the same moments; tables per model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -41,8 +41,8 @@ def geometry_of_capture(model: str, storage: Storage, capture: pd.DataFrame, pca
                 items = _counted(items, len(capture), progress)
             out.update(run_geometry(model, items, *sampled, keep_points=keep_points))
         if any(o is not None for o in every):
-            chosen = {(int(la), int(h)) for la, h in zip(capture["layer"], capture["q_head"], strict=True)}
-            out.update(geometry_of_moments(model, capture_moments(storage, capture), *every, sampled=chosen))
+            out.update(geometry_of_moments(model, capture_moments(storage, capture), *every,
+                                           sampled=list(zip(capture["layer"], capture["q_head"], strict=True))))
             if every[1] is not None:  # the plane figure's points: sampled rows on the every-position axes
                 rot = out["rotation"]
                 out["rotation"] = (*rot[:3], plane_points(storage, capture, rot[0], keep_points))
@@ -95,7 +95,7 @@ def capture_moments(storage: Storage, capture: pd.DataFrame) -> Iterator[tuple[i
 
 def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], pca_options: PCAOptions | None,
                         rotation_options: RotationOptions | None,
-                        sampled: Collection[tuple[int, int]] = ()) -> dict[str, tuple]:
+                        sampled: Iterable[tuple[int, int]] = ()) -> dict[str, tuple]:
     """SPEC 2 and/or 3 of every head of every layer from merged moments (SPEC 12.2): tables as
     :func:`run_geometry` with ``coverage = "all"``; ``layers`` holds (window L, moments) pairs; column ``sampled``
     marks the (layer, q_head) pairs ``sampled`` lists (the capture's sampled heads, whose rows the sampled protocol
