@@ -23,7 +23,8 @@ same sampled positions, so only other draws show that part's noise, and whether 
 
 writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: 1 + draws captures per model); ``--heads N``
 samples N heads instead of the entry's ``capture.heads`` (the demo models have fewer eligible heads than the thesis's
-300, so only positions are sampled there) and writes ``coverage_gap_heads<N>.{json,md}``.
+300, so only positions are sampled there) and writes ``coverage_gap_heads<N>.{json,md}``; ``--per-bucket M`` samples
+M positions per bucket and document instead of the entry's ``capture.per_bucket`` (``..._pb<M>``).
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, 
     return out
 
 
-def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4) -> dict[str, Any]:
+def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4,
+            per_bucket: int | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -218,7 +220,8 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
     reg = load_registry()
     entry = reg.model(model)
     entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True,
-                                                                  heads=n_heads or entry.capture.heads))
+                                                                  heads=n_heads or entry.capture.heads,
+                                                                  per_bucket=per_bucket or entry.capture.per_bucket))
     corpus_name = entry.corpora[0]
     docs, _ = build_corpus(reg.corpus(corpus_name))
     if entry.capture.max_docs:
@@ -369,6 +372,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=None,
                    help="sample this many heads instead of the entry's capture.heads (the thesis's 300 of a larger "
                         "model's heads, at the demo's scale); results go to coverage_gap_heads<N>.*")
+    p.add_argument("--per-bucket", type=int, default=None,
+                   help="sample this many positions per bucket and document instead of the entry's "
+                        "capture.per_bucket (SPEC 1.6); results go to coverage_gap[_heads<N>]_pb<M>.*")
     p.add_argument("--draws", type=int, default=4,
                    help="captures of the same heads with other sampler seeds, for the position-sampling part's noise "
                         "and bias (position_draws)")
@@ -377,8 +383,9 @@ def main() -> None:
 
     models = args.models or load_registry().in_group("demo")
     t = time.perf_counter()
-    runs = [measure(m, args.threads, args.heads, args.draws) for m in models]
-    name = "coverage_gap" if args.heads is None else f"coverage_gap_heads{args.heads}"
+    runs = [measure(m, args.threads, args.heads, args.draws, args.per_bucket) for m in models]
+    name = ("coverage_gap" + ("" if args.heads is None else f"_heads{args.heads}")
+            + ("" if args.per_bucket is None else f"_pb{args.per_bucket}"))
     write(runs, args, time.perf_counter() - t, name)
     print((RESULTS / f"{name}.md").read_text())
 
