@@ -10,7 +10,8 @@ it needs their key pairs) and the query model (SPEC 4.1; with "all" of every eli
 are compared per metric: the model mean over heads under each coverage, their difference, the spread over heads (IQR of
 each), the median and 90th percentile over heads of the per-head |difference|, the heads and positions each rests
 on, and the gap of the means split into what drawing the heads and what sampling positions contributes, each against
-the standard error chance gives it (:func:`split_gap`). Model-level plasticity metrics (SPEC 4.5) are compared with
+the standard error chance gives it (``qk_core.stats.sampling_gap``; the ``geometry_coverage_gap`` asset reports
+the same per model partition, without the position draws). Model-level plasticity metrics (SPEC 4.5) are compared with
 their intervals (the document bootstrap percentile rule for both: the jackknife-t rule refits the query model without
 each document, which the merged moments cannot).
 
@@ -42,25 +43,15 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
-from qk_core.geometry.pca import PCA_UNITS
-from qk_core.geometry.rotation import ROTATION_UNITS
+from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS
+from qk_core.stats.sampling_gap import Z95, compare_coverages
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KEYS = ["layer", "q_head"]
-# per-head columns compared (SPEC 2, 3, 4.1, 4.5), with their units
-PCA_COLS = {c: u for c, u in PCA_UNITS.items() if c in ("pc0_evr", "pc0_r_q", "pc0_r_k", "pc1_evr", "evr_kept",
-                                                       "pos_budget_q", "pos_budget_k")}
-ROT_COLS = {c: u for c, u in ROTATION_UNITS.items() if c in (
-    "alpha_k", "alpha_k_window", "mu_q_a", "bias_strength", "bias_strength_window", "r_q_a", "r_k_a",
-    "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
 PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP"}
 # the query model (SPEC 4.1): with coverage "all" of every eligible head (plasticity_query_heads), AP of sampled ones
 QUERY_COLS = {"beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
               "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
-#: two-sided 95% normal quantile: a head-sampling part beyond this many standard errors is flagged (:func:`split_gap`)
-Z95 = 1.96
 
 
 def _capture(entry: Any, docs: pd.DataFrame, storage: Any) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -89,105 +80,6 @@ def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, cover
     prefix = str(heads["capture_prefix"].iloc[0])
     pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
     return analyse_capture(model, storage, prefix, pairs, opts)
-
-
-def _iqr(v: np.ndarray) -> float:
-    return float(np.subtract(*np.percentile(v, [75, 25]))) if len(v) else float("nan")
-
-
-def _median_count(df: pd.DataFrame) -> int | None:
-    """Median query positions per head: ``n_q`` (geometry) or ``n_queries_model`` (the query model)."""
-    col = "n_q" if "n_q" in df else "n_queries_model"
-    return int(np.median(df[col])) if col in df and len(df) else None
-
-
-def split_gap(sampled: np.ndarray, paired: np.ndarray, every: np.ndarray) -> dict[str, float]:
-    """The model mean's gap (sampled protocol - every head at every position) split in two.
-
-    ``every``: a metric's value of each of the N eligible heads from every position; ``paired``: of the n heads the
-    capture sampled, their value from every position; ``sampled``: the same n heads' value from their sampled
-    positions (row for row). Then mean(sampled) - mean(every) = heads + positions:
-
-    - ``heads`` = mean(paired) - mean(every), what drawing n of the N heads moves the mean. The head sampler
-      (``qk_core.capture.sampling.sample_heads``, SPEC 1.5) draws them uniformly without replacement, so its
-      standard error is the finite-population one, ``se_heads`` = sqrt(S^2 / n (1 - n / N)), S^2 the variance over
-      the N heads (ddof 1): 0 when every head is sampled.
-    - ``positions`` = mean(sampled - paired), what sampling positions moves the same heads' mean. Every head of a
-      capture reads the same sampled positions (SPEC 1.6: drawn per document and bucket), so the heads' errors are
-      correlated and their spread does not give this part's standard error: :func:`position_draws` does, from
-      captures of other position draws.
-    """
-    n, big_n = len(paired), len(every)
-    heads = float(paired.mean() - every.mean()) if n and big_n else float("nan")
-    se_heads = (float(np.sqrt(every.var(ddof=1) / n * (1 - n / big_n))) if n and big_n > 1 else float("nan"))
-    positions = float((sampled - paired).mean()) if n else float("nan")
-    return {"gap": heads + positions, "heads": heads, "se_heads": se_heads, "positions": positions}
-
-
-def position_draws(parts: np.ndarray) -> dict[str, float]:
-    """The position-sampling part of a metric's gap (:func:`split_gap`) under R independent position draws (the same
-    heads, R sampler seeds): ``positions_sd``, its standard deviation over draws (the noise of one run's part);
-    ``positions_bias``, its mean, with standard error sd / sqrt(R) and ``positions_t`` = bias / that, flagged
-    (``positions_biased``) beyond the two-sided 95% quantile of Student's t with R - 1 degrees of freedom: a bias of the
-    sampled estimator, not noise."""
-    parts = np.asarray(parts, float)
-    parts = parts[np.isfinite(parts)]
-    r = len(parts)
-    if r < 2:
-        return {"positions_sd": float("nan"), "positions_bias": float("nan"), "positions_bias_se": float("nan"),
-                "positions_t": float("nan"), "positions_biased": False, "draws": r}
-    sd = float(parts.std(ddof=1))
-    se = sd / np.sqrt(r)
-    t = float(parts.mean() / se) if se > 0 else float("nan")
-    return {"positions_sd": sd, "positions_bias": float(parts.mean()), "positions_bias_se": se, "positions_t": t,
-            "positions_biased": bool(np.isfinite(t) and abs(t) > stats.t.ppf(0.975, r - 1)), "draws": r}
-
-
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df else df
-
-
-def _values(df: pd.DataFrame, col: str) -> pd.Series:
-    """A metric's finite values of the heads with status ok, indexed by (layer, q_head)."""
-    ok = _ok(df)
-    v = pd.to_numeric(ok[col], errors="coerce")
-    v.index = pd.MultiIndex.from_frame(ok[KEYS])
-    return v[np.isfinite(v)]
-
-
-def compare(sampled: pd.DataFrame, every: pd.DataFrame, cols: dict[str, str], analysis: str,
-            draws: tuple[pd.DataFrame, ...] = ()) -> list[dict]:
-    """One row per column: model means under each coverage, spread over heads, per-head differences, and the gap of
-    the means split into head and position sampling (:func:`split_gap`), the latter also under the other position
-    draws ``draws`` (the same heads' sampled-coverage rows of captures with other sampler seeds: :func:`position_draws`
-    over this capture's and theirs)."""
-    rows = []
-    for col, unit in cols.items():
-        if col not in sampled or col not in every:
-            continue
-        vs, va = _values(sampled, col), _values(every, col)
-        both = vs.index.intersection(va.index)
-        js, ja = vs[both].to_numpy(), va[both].to_numpy()
-        diff = np.abs(ja - js)
-        split = split_gap(js, ja, va.to_numpy())
-        parts = [split["positions"]]
-        for other in draws:
-            vo = _values(other, col)
-            common = vo.index.intersection(va.index)
-            parts.append(float((vo[common] - va[common]).mean()) if len(common) else float("nan"))
-        rows.append({
-            "analysis": analysis, "metric": col, "unit": unit,
-            "mean_sampled": float(vs.mean()) if len(vs) else float("nan"),
-            "mean_all": float(va.mean()) if len(va) else float("nan"),
-            "iqr_sampled": _iqr(vs.to_numpy()), "iqr_all": _iqr(va.to_numpy()),
-            "median_abs_diff": float(np.median(diff)) if len(diff) else float("nan"),
-            "p90_abs_diff": float(np.percentile(diff, 90)) if len(diff) else float("nan"),
-            "heads_sampled": len(vs), "heads_all": len(va), "heads_both": len(diff),
-            "q_positions_sampled": _median_count(_ok(sampled)), "q_positions_all": _median_count(_ok(every)),
-            **{f"split_{k}": v for k, v in split.items()}, **position_draws(np.array(parts)),
-            "position_parts": parts,
-        })
-    return rows
 
 
 def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, n: int,
@@ -242,12 +134,13 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
             else:
                 every = (geo, plast)
         other = _redraws(entry, docs, storage, heads, draws, cost)
-        for analysis, cols in (("pca", PCA_COLS), ("rotation", ROT_COLS)):
-            rows += compare(sampled[0][analysis], every[0][analysis], cols, analysis,
-                            tuple(g[analysis] for g, _ in other))
-        rows += compare(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity", tuple(p.heads for _, p in other))
-        rows += compare(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model",
-                        tuple(p.heads for _, p in other))
+        for analysis, cols in (("pca", PCA_GAP_METRICS), ("rotation", ROTATION_GAP_METRICS)):
+            rows += compare_coverages(sampled[0][analysis], every[0][analysis], cols, analysis,
+                                      tuple(g[analysis] for g, _ in other))
+        rows += compare_coverages(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity",
+                                  tuple(p.heads for _, p in other))
+        rows += compare_coverages(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model",
+                                  tuple(p.heads for _, p in other))
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
         ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
@@ -278,7 +171,7 @@ def _reading(run: dict[str, Any]) -> list[str]:
              f"{run['sampled_heads']} of {run['eligible_heads']} heads sampled: the PCA, rotation and query-model rows "
              f"compare them with every eligible head; AP rests on key pairs, which only the sampled heads have, so its "
              f"rows (and the model-level values below) compare the same {run['sampled_heads']} heads, positions alone")
-    z_heads = {f"{r['analysis']} {r['metric']}": _z_heads(r) for r in run["heads"]}
+    z_heads = {f"{r['analysis']} {r['metric']}": r["z_heads"] for r in run["heads"]}
     off = [f"{k} ({z:+.1f} SE)" for k, z in z_heads.items() if abs(z) > Z95]
     tested = sum(np.isfinite(z) for z in z_heads.values())
     biased = [f"{r['analysis']} {r['metric']} ({r['positions_bias']:+.3g}, t = {r['positions_t']:+.1f})"
@@ -293,13 +186,6 @@ def _reading(run: dict[str, Any]) -> list[str]:
             f"Where the gaps come from (second table). {head_part}Over {run['draws'] + 1} position draws of the same "
             f"heads, the position-sampling part has a mean beyond the 95% Student-t bound (a bias of the sampled "
             f"estimator, not noise) for {', '.join(biased) or 'no metric'} (of {len(run['heads'])}).", ""]
-
-
-def _z_heads(row: dict[str, Any]) -> float:
-    """The head-sampling part of a metric's gap in units of its standard error (:func:`split_gap`); nan where every
-    head is sampled."""
-    se = row["split_se_heads"]
-    return row["split_heads"] / se if np.isfinite(se) and se > 0 else float("nan")
 
 
 def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, name: str = "coverage_gap") -> None:
@@ -342,14 +228,14 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                   "| analysis | metric | gap | from head sampling | head-sampling SE / mean | from position sampling "
                   "(sd over draws) | position bias over draws (t) |", "|---|---|---|---|---|---|---|"]
         for r in run["heads"]:
-            rel = r["split_se_heads"] / abs(r["mean_all"]) if r["mean_all"] else float("nan")
-            z = _z_heads(r)
-            head = f"{_f(r['split_heads'], 3)} ± {_f(r['split_se_heads'], 2)}" + (
+            rel = r["se_heads"] / abs(r["mean_all"]) if r["mean_all"] else float("nan")
+            z = r["z_heads"]
+            head = f"{_f(r['gap_heads'], 3)} ± {_f(r['se_heads'], 2)}" + (
                 f" ({z:+.1f} SE)" if np.isfinite(z) else "")
             flag = " **biased**" if r["positions_biased"] else ""
-            lines.append(f"| {r['analysis']} | {r['metric']} | {_f(r['split_gap'], 3)} | {head} | "
+            lines.append(f"| {r['analysis']} | {r['metric']} | {_f(r['gap'], 3)} | {head} | "
                          f"{_f(100 * rel, 2) + '%' if np.isfinite(rel) and rel > 0 else ''} | "
-                         f"{_f(r['split_positions'], 3)} ({_f(r['positions_sd'], 2)}) | "
+                         f"{_f(r['gap_positions'], 3)} ({_f(r['positions_sd'], 2)}) | "
                          f"{_f(r['positions_bias'], 3)} ± {_f(r['positions_bias_se'], 2)} "
                          f"({_f(r['positions_t'], 2)}){flag} |")
         lines += ["", "Model-level plasticity metrics (SPEC 4.5; 95% document bootstrap percentile intervals):", "",

@@ -17,6 +17,8 @@ import pandas as pd
 import pyarrow as pa
 from dagster import MarkdownMetadataValue, MetadataValue, TableColumn, TableMetadataValue, TableRecord, TableSchema
 
+from qk_core.stats.sampling_gap import GAP_COLUMNS, Z95
+
 #: Rows kept in a table entry; the whole table is the asset's stored value.
 MAX_ROWS = 200
 
@@ -139,3 +141,22 @@ def results_first(headline: dict[str, Any], metadata: dict[str, Any], options: A
     if options is not None:
         out["options"] = options if not isinstance(options, dict) else MetadataValue.json(options)
     return out
+
+
+def coverage_gap_metadata(table: pd.DataFrame, note: str) -> dict[str, Any]:
+    """The materialisation metadata of a coverage-gap table (SPEC 12.3, :mod:`qk_core.stats.sampling_gap`): what was
+    compared, the heads each coverage rests on, the metrics whose head part is beyond 1.96 standard errors, a preview
+    and what each column holds."""
+    flagged = [f"{r.analysis} {r.metric} ({r.z_heads:+.1f} SE)" for r in table.itertuples() if r.heads_beyond_95]
+    shown = table[["analysis", "metric", "mean_sampled", "mean_all", "gap", "gap_heads", "se_heads",
+                   "gap_positions"]] if len(table) else table
+    return {
+        "compared": note, "metrics": len(table),
+        "heads_sampled": int(table["heads_sampled"].max()) if len(table) else 0,
+        "heads_all": int(table["heads_all"].max()) if len(table) else 0,
+        f"head_part_beyond_{Z95}_se": MetadataValue.json(flagged),
+        "position_part": "one position draw: its noise and bias need other draws (bench/coverage_gap.py --draws)",
+        "preview": table_value(shown, max_rows=40, digits=4),
+        "columns": table_value(pd.DataFrame({"column": list(GAP_COLUMNS), "meaning": list(GAP_COLUMNS.values())}),
+                               max_rows=len(GAP_COLUMNS)),
+    }

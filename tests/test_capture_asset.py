@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import tiny_models as tm
 import torch
@@ -50,7 +51,7 @@ def resources_at(root: Path, device: str = "cpu") -> dict:
 
 
 def capture_run(assets: list, pair: str, resources: dict, instance, *also: str, corpus_first: bool = True,
-                raise_on_error: bool = True):
+                raise_on_error: bool = True, run_config: dict | None = None):
     """Materialise the partition ``pair`` ("corpus|model") of ``qk_capture`` (and of the assets ``also``, in the same
     run), after the corpus partition when ``corpus_first``; the capture run's result."""
     from dagster import AssetKey, materialize
@@ -59,7 +60,7 @@ def capture_run(assets: list, pair: str, resources: dict, instance, *also: str, 
         assert materialize(assets, selection=[AssetKey("corpus")], partition_key=pair.split("|")[0],
                            resources=resources, instance=instance).success
     return materialize(assets, selection=[AssetKey(k) for k in ("qk_capture", *also)], partition_key=pair,
-                       resources=resources, raise_on_error=raise_on_error, instance=instance)
+                       resources=resources, raise_on_error=raise_on_error, instance=instance, run_config=run_config)
 
 
 @pytest.fixture
@@ -71,6 +72,9 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[M
     reg = tm.write_registry(tmp_path / "registry.toml", {
         "tiny-llama": {"family": "llama", "source": {"local": str(tmp_path / "llama")}, "window": 96,
                        "bucket": 16, "capture": {"per_bucket": 2, "heads": 6}},
+        # plasticity's first and last fifths need buckets inside them (SPEC 4.5): 12 buckets of 8 tokens
+        "tiny-llama-b8": {"family": "llama", "source": {"local": str(tmp_path / "llama")}, "window": 96,
+                          "bucket": 8, "capture": {"per_bucket": 2, "heads": 6}},
         "tiny-mllama": {"family": "mllama", "source": {"local": str(tmp_path / "mllama")}, "window": 96,
                         "capture": {"layers": [1]}},
     }, tmp_path / "corpus.jsonl")
@@ -182,6 +186,55 @@ def test_blocking_check_stops_downstream_of_a_damaged_capture(modules: tuple[Mod
     assert check.partition == "tiny|tiny-llama" and check.blocking
     assert ran == [] and not second.success
     assert not second.asset_materializations_for_node("downstream")
+
+
+def test_coverage_gaps_compare_the_published_analyses_with_the_sampled_protocol(
+        modules: tuple[ModuleType, ModuleType, Path]) -> None:
+    """SPEC 12.3 through Dagster: one run materialises the capture (6 of 16 heads sampled, moments on), its geometry
+    and plasticity (coverage "all") and both coverage-gap assets, whose rows compare the published per-head tables
+    with the other coverage of the same capture, metric by metric, and whose metadata names the comparison and the
+    flagged head parts."""
+    from qk_assets.defs.geometry import geometry, geometry_coverage_gap
+    from qk_assets.defs.plasticity import plasticity, plasticity_coverage_gap
+
+    corpus_mod, capture_mod, tmp = modules
+    resources = resources_at(tmp / "storage")
+    assets = [corpus_mod.corpus, capture_mod.qk_capture, geometry, geometry_coverage_gap, plasticity,
+              plasticity_coverage_gap]
+    outs = ("pca_heads", "rotation_heads", "geometry_coverage_gap", "plasticity_heads", "plasticity_profiles",
+            "plasticity_bins", "plasticity_pairs", "plasticity_heatmap", "plasticity_components",
+            "plasticity_query_heads", "plasticity_metrics", "plasticity_coverage_gap")
+    config = {"ops": {"plasticity": {"config": {"options": {"plasticity": {
+        "bootstrap": 10, "pairs_per_bucket": 16, "min_queries_per_bucket": 4}}}}}}
+    result = capture_run(assets, "tiny|tiny-llama-b8", resources, partitioned_instance(), *outs, run_config=config)
+    assert result.success
+    gap = result.output_for_node("geometry_coverage_gap")
+    pca = result.output_for_node("geometry", "pca_heads")
+    assert len(pca) == 16 and set(pca["coverage"]) == {"all"} and int(pca["sampled"].sum()) == 6
+    assert set(gap["analysis"]) == {"pca", "rotation"} and set(gap["published"]) == {"all"}
+    # position_capture is defined only where a head's position signal clears its noise floor (SPEC 3)
+    defined = gap[gap["metric"] != "position_capture"]
+    assert set(defined["heads_sampled"]) == {6} and set(defined["heads_all"]) == {16}
+    assert (gap["heads_sampled"] <= 6).all() and (gap["heads_all"] <= 16).all()
+    row = gap.set_index(["analysis", "metric"]).loc[("pca", "pc0_evr")]
+    every = pca.set_index(["layer", "q_head"])["pc0_evr"]
+    assert np.isclose(row["mean_all"], every.mean(), rtol=1e-12)
+    assert np.isclose(row["gap_heads"], every[pca["sampled"].to_numpy()].mean() - every.mean(), rtol=1e-12)
+    assert (defined["se_heads"] > 0).all() and (gap["q_positions_sampled"] < gap["q_positions_all"]).all()
+    meta = result.asset_materializations_for_node("geometry_coverage_gap")[0].metadata
+    assert "published with coverage 'all'" in meta["compared"].value and meta["metrics"].value == len(gap)
+    flagged = {f"{r.analysis} {r.metric}" for r in gap.itertuples() if r.heads_beyond_95}
+    assert {f.split(" (")[0] for f in meta["head_part_beyond_1.96_se"].value} == flagged
+
+    pgap = result.output_for_node("plasticity_coverage_gap").set_index(["analysis", "metric"])
+    ap = result.output_for_node("plasticity", "plasticity_heads").set_index(["layer", "q_head"])["ap_overall"]
+    row = pgap.loc[("plasticity", "ap_overall")]
+    assert row["heads_all"] == row["heads_sampled"] == 6 and row["se_heads"] == 0
+    assert np.isclose(row["mean_all"], ap.mean(), rtol=1e-12) and row["gap_positions"] == row["gap"] != 0
+    row = pgap.loc[("query model", "beta_norm_per_token")]
+    assert row["heads_all"] == 16 and row["heads_sampled"] == 6 and row["se_heads"] > 0
+    meta = result.asset_materializations_for_node("plasticity_coverage_gap")[0].metadata
+    assert "no bootstrap" in meta["compared"].value and meta["metrics"].value == len(pgap)
 
 
 def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:

@@ -61,6 +61,17 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "full_storage": s_full, "full": capture_model(full.model("m"), corpus, s_full, device="cpu")}
 
 
+@pytest.fixture(scope="module")
+def without_moments(setup: dict[str, Any]) -> tuple[Storage, Any]:
+    """(storage, result) of the sampled capture taken again with ``capture.moments = false``."""
+    tmp = setup["tmp"]
+    reg = load_registry(tm.write_registry(tmp / "registry-nomoments.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 2, "heads": 5, "moments": False}}}, tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "nomoments")
+    return storage, capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+
+
 def test_moments_of_every_head_equal_a_float64_brute_force_over_every_row(setup: dict[str, Any]) -> None:
     full = CaptureReader(setup["full_storage"], setup["full"].prefix)
     sampled = CaptureReader(setup["storage"], setup["sampled"].prefix)
@@ -250,6 +261,65 @@ def test_driver_coverage_all_tables_every_head_and_sampled_stays_the_row_path(se
     assert set(sampled["pca"][0]["n_docs"]) == {N_DOCS}
 
 
+def test_coverage_gap_vanishes_where_every_head_and_position_is_sampled(setup: dict[str, Any]) -> None:
+    """SPEC 12.3 on the capture that sampled every head (100 >= 16) at every position (per_bucket = B): the two
+    coverages rest on the same rows, so every metric's gap and both parts are zero (SPEC 12.2: 1e-10 relative), and
+    the head part's standard error is 0 (the finite-population factor)."""
+    from qk_core.geometry.coverage import geometry_coverage_gap
+    from qk_core.geometry.driver import geometry_of_capture
+
+    storage, res = setup["full_storage"], setup["full"]
+    every = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions(capture_floor="beta"))
+    gap, note = geometry_coverage_gap("m", storage, res.heads, every["pca"][0], every["rotation"][0])
+    assert "published with coverage 'all'" in note and set(gap["published"]) == {"all"}
+    assert set(gap["analysis"]) == {"pca", "rotation"} and len(gap) >= 15
+    assert (gap["heads_sampled"] == gap["heads_all"]).all() and (gap["heads_both"] == gap["heads_all"]).all()
+    scale = np.maximum(gap["mean_all"].abs(), 1e-3)
+    for col in ("gap", "gap_heads", "gap_positions", "median_abs_diff", "p90_abs_diff"):
+        assert (gap[col].abs() <= 1e-8 * scale).all(), gap.loc[gap[col].abs() > 1e-8 * scale, ["metric", col]]
+    assert (gap["se_heads"] == 0).all() and not gap["heads_beyond_95"].any()
+    assert set(gap["q_positions_sampled"]) == set(gap["q_positions_all"])  # every position under both
+
+
+def test_coverage_gap_splits_the_sampled_heads_gap_either_way_round(setup: dict[str, Any],
+                                                                    without_moments: tuple[Storage, Any]) -> None:
+    """5 of 16 heads sampled at 2 positions per bucket: the head part is the 5 heads' every-position mean less the
+    16 heads' mean, with the finite-population standard error sqrt(S^2/5 (1 - 5/16)); the position part is the same
+    heads' sampled-row values less their every-position values. Published as either coverage, the other computed
+    from the capture: the same table. A capture without moments gives an empty table saying why."""
+    from qk_core.geometry.coverage import geometry_coverage_gap
+    from qk_core.geometry.driver import geometry_of_capture
+
+    storage, res = setup["storage"], setup["sampled"]
+    pca_o, rot_o = PCAOptions(), RotationOptions(capture_floor="beta")
+    every = geometry_of_capture("m", storage, res.heads, pca_o, rot_o)
+    rows = geometry_of_capture("m", storage, res.heads, dataclasses.replace(pca_o, coverage="sampled"),
+                               dataclasses.replace(rot_o, coverage="sampled"))
+    gap, _ = geometry_coverage_gap("m", storage, res.heads, every["pca"][0], every["rotation"][0])
+    back, note = geometry_coverage_gap("m", storage, res.heads, rows["pca"][0], rows["rotation"][0])
+    assert "coverage 'sampled'" in note
+    cols = [c for c in gap.columns if c != "published"]
+    pd.testing.assert_frame_equal(gap[cols], back[cols])
+    got = gap.set_index(["analysis", "metric"])
+    for analysis, col in (("pca", "pc0_r_k"), ("pca", "pos_budget_q"), ("rotation", "bias_strength"),
+                          ("rotation", "split_half_cos")):
+        a = every[analysis][0].set_index(["layer", "q_head"])[col].astype(float)
+        s = rows[analysis][0].set_index(["layer", "q_head"])[col].astype(float)
+        assert len(a) == 16 and len(s) == 5
+        row = got.loc[(analysis, col)]
+        assert np.isclose(row["gap_heads"], a[s.index].mean() - a.mean(), rtol=1e-12, atol=1e-15)
+        assert np.isclose(row["se_heads"], np.sqrt(a.var(ddof=1) / 5 * (1 - 5 / 16)), rtol=1e-12)
+        assert np.isclose(row["gap_positions"], (s - a[s.index]).mean(), rtol=1e-12, atol=1e-15)
+        assert np.isclose(row["gap"], s.mean() - a.mean(), rtol=1e-12, atol=1e-15)
+        assert row["heads_beyond_95"] == (abs(row["gap_heads"] / row["se_heads"]) > 1.96)
+    assert (gap["q_positions_sampled"] < gap["q_positions_all"]).all() and set(gap["n_docs"]) == {N_DOCS}
+
+    bare, plain = without_moments
+    alone = geometry_of_capture("m", bare, plain.heads, dataclasses.replace(pca_o, coverage="sampled"), None)
+    empty, why = geometry_coverage_gap("m", bare, plain.heads, alone["pca"][0], pd.DataFrame())
+    assert empty.empty and "no moments" in why
+
+
 def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: dict[str, Any]) -> None:
     """SPEC 4.6 / 12.2: with coverage 'all' (the default) the query model rests on every position of every
     document, while key pairs stay the sampled ones; the jackknife leaves out one document at a time (5 documents,
@@ -275,6 +345,53 @@ def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: d
     assert len(every.pairs) == len(sampled.pairs)  # the same sampled key pairs
     percentile = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, interval="percentile"))
     np.testing.assert_array_equal(percentile.heads["ap_overall"], every.heads["ap_overall"])
+
+
+def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query_model(setup: dict[str, Any]) -> None:
+    """SPEC 12.3 for plasticity. Every head at every position: the sampled protocol's AP and query model are those of
+    every position (gaps 0, standard errors 0). 5 of 16 heads at 2 positions per bucket: AP exists for the 5 heads
+    under both coverages (same key pairs), so its gap is the position part alone, the AP difference of the two
+    analyses; the query model's head part compares the 5 heads with all 16; published either way round, the same
+    table."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_capture
+    from qk_core.plasticity.coverage import QUERY_GAP_METRICS as QUERY_GAP
+    from qk_core.plasticity.coverage import plasticity_coverage_gap
+
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5)
+    storage, res = setup["full_storage"], setup["full"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    every = analyse_capture("m", storage, res.prefix, heads, opts)
+    gap, note = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads)
+    assert "published with coverage 'all'" in note and set(gap["analysis"]) == {"plasticity", "query model"}
+    gap = gap[gap["heads_both"] > 0]  # a 64-token window of 16-token buckets has no AP of the first or last 20%
+    assert set(gap["metric"]) >= {"ap_overall", *QUERY_GAP}
+    scale = np.maximum(gap["mean_all"].abs(), 1e-3)
+    for col in ("gap", "gap_heads", "gap_positions"):
+        assert (gap[col].abs() <= 1e-8 * scale).all(), gap.loc[gap[col].abs() > 1e-8 * scale, ["metric", col]]
+    assert (gap["se_heads"] == 0).all()
+
+    storage, res = setup["storage"], setup["sampled"]
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    every = analyse_capture("m", storage, res.prefix, heads, opts)
+    rows = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
+    gap, _ = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads)
+    back, note = plasticity_coverage_gap("m", storage, res.prefix, heads, rows.heads, rows.query_heads)
+    assert "published with coverage 'sampled'" in note
+    cols = [c for c in gap.columns if c != "published"]
+    pd.testing.assert_frame_equal(gap[cols], back[cols])
+    got = gap.set_index(["analysis", "metric"])
+    ap_all = every.heads.set_index(["layer", "q_head"])["ap_overall"]
+    ap_rows = rows.heads.set_index(["layer", "q_head"])["ap_overall"]
+    row = got.loc[("plasticity", "ap_overall")]
+    assert row["heads_all"] == row["heads_sampled"] == 5 and row["gap_heads"] == 0 and row["se_heads"] == 0
+    assert np.isclose(row["gap_positions"], (ap_rows - ap_all).mean(), rtol=1e-12, atol=1e-15)
+    assert row["gap_positions"] != 0  # two positions per bucket are not every position
+    beta = every.query_heads.set_index(["layer", "q_head"])["beta_norm_per_token"]
+    row = got.loc[("query model", "beta_norm_per_token")]
+    assert row["heads_all"] == 16 and row["heads_sampled"] == 5
+    assert np.isclose(row["gap_heads"], beta[ap_all.index].mean() - beta.mean(), rtol=1e-12, atol=1e-15)
+    assert np.isclose(row["se_heads"], np.sqrt(beta.var(ddof=1) / 5 * (1 - 5 / 16)), rtol=1e-12)
 
 
 def test_plasticity_query_model_of_every_eligible_head_equals_the_rows_of_every_position(
@@ -514,17 +631,13 @@ def test_finalize_hashes_the_documents_moments_files_its_merge_checked_once(
         assert not report["passed"] and name in report["error"]
 
 
-def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any]) -> None:
+def test_a_capture_without_moments_says_coverage_all_needs_them(setup: dict[str, Any],
+                                                                without_moments: tuple[Storage, Any]) -> None:
     """``capture.moments = false`` (not in the fingerprint: it adds files, not rows) stores no moments, and
     coverage 'all' then fails naming the capture instead of silently falling back."""
     from qk_core.geometry.driver import geometry_of_capture
 
-    tmp = setup["tmp"]
-    reg = load_registry(tm.write_registry(tmp / "registry-nomoments.toml", {"m": {
-        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
-        "capture": {"per_bucket": 2, "heads": 5, "moments": False}}}, tmp / "corpus.jsonl"))
-    storage = Storage(tmp / "nomoments")
-    res = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    storage, res = without_moments
     assert res.prefix == setup["sampled"].prefix  # the same fingerprint as the capture with moments
     reader = CaptureReader(storage, res.prefix)
     assert reader.moment_layers() == [] and not storage.ls(f"{res.prefix}/moments")

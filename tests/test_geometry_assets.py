@@ -231,3 +231,21 @@ def test_materialisations_lead_with_headline_values_and_end_with_options(materia
             assert_results_first(meta, ["bias_strength", "abs_r_k_a", "n_heads"], rot)
         elif name.startswith("pca"):
             assert_results_first(meta, ["pca_pc0_abs_r_k", "pca_share_position_dominated", "n_heads"], pca)
+
+
+def test_coverage_gap_of_a_capture_without_moments_is_empty_and_says_why(materialised) -> None:
+    """SPEC 12.3: the synthetic captures hold rows only (no moments), so coverage "all" cannot be formed: the
+    ``geometry_coverage_gap`` partition is an empty table with its columns, and its metadata says why."""
+    from dagster import AssetKey, materialize
+
+    from qk_assets.defs.geometry import geometry, geometry_coverage_gap
+    from qk_core.stats.sampling_gap import TABLE_COLUMNS
+
+    result = materialize([materialised["capture_stand_in"], geometry, geometry_coverage_gap],
+                         selection=[AssetKey("geometry_coverage_gap")], partition_key=pair("gemma3-270m"),
+                         resources=materialised["resources"], instance=materialised["instance"])
+    assert result.success
+    table = materialised["read"]("geometry_coverage_gap", "gemma3-270m")
+    assert table.empty and list(table.columns) == TABLE_COLUMNS
+    meta = result.asset_materializations_for_node("geometry_coverage_gap")[0].metadata
+    assert "no moments" in meta["compared"].value and meta["metrics"].value == 0

@@ -11,6 +11,10 @@ Options, lowest to highest precedence: the defaults of :class:`qk_core.geometry.
 tables, the run config (``pca_*`` / ``rotation_*`` fields). They are recorded in every output (``options``
 column / JSON) with L, B and the skipped heads.
 
+How far the sampled protocol is from every head at every position (SPEC 12.3): ``geometry_coverage_gap``, per
+model partition, compares the published ``pca_heads`` / ``rotation_heads`` with the other coverage computed from
+the same capture (:func:`qk_core.geometry.coverage.geometry_coverage_gap`), per metric.
+
 Cross-model geometry figures (SPEC 7): ``geometry_figures``, unpartitioned, over every model partition.
 
 Loads ``pca_metrics``, ``rotation_metrics`` and ``rotation_heads`` of all model partitions that exist
@@ -27,6 +31,7 @@ from dagster import (
     AssetExecutionContext,
     AssetIn,
     AssetOut,
+    Config,
     MetadataValue,
     Output,
     asset,
@@ -36,12 +41,13 @@ from dagster import (
 from qk_assets import checks
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
-from qk_assets.metadata import MEAN_MEDIAN, headline_values, results_first, table_value
+from qk_assets.metadata import MEAN_MEDIAN, coverage_gap_metadata, headline_values, results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.config.options import PCAOptions, RotationOptions
+from qk_core.geometry import coverage
 from qk_core.geometry.driver import geometry_of_capture
 from qk_core.geometry.pca import PCA_UNITS, TAXONOMY
 from qk_core.geometry.rotation import DEFINED_WITH_POSITION_SIGNAL, NO_POSITION_SIGNAL, ROTATION_UNITS, flag_values
@@ -229,6 +235,39 @@ def geometry(context: AssetExecutionContext, config: GeometryConfig, storage: St
             checks.heads_analysed("rotation_heads", qk_capture, heads, rot_opts.allow_partial,
                                   "analysis.rotation.allow_partial (run config options.rotation.allow_partial)"),
             checks.values_finite("rotation_metrics", metrics, may_be_undefined=DEFINED_WITH_POSITION_SIGNAL)])
+
+
+class CoverageGapConfig(Config):
+    """How the coverage comparison runs."""
+
+    blas_threads: int = 1  # OpenBLAS threads while analysing (0: leave as is); results do not depend on it
+
+
+@asset(
+    ins={"qk_capture": AssetIn(), "pca_heads": AssetIn(), "rotation_heads": AssetIn()},
+    partitions_def=model_corpus_partitions(),
+    group_name=GROUP,
+    kinds={"parquet"},
+    automation_condition=PER_PAIR,
+    description=(
+        "How far the sampled protocol (the sampled heads' sampled positions, the thesis's) is from every eligible "
+        "head at every position (SPEC 12.3), per PCA and rotation metric: the model mean under each coverage, the "
+        "spread over heads, per-head differences, and the gap of the means split into head sampling (± its "
+        "finite-population standard error, flagged beyond 1.96 of them) and position sampling (one draw's; "
+        "bench/coverage_gap.py measures its noise over other draws). The other coverage is computed from the same "
+        "capture with the options the published tables record; empty when the capture holds no moments."),
+)
+def geometry_coverage_gap(context: AssetExecutionContext, config: CoverageGapConfig, storage: StorageResource,
+                 ray: RayClusterResource, qk_capture: pd.DataFrame, pca_heads: pd.DataFrame,
+                 rotation_heads: pd.DataFrame) -> Output[pd.DataFrame]:
+    """The sampled protocol against every head at every position, per geometry metric (SPEC 12.3)."""
+    model, corpus = split_key(context.partition_key)
+    placed = on_cpu_worker(coverage.geometry_coverage_gap, model, storage.get(), qk_capture, pca_heads, rotation_heads,
+                           blas=config.blas_threads, cluster=ray.enabled, ray_log=context.log,
+                           name=f"qk_geometry_coverage_gap:{model}:{corpus}")
+    table, note = placed.value
+    context.log.info(f"coverage gap {model} on {corpus}: {note} ({placed.where})")
+    return Output(table, metadata=coverage_gap_metadata(table, note))
 
 
 SHOWN = ["pca_share_position_dominated", "pca_share_q_positional", "pca_share_k_positional", "pca_share_content",

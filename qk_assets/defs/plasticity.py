@@ -23,6 +23,9 @@ calls :func:`qk_core.plasticity.analyse_model`. Its outputs:
 - ``plasticity_metrics``: the long metrics format (qk_core.io.metrics) with model-level bootstrap lo / hi; with
   coverage ``all`` its query-model rows (``query_drift_*``, ``query_mean_coord_r2``) average every eligible head.
 
+``plasticity_coverage_gap`` (per model partition; SPEC 12.3) compares the published AP and query model with the other
+coverage refitted from the same capture (:func:`qk_core.plasticity.coverage.plasticity_coverage_gap`), per metric.
+
 ``plasticity_deciles`` (unpartitioned) collects the ``ap_decile`` rows of every model that has them.
 
 Options, lowest to highest precedence: :class:`qk_core.plasticity.PlasticityOptions` defaults, the
@@ -45,14 +48,14 @@ from dagster import (
 from qk_assets import checks
 from qk_assets.automation import AFTER_UPSTREAM, PER_PAIR
 from qk_assets.figures import save_figures
-from qk_assets.metadata import MEAN_MEDIAN, headline_values, results_first, table_value
+from qk_assets.metadata import MEAN_MEDIAN, coverage_gap_metadata, headline_values, results_first, table_value
 from qk_assets.options import AnalysisConfig, analysis_options
 from qk_assets.partitions import by_model, model_corpus_partitions, registry, split_key
 from qk_assets.progress import progress_logger
 from qk_assets.resources import RayClusterResource, StorageResource
 from qk_core.capture.store import CaptureError
 from qk_core.config.options import PlasticityOptions
-from qk_core.plasticity import analyse_capture
+from qk_core.plasticity import analyse_capture, coverage
 from qk_core.runtime.cluster import on_cpu_worker
 
 GROUP = "plasticity"
@@ -213,6 +216,37 @@ def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
         "depth_query_model": fig_depth_heatmaps(result.query_heads, QUERY_PANELS, model,
                                                 f"{model}: query model by depth (SPEC 4.1)"),
     }
+
+
+@asset(
+    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "plasticity_query_heads": AssetIn()},
+    partitions_def=model_corpus_partitions(),
+    group_name=GROUP,
+    kinds={"parquet"},
+    automation_condition=PER_PAIR,
+    description=(
+        "How far the sampled protocol's plasticity (the query model of the sampled positions) is from the query "
+        "model of every position (SPEC 12.3), per metric: AP of the capture's sampled heads (their key pairs under "
+        "both; so the gap is position sampling alone) and the query model (every eligible head under coverage `all`: "
+        "head sampling ± its finite-population standard error, flagged beyond 1.96 of them, and position sampling, "
+        "one draw's). The other coverage is refitted from the same capture with the recorded options and no "
+        "bootstrap; empty when the capture holds no moments."),
+)
+def plasticity_coverage_gap(context: AssetExecutionContext, storage: StorageResource, ray: RayClusterResource,
+                            qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
+                            plasticity_query_heads: pd.DataFrame) -> Output[pd.DataFrame]:
+    """The sampled protocol's AP and query model against every position's, per metric (SPEC 12.3)."""
+    model, corpus = split_key(context.partition_key)
+    prefixes = sorted(set(qk_capture["capture_prefix"].astype(str)))
+    if len(prefixes) != 1:
+        raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
+    heads = [(int(r.layer), int(r.q_head)) for r in qk_capture.sort_values(["layer", "q_head"]).itertuples()]
+    placed = on_cpu_worker(coverage.plasticity_coverage_gap, model, storage.get(), prefixes[0], heads,
+                           plasticity_heads, plasticity_query_heads, cluster=ray.enabled, ray_log=context.log,
+                           name=f"qk_plasticity_coverage_gap:{model}:{corpus}")
+    table, note = placed.value
+    context.log.info(f"plasticity coverage gap {model} on {corpus}: {note} ({placed.where})")
+    return Output(table, metadata=coverage_gap_metadata(table, note))
 
 
 DECILE_COLUMNS = ["model", "key", "decile_lo", "decile_hi", "decile_mid", "value", "median", "lo", "hi", "n_heads",

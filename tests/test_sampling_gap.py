@@ -1,17 +1,14 @@
-"""bench/coverage_gap.py's split of a model mean's gap into head and position sampling (SPEC 1.5, 1.6, 12.3): the parts
-add up to the gap, and each standard error is the one chance gives it, checked by exact enumeration of every head
-sample and by repeated draws."""
+"""qk_core.stats.sampling_gap's split of a model mean's gap into head and position sampling (SPEC 1.5, 1.6, 12.3):
+the parts add up to the gap, and each standard error is the one chance gives it, checked by exact enumeration of
+every head sample and by repeated draws."""
 
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import coverage_gap
+from qk_core.stats import sampling_gap
 
 
 def test_the_parts_add_up_to_the_gap_of_the_means() -> None:
@@ -19,7 +16,7 @@ def test_the_parts_add_up_to_the_gap_of_the_means() -> None:
     every = rng.gamma(2.0, 1.0, 40)
     idx = np.sort(rng.choice(40, 12, replace=False))
     sampled = every[idx] + rng.normal(0.3, 0.1, 12)
-    split = coverage_gap.split_gap(sampled, every[idx], every)
+    split = sampling_gap.split_gap(sampled, every[idx], every)
     assert np.isclose(split["gap"], sampled.mean() - every.mean(), rtol=0, atol=1e-12)
     assert np.isclose(split["heads"] + split["positions"], split["gap"], rtol=0, atol=1e-12)
     assert np.isclose(split["positions"], (sampled - every[idx]).mean(), rtol=0, atol=1e-12)
@@ -30,14 +27,14 @@ def test_head_sampling_error_is_the_exact_spread_of_every_possible_draw() -> Non
     finite-population standard error of the sampler's uniform draw without replacement (SPEC 1.5)."""
     every = np.array([0.1, 0.4, 0.45, 0.9, 1.3, 2.0, 2.2, 3.7, 5.0])
     means = [every[list(c)].mean() for c in itertools.combinations(range(9), 4)]
-    split = coverage_gap.split_gap(every[:4], every[:4], every)
+    split = sampling_gap.split_gap(every[:4], every[:4], every)
     assert np.isclose(split["se_heads"] ** 2, np.var(means), rtol=1e-12)
     assert np.isclose(np.mean(means), every.mean(), rtol=1e-12)  # the head part is unbiased
 
 
 def test_every_head_sampled_leaves_no_head_part() -> None:
     every = np.arange(6.0)
-    split = coverage_gap.split_gap(every + 1, every, every)
+    split = sampling_gap.split_gap(every + 1, every, every)
     assert split["heads"] == 0 and split["se_heads"] == 0 and split["positions"] == 1
 
 
@@ -48,9 +45,9 @@ def test_head_flags_fire_about_once_in_twenty_by_chance() -> None:
     z = []
     for _ in range(2000):
         idx = rng.choice(270, 90, replace=False)
-        split = coverage_gap.split_gap(every[idx], every[idx], every)
+        split = sampling_gap.split_gap(every[idx], every[idx], every)
         z.append(split["heads"] / split["se_heads"])
-    assert 0.03 < np.mean(np.abs(z) > coverage_gap.Z95) < 0.075
+    assert 0.03 < np.mean(np.abs(z) > sampling_gap.Z95) < 0.075
 
 
 def test_position_bias_is_flagged_at_the_t_rate_by_chance_and_when_planted() -> None:
@@ -58,11 +55,11 @@ def test_position_bias_is_flagged_at_the_t_rate_by_chance_and_when_planted() -> 
     three times the draws' standard deviation is flagged nearly always."""
     rng = np.random.default_rng(2)
     noise = rng.normal(0.0, 0.01, (4000, 5))
-    null = [coverage_gap.position_draws(row)["positions_biased"] for row in noise]
+    null = [sampling_gap.position_draws(row)["positions_biased"] for row in noise]
     assert 0.035 < np.mean(null) < 0.065
-    planted = [coverage_gap.position_draws(row + 0.03) for row in noise[:500]]
+    planted = [sampling_gap.position_draws(row + 0.03) for row in noise[:500]]
     assert np.mean([p["positions_biased"] for p in planted]) > 0.95
     assert abs(np.median([p["positions_bias"] for p in planted]) - 0.03) < 0.002
-    one = coverage_gap.position_draws(np.array([0.02, 0.03, np.nan]))
+    one = sampling_gap.position_draws(np.array([0.02, 0.03, np.nan]))
     assert one["draws"] == 2 and np.isclose(one["positions_sd"], np.std([0.02, 0.03], ddof=1))
-    assert not coverage_gap.position_draws(np.array([0.5]))["positions_biased"]  # one draw: no spread, no verdict
+    assert not sampling_gap.position_draws(np.array([0.5]))["positions_biased"]  # one draw: no spread, no verdict
