@@ -474,6 +474,22 @@ def test_every_head_is_in_the_tables_the_depth_maps_and_the_report(capture: Any)
                       cells[1][5], cells[1][6]]]
     assert cells[1][5] != str(n_tokens)  # the sampled rows: fewer positions than every one
 
+    # the coverage gap (SPEC 12.3) leads the models section with its headline metrics
+    from qk_core.geometry.coverage import geometry_coverage_gap
+    from qk_core.report.tables import GAP_SHOWN, fmt_num, gap_table
+
+    gap, _ = geometry_coverage_gap("m", storage, res.heads, pca, rot)
+    shown = gap_table({"geometry_coverage_gap": {"m": gap}}, ["m"])
+    want = gap.set_index(["analysis", "metric"])
+    keys = [k for k in GAP_SHOWN if k in want.index]
+    assert [(r[1].text, r[2].text) for r in shown.rows] == keys and len(keys) == 6
+    for row, key in zip(shown.rows, keys, strict=True):
+        w = want.loc[key]
+        assert [c.text for c in row[3:]] == [fmt_num(float(w[c])) for c in ("mean_sampled", "mean_all", "gap",
+                                                                           "gap_heads", "gap_positions")]
+        assert row[6].bold == bool(w["heads_beyond_95"]) and row[6].note == f"± {fmt_num(float(w['se_heads']))}"
+        assert row[3].note == "13 heads" and row[4].note == f"{len(eligible)} heads"
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("covariance", ["full", "diagonal"])

@@ -25,6 +25,7 @@ import pandas as pd
 
 from qk_core.report.findings import build_findings
 from qk_core.report.tables import (
+    GAP_TABLES,
     HEAD_TABLES,
     Cell,
     Entries,
@@ -33,6 +34,7 @@ from qk_core.report.tables import (
     calibration_table,
     cross_corpus_tables,
     fmt_time,
+    gap_table,
     is_metrics_frame,
     metadata_entries,
     metrics_table,
@@ -204,7 +206,8 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 nav="Extension"),
     SectionSpec("models", "Models, corpus and capture", "SPEC 1, 8, 9",
                 "What was measured and how: weights, capture window L, bucket width B, head and position "
-                "sampling, and the documents the vectors come from.", (r"^corpus$", r"capture"),
+                "sampling, the documents the vectors come from, and how far the sampled protocol is from every "
+                "head at every position.", (r"^corpus$", r"capture", r"coverage_gap$"),
                 "models.html.j2", "Models & capture"),
 )
 OTHER = SectionSpec("other", "Other assets", "", "Assets not covered by a section above.", (r".*",))
@@ -434,6 +437,10 @@ def build_section(sec: SectionSpec, inputs: ReportInputs) -> SectionView:
         basis = basis_table(inputs.tables, _part_order(parts, model_order))
         if basis is not None:
             view.lead.append(("What each value rests on", basis))
+        parts = {p for a in GAP_TABLES for p in inputs.tables.get(a, {})}
+        gaps = gap_table(inputs.tables, _part_order(parts, model_order))
+        if gaps is not None:
+            view.lead.append(("The sampled protocol against every head", gaps))
     own = [f for f in figs if not is_paper_figure(f)]
     for part in _part_order((f.partition for f in own), model_order):
         shown = sorted((f for f in own if f.partition == part), key=_figure_rank)

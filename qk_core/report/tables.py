@@ -610,3 +610,45 @@ def basis_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[s
                  caption="What each per-head value rests on (SPEC 12.3): coverage \"all\" = every eligible head "
                          "at every position (the capture's moments), \"sampled\" = the sampled heads' sampled "
                          "positions (the thesis); positions are the median over analysed heads (range)")
+
+
+#: the coverage-gap tables (SPEC 12.3) and the metrics of theirs the report leads with, in this order
+GAP_TABLES = ("geometry_coverage_gap", "plasticity_coverage_gap")
+GAP_SHOWN = [("pca", "pc0_r_k"), ("pca", "pos_budget_q"), ("pca", "pos_budget_k"), ("rotation", "bias_strength"),
+             ("rotation", "r_k_a"), ("rotation", "split_half_cos"), ("plasticity", "ap_overall"),
+             ("plasticity", "ap_drop"), ("query model", "beta_norm_window")]
+
+
+def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str | None]) -> Table | None:
+    """Per (model, corpus), the headline metrics of the coverage-gap tables (SPEC 12.3, :data:`GAP_SHOWN`): the
+    sampled protocol's model mean, every head's at every position, and the gap split into head sampling (± its
+    standard error, bold beyond 1.96 of them) and position sampling (one position draw). ``order``: the partitions
+    (the page's labels of them), in page order."""
+    rows = []
+    for part in order:
+        frames = [tables.get(a, {}).get(part) for a in GAP_TABLES]
+        frames = [f for f in frames if f is not None and len(f)]
+        if not frames:
+            continue
+        by_metric = pd.concat(frames, ignore_index=True).set_index(["analysis", "metric"])
+        for key in GAP_SHOWN:
+            if key not in by_metric.index:
+                continue
+            r = by_metric.loc[key]
+            se = float(r["se_heads"])
+            head = Cell(fmt_num(float(r["gap_heads"])), note=f"± {fmt_num(se)}" if se > 0 else "", num=True,
+                        bold=bool(r["heads_beyond_95"]))
+            rows.append([Cell(str(part)), Cell(key[0]), Cell(key[1], note=str(r["unit"])),
+                         Cell(fmt_num(float(r["mean_sampled"])), note=f"{int(r['heads_sampled'])} heads", num=True),
+                         Cell(fmt_num(float(r["mean_all"])), note=f"{int(r['heads_all'])} heads", num=True),
+                         Cell(fmt_num(float(r["gap"])), num=True), head,
+                         Cell(fmt_num(float(r["gap_positions"])), num=True)])
+    if not rows:
+        return None
+    return Table(["model", "analysis", "metric", "sampled protocol", "every head, every position", "gap",
+                  "from head sampling", "from position sampling"], rows,
+                 caption="How far the thesis's sampled protocol is from every head at every position (SPEC 12.3), "
+                         "both from the same capture: the gap of the model means = head sampling (± its "
+                         "finite-population standard error; bold beyond 1.96 of them) + position sampling (this "
+                         "capture's one draw; bench/coverage_gap.py measures its noise over other draws). "
+                         "Every metric: geometry_coverage_gap, plasticity_coverage_gap.")
