@@ -258,8 +258,8 @@ class CoverageGapConfig(Config):
         "capture with the options the published tables record; empty when the capture holds no moments."),
 )
 def geometry_coverage_gap(context: AssetExecutionContext, config: CoverageGapConfig, storage: StorageResource,
-                 ray: RayClusterResource, qk_capture: pd.DataFrame, pca_heads: pd.DataFrame,
-                 rotation_heads: pd.DataFrame) -> Output[pd.DataFrame]:
+                          ray: RayClusterResource, qk_capture: pd.DataFrame, pca_heads: pd.DataFrame,
+                          rotation_heads: pd.DataFrame) -> Output[pd.DataFrame]:
     """The sampled protocol against every head at every position, per geometry metric (SPEC 12.3)."""
     model, corpus = split_key(context.partition_key)
     placed = on_cpu_worker(coverage.geometry_coverage_gap, model, storage.get(), qk_capture, pca_heads, rotation_heads,
