@@ -183,6 +183,35 @@ def test_builder_escapes_and_formats() -> None:
     assert "checkpoints" in caption_for(Figure("x", "profiles", "trajectory"))
 
 
+def test_models_section_leads_with_the_coverage_gaps() -> None:
+    """SPEC 12.3 on the page: the coverage-gap tables sit in the models section, which leads with their headline
+    metrics (a head part beyond 1.96 standard errors in bold) after the registry entries; only the registry table
+    says it has one column per model."""
+    from qk_core.report.tables import fmt_num
+    from qk_core.stats.sampling_gap import compare_coverages
+
+    every = pd.DataFrame({"layer": [0, 0, 1, 1, 2, 2], "q_head": [0, 1] * 3,
+                          "bias_strength": [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]})
+    sampled = pd.DataFrame({"layer": [2, 2], "q_head": [0, 1], "bias_strength": [1.1, 1.3]})
+    gap = pd.DataFrame([{"model": "m", "published": "all", **r, "n_docs": 3}
+                        for r in compare_coverages(sampled, every, {"bias_strength": "per token"}, "rotation")])
+    m = ModelInfo(key="m", family="llama", description="", source="local:x", tokenizer="local:x", dtype="auto",
+                  window=64, bucket=16, corpus="c", capture={"heads": 2, "per_bucket": 2})
+    page = render_report(ReportInputs(title="t", models=[m], tables={"geometry_coverage_gap": {"m": gap}}, figures=[],
+                                      states=[], defined_assets=["geometry_coverage_gap"], expected_assets=[]))
+    title = "<h3>The sampled protocol against every head</h3>"
+    assert page.index("<h3>Registry entries</h3>") < page.index(title)
+    assert page.count("One column per model") == 1
+    lead = page[page.index(title):]
+    lead = lead[:lead.index("</table>")]
+    # head part: the two sampled heads' every-position mean 1 less the six heads' 1/3, with the finite-population
+    # standard error sqrt(S^2 / 2 (1 - 2/6)) = 0.298: 2.2 of them, so bold; position part 1.2 - 1
+    se = float(np.sqrt(every["bias_strength"].var(ddof=1) / 2 * (1 - 2 / 6)))
+    assert f"<b>{fmt_num(2 / 3)}</b>" in lead and f"± {fmt_num(se)}" in lead and 2 / 3 / se > 1.96
+    for text in ("bias_strength", "1.2", fmt_num(1 / 3), "2 heads", "6 heads", fmt_num(1.2 - 1 / 3), fmt_num(0.2)):
+        assert f">{text}<" in lead, text
+
+
 @pytest.mark.slow  # the report asset and its upstream through Dagster on S3
 def test_report_on_s3_opens_after_copying_its_folder(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """With an S3 storage root the page and its figures land under ``report/`` on S3; a copy of that
