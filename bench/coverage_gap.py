@@ -45,13 +45,10 @@ import numpy as np
 import pandas as pd
 
 from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS
+from qk_core.plasticity.coverage import AP_GAP_METRICS, QUERY_GAP_METRICS
 from qk_core.stats.sampling_gap import Z95, compare_coverages
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PLAST_COLS = {"ap_overall": "AP", "ap_first20": "AP", "ap_last20": "AP", "ap_drop": "AP"}
-# the query model (SPEC 4.1): with coverage "all" of every eligible head (plasticity_query_heads), AP of sampled ones
-QUERY_COLS = {"beta_norm_per_token": "per token", "beta_norm_window": "window-normalised (x L)",
-              "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
 
 
 def _capture(entry: Any, docs: pd.DataFrame, storage: Any) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -137,9 +134,9 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
         for analysis, cols in (("pca", PCA_GAP_METRICS), ("rotation", ROTATION_GAP_METRICS)):
             rows += compare_coverages(sampled[0][analysis], every[0][analysis], cols, analysis,
                                       tuple(g[analysis] for g, _ in other))
-        rows += compare_coverages(sampled[1].heads, every[1].heads, PLAST_COLS, "plasticity",
+        rows += compare_coverages(sampled[1].heads, every[1].heads, AP_GAP_METRICS, "plasticity",
                                   tuple(p.heads for _, p in other))
-        rows += compare_coverages(sampled[1].heads, every[1].query_heads, QUERY_COLS, "query model",
+        rows += compare_coverages(sampled[1].heads, every[1].query_heads, QUERY_GAP_METRICS, "query model",
                                   tuple(p.heads for _, p in other))
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
@@ -218,8 +215,8 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
             lines.append(f"| {r['analysis']} | {r['metric']} | {r['unit']} | {_f(r['mean_sampled'])} | "
                          f"{_f(r['mean_all'])} | {_f(r['iqr_sampled'])} | {_f(r['iqr_all'])} | "
                          f"{_f(r['median_abs_diff'])} | {_f(r['p90_abs_diff'])} | {r['heads_sampled']} / "
-                         f"{r['heads_all']} / {r['heads_both']} | {r['q_positions_sampled']} / "
-                         f"{r['q_positions_all']} |")
+                         f"{r['heads_all']} / {r['heads_both']} | {_f(r['q_positions_sampled'])} / "
+                         f"{_f(r['q_positions_all'])} |")
         lines += ["", "Where each model mean's gap (sampled - all) comes from (`split_gap`, `position_draws`): drawing "
                   "the sampled heads from the eligible ones (± its finite-population standard error; none when every "
                   f"head is sampled), and sampling positions of the same heads: this capture's part, its standard "
