@@ -32,10 +32,10 @@ ROTATION_GAP_METRICS = {c: u for c, u in ROTATION_UNITS.items() if c in (
     "plane_var_fraction", "separation_strength", "split_half_cos", "r2_full", "position_capture")}
 
 
-def has_moments(storage: Storage, capture: pd.DataFrame) -> bool:
-    """Whether every capture a ``qk_capture`` table lists holds merged moments (SPEC 12.1)."""
+def capture_readers(storage: Storage, capture: pd.DataFrame) -> list[CaptureReader]:
+    """A reader of each capture a ``qk_capture`` table lists (its manifest checked once)."""
     prefixes = sorted(set(capture["capture_prefix"].astype(str))) if len(capture) else []
-    return bool(prefixes) and all(CaptureReader(storage, p).moment_layers() for p in prefixes)
+    return [CaptureReader(storage, p) for p in prefixes]
 
 
 def geometry_coverage_gap(model: str, storage: Storage, capture: pd.DataFrame, pca_heads: pd.DataFrame,
@@ -50,7 +50,8 @@ def geometry_coverage_gap(model: str, storage: Storage, capture: pd.DataFrame, p
     published = {a: recorded_coverage(t) for a, t in (("pca", pca_heads), ("rotation", rotation_heads))}
     if all(c is None for c in published.values()):
         return pd.DataFrame(columns=TABLE_COLUMNS), "no per-head values to compare"
-    if not has_moments(storage, capture):
+    readers = capture_readers(storage, capture)
+    if not readers or not all(r.moment_layers() for r in readers):
         return (pd.DataFrame(columns=TABLE_COLUMNS),
                 "the capture holds no moments (capture.moments = false), so coverage 'all' cannot be formed")
     other = {a: None if c is None else other_coverage(c) for a, c in published.items()}
@@ -59,7 +60,7 @@ def geometry_coverage_gap(model: str, storage: Storage, capture: pd.DataFrame, p
                                                                        other["rotation"])
     computed = geometry_of_capture(model, storage, capture, pca_opts, rot_opts, keep_points=0, blas=blas)
     rows: list[dict] = []
-    n_docs = int(CaptureReader(storage, str(capture["capture_prefix"].iloc[0])).doc_tokens().shape[0])
+    n_docs = int(readers[0].doc_tokens().shape[0])
     for analysis, table, metrics in (("pca", pca_heads, PCA_GAP_METRICS),
                                      ("rotation", rotation_heads, ROTATION_GAP_METRICS)):
         if published[analysis] is None:
