@@ -12,15 +12,20 @@ each), the median and 90th percentile over heads of the per-head |difference|, t
 on, and the gap of the means split into what drawing the heads and what sampling positions contributes, each against
 the standard error chance gives it (``qk_core.stats.sampling_gap``; the ``geometry_coverage_gap`` asset reports
 the same per model partition, without the position draws). Model-level plasticity metrics (SPEC 4.5) are compared with
-their intervals (the document bootstrap percentile rule for both: the jackknife-t rule refits the query model without
-each document, which the merged moments cannot).
+their intervals (the platform's jackknife-t rule for both, SPEC 4.6: the query model refitted without each document,
+from the rows or from every position's sums less the document's). AP's position part also gets the document jackknife
+standard error the ``plasticity_coverage_gap`` asset reports (``qk_core.stats.sampling_gap.position_jackknife``), set
+beside its spread over the position draws: is one capture's error the size of the draws' noise?
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
     .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
 
 The position-sampling part of each gap is also measured under ``--draws`` more position draws: captures of the same
-heads with the next sampler seeds (no moments), analysed with coverage "sampled". Every head of a capture reads the
-same sampled positions, so only other draws show that part's noise, and whether its mean over the draws is a bias.
+heads with the next sampler seeds, analysed with coverage "sampled". Every head of a capture reads the same sampled
+positions, so only other draws show that part's noise, and whether its mean over the draws is a bias. AP rests on the
+draw's key pairs (its sampled positions), so each draw's AP part is taken against coverage "all" on its own pairs (the
+same every-position query model); until 2026-11-30 it was taken against this capture's pairs, which added the pairs'
+own sampling noise to the draws' spread and a shared offset to the redraws' parts.
 
 writes ``bench/results/coverage_gap.{json,md}`` (minutes on 2 cores: 1 + draws captures per model); ``--heads N``
 samples N heads instead of the entry's ``capture.heads`` (the demo models have fewer eligible heads than the thesis's
@@ -45,7 +50,7 @@ import numpy as np
 import pandas as pd
 
 from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS
-from qk_core.plasticity.coverage import AP_GAP_METRICS, QUERY_GAP_METRICS
+from qk_core.plasticity.coverage import AP_GAP_METRICS, QUERY_GAP_METRICS, loo_headlines
 from qk_core.stats.sampling_gap import Z95, compare_coverages
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,31 +73,43 @@ def _geometry(model: str, storage: Any, heads: pd.DataFrame, coverage: str) -> d
     return {"pca": out["pca"][0], "rotation": out["rotation"][0]}
 
 
-def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, coverage: str) -> Any:
+def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, coverage: str,
+                interval: str = "jackknife_t") -> Any:
     from qk_core.config.options import resolve_options
     from qk_core.plasticity.analysis import analyse_capture
 
-    # one interval rule for both: coverage "all" takes the percentile one (qk_core.config.options.PlasticityOptions)
-    opts = resolve_options("plasticity", entry.analysis, {"coverage": coverage, "interval": "percentile"})
+    # the redraws take the percentile rule: only their point values are read, and it skips the leave-one-out refits
+    opts = resolve_options("plasticity", entry.analysis, {"coverage": coverage, "interval": interval})
     prefix = str(heads["capture_prefix"].iloc[0])
     pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
     return analyse_capture(model, storage, prefix, pairs, opts)
 
 
 def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, n: int,
-             cost: dict[str, float]) -> list[tuple[dict[str, pd.DataFrame], Any]]:
+             cost: dict[str, float]) -> list[tuple[dict[str, pd.DataFrame], Any, Any]]:
     """``n`` more captures of the same heads (``capture_model(heads=...)``) with other sampler seeds, so other sampled
-    positions, no moments; each analysed with coverage "sampled" (:func:`position_draws`)."""
+    positions and key pairs, no moments; each analysed with coverage "sampled" (:func:`position_draws`), and its AP
+    also under the query model of every position, from this capture's moments (they hold every position, so they are
+    those of every draw), on the draw's own key pairs."""
     from qk_core.capture import capture_model
+    from qk_core.capture.store import CaptureReader
+    from qk_core.config.options import resolve_options
+    from qk_core.plasticity.analysis import CaptureQuerySums, analyse_model
 
     chosen = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
+    every_position = CaptureQuerySums(CaptureReader(storage, str(heads["capture_prefix"].iloc[0])))
+    opts = resolve_options("plasticity", entry.analysis, {"coverage": "all", "interval": "percentile"})
     out = []
     t = time.perf_counter()
     for k in range(1, n + 1):
         e = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, seed=entry.capture.seed + k,
                                                                    moments=False))
         again = capture_model(e, docs, storage, heads=chosen).heads
-        out.append((_geometry(e.key, storage, again, "sampled"), _plasticity(e.key, storage, again, e, "sampled")))
+        reader = CaptureReader(storage, str(again["capture_prefix"].iloc[0]))
+        paired = analyse_model(e.key, chosen, reader.read_head, reader.doc_tokens()["example_id"].to_numpy(),
+                               reader.window, reader.bucket, opts, sums_of=every_position)
+        out.append((_geometry(e.key, storage, again, "sampled"),
+                    _plasticity(e.key, storage, again, e, "sampled", "percentile"), paired))
     cost["redraws_s"] = time.perf_counter() - t
     return out
 
@@ -133,11 +150,15 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
         other = _redraws(entry, docs, storage, heads, draws, cost)
         for analysis, cols in (("pca", PCA_GAP_METRICS), ("rotation", ROTATION_GAP_METRICS)):
             rows += compare_coverages(sampled[0][analysis], every[0][analysis], cols, analysis,
-                                      tuple(g[analysis] for g, _ in other))
+                                      tuple(g[analysis] for g, _, _ in other))
+        loo_s, loo_a = (loo_headlines(r.heads, r.profiles) for r in (sampled[1], every[1]))
+        paired = ({m: (loo_s[m], loo_a[m]) for m in AP_GAP_METRICS}
+                  if loo_s is not None and loo_a is not None else None)
+        inflation = float(json.loads(every[1].heads["options"].iloc[0])["interval_inflation"])
         rows += compare_coverages(sampled[1].heads, every[1].heads, AP_GAP_METRICS, "plasticity",
-                                  tuple(p.heads for _, p in other))
+                                  tuple((p.heads, a.heads) for _, p, a in other), loo=paired, inflation=inflation)
         rows += compare_coverages(sampled[1].heads, every[1].query_heads, QUERY_GAP_METRICS, "query model",
-                                  tuple(p.heads for _, p in other))
+                                  tuple(p.heads for _, p, _ in other))
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
         ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
@@ -182,7 +203,21 @@ def _reading(run: dict[str, Any]) -> list[str]:
             f"{', '.join(outside) or 'none'} (of {len(run['model_metrics'])}).", "",
             f"Where the gaps come from (second table). {head_part}Over {run['draws'] + 1} position draws of the same "
             f"heads, the position-sampling part has a mean beyond the 95% Student-t bound (a bias of the sampled "
-            f"estimator, not noise) for {', '.join(biased) or 'no metric'} (of {len(run['heads'])}).", ""]
+            f"estimator, not noise) for {', '.join(biased) or 'no metric'} (of {len(run['heads'])}).", "",
+            *_jackknife_reading(run)]
+
+
+def _jackknife_reading(run: dict[str, Any]) -> list[str]:
+    """AP's one-capture jackknife error against the spread over the draws, and whether the two verdicts agree."""
+    rows = [r for r in run["heads"] if np.isfinite(r.get("se_positions") or np.nan) and r.get("draws", 0) >= 2]
+    if not rows:
+        return []
+    ratios = [f"{r['metric']} {r['se_positions'] / r['positions_sd']:.2f}" for r in rows]
+    agree = sum(bool(r["positions_beyond_95"]) == bool(r["positions_biased"]) for r in rows)
+    return [f"AP's position part from this one capture (`position_jackknife`, what `plasticity_coverage_gap` reports): "
+            f"its document jackknife standard error over the sd of the part over the {run['draws'] + 1} draws: "
+            f"{', '.join(ratios)}; its flag (beyond the jackknife bound) and the draws' bias verdict agree for "
+            f"{agree} of {len(rows)} metrics.", ""]
 
 
 def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, name: str = "coverage_gap") -> None:
@@ -223,7 +258,8 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                   f"deviation over {run['draws'] + 1} position draws (sampler seeds {run['seed']} to "
                   f"{run['seed'] + run['draws']}, the same heads), and its mean over them ± standard error, t:", "",
                   "| analysis | metric | gap | from head sampling | head-sampling SE / mean | from position sampling "
-                  "(sd over draws) | position bias over draws (t) |", "|---|---|---|---|---|---|---|"]
+                  "(sd over draws) | its document jackknife SE (units) | position bias over draws (t) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in run["heads"]:
             rel = r["se_heads"] / abs(r["mean_all"]) if r["mean_all"] else float("nan")
             z = r["z_heads"]
@@ -233,9 +269,10 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
             lines.append(f"| {r['analysis']} | {r['metric']} | {_f(r['gap'], 3)} | {head} | "
                          f"{_f(100 * rel, 2) + '%' if np.isfinite(rel) and rel > 0 else ''} | "
                          f"{_f(r['gap_positions'], 3)} ({_f(r['positions_sd'], 2)}) | "
+                         f"{_jk(r)} | "
                          f"{_f(r['positions_bias'], 3)} ± {_f(r['positions_bias_se'], 2)} "
                          f"({_f(r['positions_t'], 2)}){flag} |")
-        lines += ["", "Model-level plasticity metrics (SPEC 4.5; 95% document bootstrap percentile intervals):", "",
+        lines += ["", "Model-level plasticity metrics (SPEC 4.5; 95% jackknife-t intervals, SPEC 4.6):", "",
                   "| metric | key | sampled [lo, hi] | all [lo, hi] | all inside sampled interval |",
                   "|---|---|---|---|---|"]
         for m in run["model_metrics"]:
@@ -246,6 +283,15 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                          f"[{_f(m.get('lo_all'))}, {_f(m.get('hi_all'))}] | {inside} |")
         lines.append("")
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
+
+
+def _jk(r: dict[str, Any]) -> str:
+    """AP's position-part jackknife standard error and its units, bold where the part is beyond its bound."""
+    se = r.get("se_positions")
+    if se is None or not np.isfinite(se):
+        return ""
+    flag = "**" if r.get("positions_beyond_95") else ""
+    return f"{flag}{_f(se, 2)}{flag} ({r['units_positions']})"
 
 
 def main() -> None:

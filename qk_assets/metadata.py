@@ -145,17 +145,23 @@ def results_first(headline: dict[str, Any], metadata: dict[str, Any], options: A
 
 def coverage_gap_metadata(table: pd.DataFrame, note: str) -> dict[str, Any]:
     """The materialisation metadata of a coverage-gap table (SPEC 12.3, :mod:`qk_core.stats.sampling_gap`): what was
-    compared, the heads each coverage rests on, the metrics whose head part is beyond 1.96 standard errors, a preview
-    and what each column holds."""
+    compared, the heads each coverage rests on, the metrics whose head part is beyond 1.96 standard errors and those
+    whose position part is beyond its jackknife bound, a preview and what each column holds."""
     flagged = [f"{r.analysis} {r.metric} ({r.z_heads:+.1f} SE)" for r in table.itertuples() if r.heads_beyond_95]
+    positions = [f"{r.analysis} {r.metric} ({r.t_positions:+.1f} SE)" for r in table.itertuples()
+                 if pd.notna(r.positions_beyond_95) and bool(r.positions_beyond_95)]
+    with_se = int(np.isfinite(pd.to_numeric(table["se_positions"], errors="coerce")).sum()) if len(table) else 0
     shown = table[["analysis", "metric", "mean_sampled", "mean_all", "gap", "gap_heads", "se_heads",
-                   "gap_positions"]] if len(table) else table
+                   "gap_positions", "se_positions"]] if len(table) else table
     return {
         "compared": note, "metrics": len(table),
         "heads_sampled": int(table["heads_sampled"].max()) if len(table) else 0,
         "heads_all": int(table["heads_all"].max()) if len(table) else 0,
         f"head_part_beyond_{Z95}_se": MetadataValue.json(flagged),
-        "position_part": "one position draw: its noise and bias need other draws (bench/coverage_gap.py --draws)",
+        "position_part": (f"this capture's position draw; {with_se} of {len(table)} metrics with a document "
+                          "jackknife standard error (SPEC 4.6), the others' noise needs other draws "
+                          "(bench/coverage_gap.py --draws)"),
+        "position_part_beyond_jackknife_bound": MetadataValue.json(positions),
         "preview": table_value(shown, max_rows=40, digits=4),
         "columns": table_value(pd.DataFrame({"column": list(GAP_COLUMNS), "meaning": list(GAP_COLUMNS.values())}),
                                max_rows=len(GAP_COLUMNS)),

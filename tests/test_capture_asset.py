@@ -192,8 +192,8 @@ def test_coverage_gaps_compare_the_published_analyses_with_the_sampled_protocol(
         modules: tuple[ModuleType, ModuleType, Path]) -> None:
     """SPEC 12.3 through Dagster: one run materialises the capture (6 of 16 heads sampled, moments on), its geometry
     and plasticity (coverage "all") and both coverage-gap assets, whose rows compare the published per-head tables
-    with the other coverage of the same capture, metric by metric, and whose metadata names the comparison and the
-    flagged head parts."""
+    with the other coverage of the same capture, metric by metric (AP's position part with its document jackknife
+    error), and whose metadata names the comparison and the flagged head and position parts."""
     from qk_assets.defs.geometry import geometry, geometry_coverage_gap
     from qk_assets.defs.plasticity import plasticity, plasticity_coverage_gap
 
@@ -234,7 +234,20 @@ def test_coverage_gaps_compare_the_published_analyses_with_the_sampled_protocol(
     row = pgap.loc[("query model", "beta_norm_per_token")]
     assert row["heads_all"] == 16 and row["heads_sampled"] == 6 and row["se_heads"] > 0
     meta = result.asset_materializations_for_node("plasticity_coverage_gap")[0].metadata
-    assert "no bootstrap" in meta["compared"].value and meta["metrics"].value == len(pgap)
+    assert "recorded options" in meta["compared"].value and meta["metrics"].value == len(pgap)
+    # AP's position part has its document jackknife error (plasticity's jackknife_t refits, ap_loo of both coverages)
+    ap_rows = pgap.loc["plasticity"]
+    ap_rows = ap_rows[ap_rows["heads_both"] > 0]
+    n_docs = int(pgap["n_docs"].iloc[0])
+    assert "jackknife error over" in meta["compared"].value and ap_rows.loc["ap_overall", "units_positions"] == n_docs
+    # a unit counts where leaving its document out keeps a value (the last fifth's buckets can lose theirs); an error
+    # needs two
+    assert (ap_rows["units_positions"] <= n_docs).all() and pgap.loc["query model", "se_positions"].isna().all()
+    assert ((ap_rows["se_positions"] > 0) == (ap_rows["units_positions"] >= 2)).all()
+    beyond = {f"plasticity {m}" for m, r in ap_rows.iterrows() if r["positions_beyond_95"]}
+    assert {f.split(" (")[0] for f in meta["position_part_beyond_jackknife_bound"].value} == beyond
+    with_se = int(np.isfinite(pgap["se_positions"]).sum())
+    assert with_se >= 1 and f"{with_se} of {len(pgap)} metrics" in meta["position_part"].value
 
 
 def test_failing_capture_names_layer_and_leaves_no_value(modules: tuple[ModuleType, ModuleType, Path]) -> None:

@@ -349,11 +349,13 @@ def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: d
 
 def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query_model(setup: dict[str, Any]) -> None:
     """SPEC 12.3 for plasticity. Every head at every position: the sampled protocol's AP and query model are those of
-    every position (gaps 0, standard errors 0). 5 of 16 heads at 2 positions per bucket: AP exists for the 5 heads
-    under both coverages (same key pairs), so its gap is the position part alone, the AP difference of the two
-    analyses; the query model's head part compares the 5 heads with all 16; published either way round, the same
-    table."""
+    every position (gaps 0, standard errors 0, AP's position jackknife too). 5 of 16 heads at 2 positions per bucket: AP
+    exists for the 5 heads under both coverages (same key pairs), so its gap is the position part alone, the AP
+    difference of the two analyses, whose jackknife standard error is that of the mean over heads of the two analyses'
+    leave-one-document-out AP; the query model's head part compares the 5 heads with all 16; published either way
+    round, the same table. Without leave-one-out values (interval percentile) no error, and the note says why."""
     from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity import aggregates as agg
     from qk_core.plasticity.analysis import analyse_capture
     from qk_core.plasticity.coverage import QUERY_GAP_METRICS as QUERY_GAP
     from qk_core.plasticity.coverage import plasticity_coverage_gap
@@ -362,21 +364,27 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     storage, res = setup["full_storage"], setup["full"]
     heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
     every = analyse_capture("m", storage, res.prefix, heads, opts)
-    gap, note = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads)
+    gap, note = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads,
+                                        every.profiles)
     assert "published with coverage 'all'" in note and set(gap["analysis"]) == {"plasticity", "query model"}
+    assert f"jackknife error over the {res.doc_tokens.shape[0]} documents" in note
     gap = gap[gap["heads_both"] > 0]  # a 64-token window of 16-token buckets has no AP of the first or last 20%
     assert set(gap["metric"]) >= {"ap_overall", *QUERY_GAP}
     scale = np.maximum(gap["mean_all"].abs(), 1e-3)
     for col in ("gap", "gap_heads", "gap_positions"):
         assert (gap[col].abs() <= 1e-8 * scale).all(), gap.loc[gap[col].abs() > 1e-8 * scale, ["metric", col]]
     assert (gap["se_heads"] == 0).all()
+    ap_rows = gap[gap["analysis"] == "plasticity"]
+    assert (ap_rows["units_positions"] == res.doc_tokens.shape[0]).all()
+    assert (ap_rows["se_positions"] <= 1e-8 * scale[ap_rows.index]).all()
+    assert gap.loc[gap["analysis"] == "query model", "se_positions"].isna().all()
 
     storage, res = setup["storage"], setup["sampled"]
     heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
     every = analyse_capture("m", storage, res.prefix, heads, opts)
     rows = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
-    gap, _ = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads)
-    back, note = plasticity_coverage_gap("m", storage, res.prefix, heads, rows.heads, rows.query_heads)
+    gap, _ = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads, every.profiles)
+    back, note = plasticity_coverage_gap("m", storage, res.prefix, heads, rows.heads, rows.query_heads, rows.profiles)
     assert "published with coverage 'sampled'" in note
     cols = [c for c in gap.columns if c != "published"]
     pd.testing.assert_frame_equal(gap[cols], back[cols])
@@ -387,6 +395,23 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     assert row["heads_all"] == row["heads_sampled"] == 5 and row["gap_heads"] == 0 and row["se_heads"] == 0
     assert np.isclose(row["gap_positions"], (ap_rows - ap_all).mean(), rtol=1e-12, atol=1e-15)
     assert row["gap_positions"] != 0  # two positions per bucket are not every position
+    L, B = int(every.heads["L"].iloc[0]), int(every.heads["B"].iloc[0])
+
+    def loo_overall(result: Any) -> np.ndarray:  # (heads, documents) AP_overall with each document left out
+        prof = result.profiles.sort_values(["layer", "q_head", "bucket"])
+        return np.stack([agg.headline(np.stack(list(g["ap_loo"]), axis=1), L, B)["ap_overall"]
+                         for _, g in prof.groupby(["layer", "q_head"])])
+
+    per_doc = np.nanmean(loo_overall(rows) - loo_overall(every), axis=0)
+    n = len(per_doc)
+    assert n == res.doc_tokens.shape[0] == row["units_positions"]
+    assert np.isclose(row["se_positions"], np.sqrt((n - 1) / n * ((per_doc - per_doc.mean()) ** 2).sum()), rtol=1e-10)
+    assert row["se_positions"] > 0 and np.isclose(row["t_positions"], row["gap_positions"] / row["se_positions"])
+    plain = dataclasses.replace(opts, interval="percentile")
+    flat = analyse_capture("m", storage, res.prefix, heads, plain)
+    none, why = plasticity_coverage_gap("m", storage, res.prefix, heads, flat.heads, flat.query_heads, flat.profiles)
+    assert "no leave-one-out values" in why and none["se_positions"].isna().all()
+    assert none["positions_beyond_95"].isna().all()
     beta = every.query_heads.set_index(["layer", "q_head"])["beta_norm_per_token"]
     row = got.loc[("query model", "beta_norm_per_token")]
     assert row["heads_all"] == 16 and row["heads_sampled"] == 5

@@ -185,8 +185,8 @@ def test_builder_escapes_and_formats() -> None:
 
 def test_models_section_leads_with_the_coverage_gaps() -> None:
     """SPEC 12.3 on the page: the coverage-gap tables sit in the models section, which leads with their headline
-    metrics (a head part beyond 1.96 standard errors in bold) after the registry entries; only the registry table
-    says it has one column per model."""
+    metrics (a head part beyond 1.96 standard errors in bold, AP's position part ± its jackknife error, bold beyond
+    its bound) after the registry entries; only the registry table says it has one column per model."""
     from qk_core.report.tables import fmt_num
     from qk_core.stats.sampling_gap import compare_coverages
 
@@ -210,6 +210,26 @@ def test_models_section_leads_with_the_coverage_gaps() -> None:
     assert f"<b>{fmt_num(2 / 3)}</b>" in lead and f"± {fmt_num(se)}" in lead and 2 / 3 / se > 1.96
     for text in ("bias_strength", "1.2", fmt_num(1 / 3), "2 heads", "6 heads", fmt_num(1.2 - 1 / 3), fmt_num(0.2)):
         assert f">{text}<" in lead, text
+
+    # AP's position part with its document jackknife error (SPEC 4.6): two heads, four documents; sampled AP 0.1 above
+    # every position's with documents 1 and 3 left out, 0.12 with 2 and 4: se = sqrt(3/4 * 4 * 0.01^2), t = 6.9 > 3.18
+    heads = pd.MultiIndex.from_tuples([(0, 0), (0, 1)], names=["layer", "q_head"])
+    ap_every = pd.DataFrame({"layer": 0, "q_head": [0, 1], "ap_overall": [0.5, 0.6]})
+    ap_rows = pd.DataFrame({"layer": 0, "q_head": [0, 1], "ap_overall": [0.62, 0.72]})
+    every_loo = pd.DataFrame([[0.5] * 4, [0.6] * 4], index=heads)
+    rows_loo = every_loo + np.array([0.1, 0.12, 0.1, 0.12])
+    ap_gap = pd.DataFrame([{"model": "m", "published": "all", **r, "n_docs": 4}
+                           for r in compare_coverages(ap_rows, ap_every, {"ap_overall": "AP"}, "plasticity",
+                                                      loo={"ap_overall": (rows_loo, every_loo)})])
+    se_pos = float(np.sqrt(3 / 4 * 4 * 0.01**2))
+    assert np.isclose(ap_gap["se_positions"].iloc[0], se_pos) and ap_gap["positions_beyond_95"].iloc[0]
+    page = render_report(ReportInputs(title="t", models=[m], tables={"geometry_coverage_gap": {"m": gap},
+                                                                     "plasticity_coverage_gap": {"m": ap_gap}},
+                                      figures=[], states=[], expected_assets=[],
+                                      defined_assets=["geometry_coverage_gap", "plasticity_coverage_gap"]))
+    lead = page[page.index(title):]
+    lead = lead[:lead.index("</table>")]
+    assert f"<b>{fmt_num(0.12)}</b>" in lead and f"± {fmt_num(se_pos)}" in lead
 
 
 @pytest.mark.slow  # the report asset and its upstream through Dagster on S3

@@ -219,7 +219,8 @@ def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
 
 
 @asset(
-    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "plasticity_query_heads": AssetIn()},
+    ins={"qk_capture": AssetIn(), "plasticity_heads": AssetIn(), "plasticity_query_heads": AssetIn(),
+         "plasticity_profiles": AssetIn()},
     partitions_def=model_corpus_partitions(),
     group_name=GROUP,
     kinds={"parquet"},
@@ -227,14 +228,16 @@ def _figures(result, model: str, L: int, B: int, record: dict) -> dict:
     description=(
         "How far the sampled protocol's plasticity (the query model of the sampled positions) is from the query "
         "model of every position (SPEC 12.3), per metric: AP of the capture's sampled heads (their key pairs under "
-        "both; so the gap is position sampling alone) and the query model (every eligible head under coverage `all`: "
+        "both; so the gap is position sampling alone, ± its document jackknife standard error where both analyses "
+        "left out the same documents, SPEC 4.6) and the query model (every eligible head under coverage `all`: "
         "head sampling ± its finite-population standard error, flagged beyond 1.96 of them, and position sampling, "
-        "one draw's). The other coverage is refitted from the same capture with the recorded options and no "
-        "bootstrap; empty when the capture holds no moments."),
+        "one draw's). The other coverage is refitted from the same capture with the recorded options; empty when "
+        "the capture holds no moments."),
 )
 def plasticity_coverage_gap(context: AssetExecutionContext, storage: StorageResource, ray: RayClusterResource,
                             qk_capture: pd.DataFrame, plasticity_heads: pd.DataFrame,
-                            plasticity_query_heads: pd.DataFrame) -> Output[pd.DataFrame]:
+                            plasticity_query_heads: pd.DataFrame,
+                            plasticity_profiles: pd.DataFrame) -> Output[pd.DataFrame]:
     """The sampled protocol's AP and query model against every position's, per metric (SPEC 12.3)."""
     model, corpus = split_key(context.partition_key)
     prefixes = sorted(set(qk_capture["capture_prefix"].astype(str)))
@@ -242,7 +245,8 @@ def plasticity_coverage_gap(context: AssetExecutionContext, storage: StorageReso
         raise CaptureError(f"{model}: qk_capture points at {len(prefixes)} captures {prefixes}; expected one")
     heads = [(int(r.layer), int(r.q_head)) for r in qk_capture.sort_values(["layer", "q_head"]).itertuples()]
     placed = on_cpu_worker(coverage.plasticity_coverage_gap, model, storage.get(), prefixes[0], heads,
-                           plasticity_heads, plasticity_query_heads, cluster=ray.enabled, ray_log=context.log,
+                           plasticity_heads, plasticity_query_heads, plasticity_profiles, cluster=ray.enabled,
+                           ray_log=context.log,
                            name=f"qk_plasticity_coverage_gap:{model}:{corpus}")
     table, note = placed.value
     context.log.info(f"plasticity coverage gap {model} on {corpus}: {note} ({placed.where})")

@@ -92,7 +92,7 @@ from qk_core.capture.store import HeadData
 from qk_core.config.options import COVARIANCES, INTERVAL_CALIBRATION, JACKKNIFE_INFLATION, n_buckets
 from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.analysis import QuerySums
-from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments
+from qk_core.plasticity.jackknife import loo_profiles, loo_profiles_from_moments, stored_loo_profiles
 from qk_core.runtime.blas import blas_threads
 from qk_core.stats.bootstrap import doc_weights
 from qk_core.stats.correlation import correlations, p_clause
@@ -396,28 +396,13 @@ def _key_rows(k_doc: np.ndarray, k_pos: np.ndarray, doc: np.ndarray, pos: np.nda
 
 
 def stored_loo(inp: CorpusInputs, heads: list[tuple[int, int]], J: int, where: str = "") -> np.ndarray | None:
-    """(H, G, J) leave-one-out AP_j of ``heads`` as the plasticity asset refitted them (``plasticity_profiles``'
-    ``ap_loo``: G documents or document groups, SPEC 4.6), NaN for a head it lacks; None when the table has none
-    (interval not ``jackknife_t``, or materialised before the column). A head whose rows do not hold one value per
-    bucket and unit, all of one length, is an error naming it."""
-    prof = inp.loo_profiles
-    if prof is None or "ap_loo" not in prof.columns or not len(prof) or prof["ap_loo"].isna().all():
-        return None
-    by_head = {key: g for key, g in prof.groupby(["layer", "q_head"], sort=False)}
-    units = {len(v) for v in prof["ap_loo"] if v is not None}
-    if len(units) != 1:
-        raise CrossCorpusError(f"{where}plasticity_profiles: ap_loo has lengths {sorted(units)}, expected one")
-    out = np.full((len(heads), units.pop(), J), np.nan)
-    for h, key in enumerate(heads):
-        g = by_head.get(key)
-        if g is None:
-            continue
-        buckets = g["bucket"].to_numpy(np.int64)
-        if len(buckets) != J or sorted(buckets) != list(range(J)) or g["ap_loo"].isna().any():
-            raise CrossCorpusError(f"{where}plasticity_profiles: head {key} has ap_loo for buckets "
-                                   f"{sorted(buckets.tolist())}, expected one per bucket 0..{J - 1}")
-        out[h][:, buckets] = np.stack([np.asarray(v, np.float64) for v in g["ap_loo"]], axis=1)
-    return out
+    """(H, G, J) leave-one-out AP_j of ``heads`` as the plasticity asset refitted them
+    (:func:`qk_core.plasticity.jackknife.stored_loo_profiles` of ``inp.loo_profiles``); None without them. A table
+    that does not hold them whole is a :class:`CrossCorpusError` naming the head."""
+    try:
+        return stored_loo_profiles(inp.loo_profiles, heads, J, where)
+    except ValueError as exc:
+        raise CrossCorpusError(str(exc)) from exc
 
 
 def ap_loo_refit(inp: CorpusInputs, heads: list[tuple[int, int]], doc_ids: np.ndarray,

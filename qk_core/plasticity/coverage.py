@@ -4,8 +4,13 @@ AP (SPEC 4.5) needs key pairs, so only the capture's sampled heads have it under
 position part alone (the query model's rows: the sampled queries, or every position, SPEC 12.2), on the same pairs.
 The query model itself (SPEC 4.1) exists for every eligible head under coverage ``all``
 (``plasticity_query_heads``), so its gap has a head part too. :func:`plasticity_coverage_gap` takes the published
-tables (one coverage), refits the other coverage from the same capture with the recorded options (no resamples: the
-point values do not depend on them) and compares per metric (:func:`qk_core.stats.sampling_gap.compare_coverages`).
+tables (one coverage), refits the other coverage from the same capture with the recorded options (pairs not kept) and
+compares per metric (:func:`qk_core.stats.sampling_gap.compare_coverages`).
+
+AP's position part gets a standard error from this one capture where both analyses left each document out in turn
+(interval ``jackknife_t``, SPEC 4.6; ``plasticity_profiles``' ``ap_loo``) over the same units: the documents, which
+coverage ``all`` leaves out one by one while there are no more of them than ``capture.moment_groups`` (beyond that it
+leaves out groups, coverage ``sampled`` documents, and the error is not formed).
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import dataclasses
 import pandas as pd
 
 from qk_core.capture.store import CaptureReader
-from qk_core.config.options import PlasticityOptions
+from qk_core.config.options import PlasticityOptions, n_buckets
 from qk_core.io.storage import Storage
+from qk_core.plasticity import aggregates as agg
 from qk_core.plasticity.analysis import analyse_capture
+from qk_core.plasticity.jackknife import stored_loo_profiles
 from qk_core.stats.sampling_gap import (
+    KEYS,
     TABLE_COLUMNS,
     compare_coverages,
     other_coverage,
@@ -32,16 +40,34 @@ QUERY_GAP_METRICS = {"beta_norm_per_token": "per token", "beta_norm_window": "wi
                      "alpha_pos": "vector units", "sigma_pos": "vector units", "mean_coord_r2": "R^2"}
 
 
+def loo_headlines(heads: pd.DataFrame, profiles: pd.DataFrame | None) -> dict[str, pd.DataFrame] | None:
+    """Per AP headline metric (SPEC 4.5), each analysed head's value with each document (group) left out: a frame
+    indexed by (layer, q_head), one column per unit, from the leave-one-out profiles ``profiles`` stores
+    (:func:`~qk_core.plasticity.jackknife.stored_loo_profiles`); None when it stores none."""
+    ok = heads[heads["status"] == "ok"] if "status" in heads else heads
+    if not len(ok) or profiles is None:
+        return None
+    keys = [(int(a), int(b)) for a, b in zip(ok["layer"], ok["q_head"], strict=True)]
+    L, B = int(ok["L"].iloc[0]), int(ok["B"].iloc[0])
+    loo = stored_loo_profiles(profiles, keys, n_buckets(L, B))
+    if loo is None:
+        return None
+    index = pd.MultiIndex.from_tuples(keys, names=KEYS)
+    return {name: pd.DataFrame(values, index=index) for name, values in agg.headline(loo, L, B).items()}
+
+
 def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: list[tuple[int, int]],
-                            plasticity_heads: pd.DataFrame, query_heads: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+                            plasticity_heads: pd.DataFrame, query_heads: pd.DataFrame,
+                            profiles: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
     """One row per AP and query-model metric (:data:`~qk_core.stats.sampling_gap.TABLE_COLUMNS`; SPEC 12.3) comparing
     coverage ``sampled`` with ``all`` on the capture at ``prefix`` (its sampled ``heads``), and a sentence saying
     what was compared.
 
-    ``plasticity_heads`` / ``query_heads`` are the published ``plasticity_heads`` and ``plasticity_query_heads`` (either
-    coverage); the other coverage is refitted with the options they record and no bootstrap. An empty table (and the
-    reason) when the capture holds no moments or nothing was analysed. The position part of each gap is one draw's
-    (``bench/coverage_gap.py`` measures its noise over other draws)."""
+    ``plasticity_heads`` / ``query_heads`` / ``profiles`` are the published ``plasticity_heads``,
+    ``plasticity_query_heads`` and ``plasticity_profiles`` (either coverage); the other coverage is refitted with the
+    options they record. AP's position part has a standard error where both hold leave-one-out values of the same
+    documents (module docstring). An empty table (and the reason) when the capture holds no moments or nothing was
+    analysed."""
     published = recorded_coverage(plasticity_heads)
     if published is None:
         return pd.DataFrame(columns=TABLE_COLUMNS), "no per-head values to compare"
@@ -50,15 +76,26 @@ def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: li
         return (pd.DataFrame(columns=TABLE_COLUMNS),
                 "the capture holds no moments (capture.moments = false), so coverage 'all' cannot be formed")
     other = other_coverage(published)
-    opts = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, other), bootstrap=0,
-                               keep_pairs=False)
+    opts = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, other), keep_pairs=False)
     refit = analyse_capture(model, storage, prefix, heads, opts)
     ap = {published: plasticity_heads, other: refit.heads}
     query = {published: query_heads, other: refit.query_heads}
-    rows = (compare_coverages(ap["sampled"], ap["all"], AP_GAP_METRICS, "plasticity")
-            + compare_coverages(query["sampled"], query["all"], QUERY_GAP_METRICS, "query model"))
+    loo = {published: loo_headlines(plasticity_heads, profiles), other: loo_headlines(refit.heads, refit.profiles)}
     n_docs = int(reader.doc_tokens().shape[0])
+    units = {c: next(iter(v.values())).shape[1] for c, v in loo.items() if v is not None}  # documents (groups)
+    paired = None
+    if len(units) < 2:
+        why = "AP's position part has no error: no leave-one-out values (interval 'jackknife_t' with resamples)"
+    elif units["sampled"] != units["all"]:
+        why = (f"AP's position part has no error: coverage 'sampled' left out {units['sampled']} documents, 'all' "
+               f"{units['all']} document groups")
+    else:
+        why = f"AP's position part with its jackknife error over the {n_docs} documents"
+        paired = {m: (loo["sampled"][m], loo["all"][m]) for m in AP_GAP_METRICS}
+    rows = (compare_coverages(ap["sampled"], ap["all"], AP_GAP_METRICS, "plasticity", loo=paired,
+                              inflation=float(opts.interval_inflation))
+            + compare_coverages(query["sampled"], query["all"], QUERY_GAP_METRICS, "query model"))
     table = pd.DataFrame([{"model": model, "published": published, **r, "n_docs": n_docs} for r in rows],
                          columns=TABLE_COLUMNS)
     return table, (f"plasticity published with coverage {published!r}; coverage {other!r} refitted from the same "
-                   f"capture with the recorded options (no bootstrap: point values only)")
+                   f"capture with the recorded options; {why}")

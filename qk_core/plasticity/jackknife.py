@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from qk_core.plasticity.estimators import closed_form, pp_from_p, pp_from_z
 from qk_core.plasticity.query_model import (
@@ -295,3 +296,28 @@ def _closed_full_from_moments(closed: np.ndarray, emp: np.ndarray, s: dict[str, 
             pp = np.where(valid, pp_from_z(m / np.sqrt(np.where(valid, v, 1.0))), 0.0)
             cnt = valid.sum(axis=1)
             closed[g_ok, b] = np.where(cnt > 0, pp.sum(axis=1) / np.maximum(cnt, 1), np.nan)
+
+
+def stored_loo_profiles(profiles: pd.DataFrame | None, heads: list[tuple[int, int]], J: int,
+                        where: str = "") -> np.ndarray | None:
+    """(H, G, J) leave-one-out AP_j of ``heads`` as a plasticity analysis stored them (``plasticity_profiles``'
+    ``ap_loo``: one per bucket row, G documents or document groups, SPEC 4.6), NaN for a head the table lacks; None
+    when it has none (interval not ``jackknife_t``, no resamples, or materialised before the column). A head whose rows
+    do not hold one value per bucket and unit, all of one length, is a ``ValueError`` naming it (``where`` leads)."""
+    if profiles is None or "ap_loo" not in profiles.columns or not len(profiles) or profiles["ap_loo"].isna().all():
+        return None
+    by_head = {key: g for key, g in profiles.groupby(["layer", "q_head"], sort=False)}
+    units = {len(v) for v in profiles["ap_loo"] if v is not None}
+    if len(units) != 1:
+        raise ValueError(f"{where}plasticity_profiles: ap_loo has lengths {sorted(units)}, expected one")
+    out = np.full((len(heads), units.pop(), J), np.nan)
+    for h, key in enumerate(heads):
+        g = by_head.get(key)
+        if g is None:
+            continue
+        buckets = g["bucket"].to_numpy(np.int64)
+        if len(buckets) != J or sorted(buckets) != list(range(J)) or g["ap_loo"].isna().any():
+            raise ValueError(f"{where}plasticity_profiles: head {key} has ap_loo for buckets "
+                             f"{sorted(buckets.tolist())}, expected one per bucket 0..{J - 1}")
+        out[h][:, buckets] = np.stack([np.asarray(v, np.float64) for v in g["ap_loo"]], axis=1)
+    return out

@@ -622,8 +622,9 @@ GAP_SHOWN = [("pca", "pc0_r_k"), ("pca", "pos_budget_q"), ("pca", "pos_budget_k"
 def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str | None]) -> Table | None:
     """Per (model, corpus), the headline metrics of the coverage-gap tables (SPEC 12.3, :data:`GAP_SHOWN`): the
     sampled protocol's model mean, every head's at every position, and the gap split into head sampling (± its
-    standard error, bold beyond 1.96 of them) and position sampling (one position draw). ``order``: the partitions
-    (the page's labels of them), in page order."""
+    standard error, bold beyond 1.96 of them) and position sampling (one position draw; ± its document jackknife
+    standard error where the table has one, bold beyond its bound). ``order``: the partitions (the page's labels of
+    them), in page order."""
     rows = []
     for part in order:
         frames = [tables.get(a, {}).get(part) for a in GAP_TABLES]
@@ -638,11 +639,14 @@ def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str
             se = float(r["se_heads"])
             head = Cell(fmt_num(float(r["gap_heads"])), note=f"± {fmt_num(se)}" if se > 0 else "", num=True,
                         bold=bool(r["heads_beyond_95"]))
+            se_pos = float(r.get("se_positions", float("nan")))  # tables from before the position jackknife have none
+            beyond = r.get("positions_beyond_95")
+            position = Cell(fmt_num(float(r["gap_positions"])), note=f"± {fmt_num(se_pos)}" if se_pos >= 0 else "",
+                            num=True, bold=bool(pd.notna(beyond) and beyond))
             rows.append([Cell(str(part)), Cell(key[0]), Cell(key[1], note=str(r["unit"])),
                          Cell(fmt_num(float(r["mean_sampled"])), note=f"{int(r['heads_sampled'])} heads", num=True),
                          Cell(fmt_num(float(r["mean_all"])), note=f"{int(r['heads_all'])} heads", num=True),
-                         Cell(fmt_num(float(r["gap"])), num=True), head,
-                         Cell(fmt_num(float(r["gap_positions"])), num=True)])
+                         Cell(fmt_num(float(r["gap"])), num=True), head, position])
     if not rows:
         return None
     return Table(["model", "analysis", "metric", "sampled protocol", "every head, every position", "gap",
@@ -650,5 +654,7 @@ def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str
                  caption="How far the thesis's sampled protocol is from every head at every position (SPEC 12.3), "
                          "both from the same capture: the gap of the model means = head sampling (± its "
                          "finite-population standard error; bold beyond 1.96 of them) + position sampling (this "
-                         "capture's one draw; bench/coverage_gap.py measures its noise over other draws). "
+                         "capture's one draw; AP's ± its delete-a-document jackknife standard error, SPEC 4.6, bold "
+                         "beyond the 95% Student-t bound; bench/coverage_gap.py measures the noise of the others "
+                         "over other draws). "
                          "Every metric: geometry_coverage_gap, plasticity_coverage_gap.")

@@ -3,8 +3,10 @@ a per-head table of coverage ``sampled`` (the sampled heads' sampled rows, SPEC 
 (every eligible head over every position, SPEC 12.2), split into what drawing the heads and what sampling positions
 contribute, each against the error chance gives it.
 
-:func:`split_gap` splits one metric; :func:`position_draws` tells noise from bias in the position part over several
-position draws; :func:`compare_coverages` gives one row per metric of two per-head tables (:data:`GAP_COLUMNS`);
+:func:`split_gap` splits one metric; :func:`position_jackknife` gives the position part's standard error from one
+capture where both coverages have leave-one-document (group)-out values (SPEC 4.6); :func:`position_draws` tells noise
+from bias in the position part over several position draws; :func:`compare_coverages` gives one row per metric of two
+per-head tables (:data:`GAP_COLUMNS`);
 :func:`recorded_coverage` and :func:`recorded_options` read which coverage, and which options, a published table
 rests on, so the other coverage can be computed alike.
 """
@@ -19,6 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy import stats
+
+from qk_core.stats.jackknife import jackknife, t_quantile
 
 KEYS = ["layer", "q_head"]
 #: two-sided 95% normal quantile: a head-sampling part beyond this many standard errors is flagged (:func:`split_gap`)
@@ -45,6 +49,12 @@ GAP_COLUMNS: dict[str, str] = {
     "z_heads": "gap_heads / se_heads",
     "heads_beyond_95": f"|z_heads| > {Z95} (about 1 metric in 20 by chance)",
     "gap_positions": "mean over the sampled heads of sampled - every-position value (sampling positions)",
+    "se_positions": "delete-a-document (group) jackknife standard error of gap_positions (SPEC 4.6; NaN without "
+                    "leave-one-out values of both coverages on the same units)",
+    "units_positions": "documents (document groups) the jackknife left out in turn (0: none)",
+    "t_positions": "gap_positions / se_positions",
+    "positions_beyond_95": "|t_positions| beyond the 95% Student-t quantile (units - 1 degrees of freedom) times the "
+                           "analysis's interval inflation: more than position noise (None without se_positions)",
 }
 #: a model partition's comparison table: :data:`GAP_COLUMNS` with the model, the published coverage, the documents
 TABLE_COLUMNS = ["model", "published", *GAP_COLUMNS, "n_docs"]
@@ -63,8 +73,8 @@ def split_gap(sampled: np.ndarray, paired: np.ndarray, every: np.ndarray) -> dic
       the N heads (ddof 1): 0 when every head is sampled.
     - ``positions`` = mean(sampled - paired), what sampling positions moves the same heads' mean. Every head of a
       capture reads the same sampled positions (SPEC 1.6: drawn per document and bucket), so the heads' errors are
-      correlated and their spread does not give this part's standard error: :func:`position_draws` does, from
-      captures of other position draws.
+      correlated and their spread does not give this part's standard error: :func:`position_jackknife` does, from
+      the documents of one capture, and :func:`position_draws` from captures of other position draws.
     """
     n, big_n = len(paired), len(every)
     heads = float(paired.mean() - every.mean()) if n and big_n else float("nan")
@@ -90,6 +100,43 @@ def position_draws(parts: np.ndarray) -> dict[str, float]:
     t = float(parts.mean() / se) if se > 0 else float("nan")
     return {"positions_sd": sd, "positions_bias": float(parts.mean()), "positions_bias_se": se, "positions_t": t,
             "positions_biased": bool(np.isfinite(t) and abs(t) > stats.t.ppf(0.975, r - 1)), "draws": r}
+
+
+#: :func:`position_jackknife`'s columns for a metric without leave-one-out values
+NO_POSITION_SE: dict[str, Any] = {"se_positions": float("nan"), "units_positions": 0, "t_positions": float("nan"),
+                                  "positions_beyond_95": None}
+
+
+def position_jackknife(point: float, sampled_loo: pd.DataFrame, every_loo: pd.DataFrame, heads: pd.Index,
+                       inflation: float = 1.0) -> dict[str, Any]:
+    """The standard error of a metric's position part (:func:`split_gap`) from the documents of one capture.
+
+    ``sampled_loo`` / ``every_loo``: the metric of each head (rows indexed by (layer, q_head)) with document (group) u
+    left out and everything refitted (columns: the same U units in the same order under both coverages, SPEC 4.6's
+    leave-one-out values). The position part without unit u is the mean over ``heads`` (those of the point value) of
+    their difference; its delete-a-unit jackknife (:func:`qk_core.stats.jackknife.jackknife`) gives ``se_positions``.
+    The sampled positions are drawn per document (SPEC 1.6), so leaving a document out removes its draws: the
+    jackknife's variance holds the position draws' and the documents' own variation of the difference (a document
+    whose sampled positions happen to sit far from its every-position moments moves it). ``positions_beyond_95``:
+    ``|point| / se`` beyond Student's t with U - 1 degrees of freedom times ``inflation`` (the analysis's calibrated
+    interval inflation, SPEC 4.6)."""
+    none = dict(NO_POSITION_SE)
+    if sampled_loo.shape[1] != every_loo.shape[1]:
+        return none
+    common = heads.intersection(sampled_loo.index).intersection(every_loo.index)
+    if not len(common):
+        return none
+    diff = sampled_loo.loc[common].to_numpy(np.float64) - every_loo.loc[common].to_numpy(np.float64)  # (heads, U)
+    ok = np.isfinite(diff)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_unit = np.where(ok, diff, 0.0).sum(axis=0) / ok.sum(axis=0)  # NaN for a unit no head has a value without
+    est = jackknife(point, per_unit)
+    se, units = float(est.se), int(est.n)
+    if not np.isfinite(se):
+        return {**none, "units_positions": units}
+    t = point / se if se > 0 else float("nan")
+    beyond = bool(np.isfinite(t) and abs(t) > inflation * float(t_quantile(0.95, units - 1)))
+    return {"se_positions": se, "units_positions": units, "t_positions": t, "positions_beyond_95": beyond}
 
 
 def recorded_coverage(table: pd.DataFrame) -> str | None:
@@ -139,12 +186,18 @@ def _median_count(df: pd.DataFrame) -> float:
 
 
 def compare_coverages(sampled: pd.DataFrame, every: pd.DataFrame, cols: Mapping[str, str], analysis: str,
-                      draws: Sequence[pd.DataFrame] = ()) -> list[dict[str, Any]]:
+                      draws: Sequence[pd.DataFrame | tuple[pd.DataFrame, pd.DataFrame]] = (),
+                      loo: Mapping[str, tuple[pd.DataFrame, pd.DataFrame]] | None = None,
+                      inflation: float = 1.0) -> list[dict[str, Any]]:
     """One row per metric of ``cols`` ({column: unit}) in both per-head tables (:data:`GAP_COLUMNS`): model means under
     each coverage, spread over heads, per-head differences, and the gap of the means split into head and position
-    sampling (:func:`split_gap`). With ``draws`` (the same heads' coverage-sampled tables of captures with other
-    sampler seeds) also the position part's noise and bias over this capture's draw and theirs (:func:`position_draws`;
-    and ``position_parts``, the part of each draw)."""
+    sampling (:func:`split_gap`). ``loo``: per metric, its leave-one-out values under coverage sampled and all (as
+    :func:`position_jackknife` takes them): the position part's standard error (NaN for a metric without them).
+    With ``draws`` (the same heads' coverage-sampled tables of captures with other sampler seeds) also the position
+    part's noise and bias over this capture's draw and theirs (:func:`position_draws`; and ``position_parts``, the part
+    of each draw). A draw given as (sampled, all) is compared with its own coverage-all table: AP's, whose key pairs
+    come from the draw's positions too, so each draw's part holds the query positions' effect on the same pairs, as
+    this capture's does."""
     rows = []
     for col, unit in cols.items():
         if col not in sampled or col not in every:
@@ -167,13 +220,16 @@ def compare_coverages(sampled: pd.DataFrame, every: pd.DataFrame, cols: Mapping[
             "q_positions_sampled": _median_count(_ok(sampled)), "q_positions_all": _median_count(_ok(every)),
             "gap": split["gap"], "gap_heads": split["heads"], "se_heads": se, "z_heads": z,
             "heads_beyond_95": bool(np.isfinite(z) and abs(z) > Z95), "gap_positions": split["positions"],
+            **(position_jackknife(split["positions"], *loo[col], both, inflation) if loo and col in loo
+               else NO_POSITION_SE),
         }
         if draws:
             parts = [split["positions"]]
             for other in draws:
-                vo = head_values(other, col)
-                common = vo.index.intersection(va.index)
-                parts.append(float((vo[common] - va[common]).mean()) if len(common) else float("nan"))
+                own, ve = (other, va) if isinstance(other, pd.DataFrame) else (other[0], head_values(other[1], col))
+                vo = head_values(own, col)
+                common = vo.index.intersection(ve.index)
+                parts.append(float((vo[common] - ve[common]).mean()) if len(common) else float("nan"))
             row.update({**position_draws(np.array(parts)), "position_parts": parts})
         rows.append(row)
     return rows
