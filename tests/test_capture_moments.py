@@ -461,7 +461,8 @@ def test_plasticity_query_model_of_every_eligible_head_equals_the_rows_of_every_
 
 def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dict[str, Any]) -> None:
     """``capture.moment_groups = 2`` over 5 documents: groups of the sorted ids {3, 5, 7} and {9, 12}; their
-    query sums add up to the merged sums and the plasticity jackknife leaves out 2 groups (SPEC 4.6)."""
+    query sums add up to the merged sums and the plasticity jackknife leaves out 2 groups (SPEC 4.6); the coverage
+    gap's AP position part is then jackknifed over the same 2 groups under both coverages (SPEC 12.3)."""
     from qk_core.config.options import PlasticityOptions
     from qk_core.plasticity.analysis import analyse_capture
 
@@ -487,6 +488,50 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
                           PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5))
     assert set(out.heads["jackknife_units"]) == {2}
     assert np.isfinite(out.heads["ap_overall_lo"]).all()
+
+    # SPEC 12.3 past moment_groups documents: the sampled protocol's refits leave the same 2 groups out, so AP's
+    # position part keeps its jackknife error, published either way round
+    from qk_core.plasticity.coverage import loo_headlines, plasticity_coverage_gap
+
+    # (2 queries a bucket of a document: without 3 of the 5 documents a bucket keeps 4, so fits need no more)
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=2, coverage="sampled")
+    every = analyse_capture("m", storage, res.prefix, heads, dataclasses.replace(opts, coverage="all"))
+    rows = analyse_capture("m", storage, res.prefix, heads, opts)
+    grouped = analyse_capture("m", storage, res.prefix, heads, opts, loo_groups=True)
+    assert set(rows.heads["jackknife_units"]) == {5} and set(grouped.heads["jackknife_units"]) == {2}
+    pd.testing.assert_frame_equal(rows.heads.drop(columns=[c for c in rows.heads if "_lo" in c or "_hi" in c
+                                                            or "corrected" in c or "_se" in c or "jackknife" in c]),
+                                  grouped.heads.drop(columns=[c for c in rows.heads if "_lo" in c or "_hi" in c
+                                                              or "corrected" in c or "_se" in c
+                                                              or "jackknife" in c]))  # point values alike
+    gap, note = plasticity_coverage_gap("m", storage, res.prefix, heads, every.heads, every.query_heads,
+                                        every.profiles)
+    back, back_note = plasticity_coverage_gap("m", storage, res.prefix, heads, rows.heads, rows.query_heads,
+                                              rows.profiles)
+    assert "over the 2 groups of the 5 documents" in note and "over the 2 groups of the 5 documents" in back_note
+    cols = [c for c in gap.columns if c != "published"]
+    pd.testing.assert_frame_equal(gap[cols], back[cols])
+    row = gap.set_index(["analysis", "metric"]).loc[("plasticity", "ap_overall")]
+    per_group = (loo_headlines(grouped.heads, grouped.profiles)["ap_overall"]
+                 - loo_headlines(every.heads, every.profiles)["ap_overall"]).mean(axis=0).to_numpy()
+    assert row["units_positions"] == 2 and np.isclose(row["se_positions"], abs(per_group[0] - per_group[1]) / 2,
+                                                      rtol=1e-10)
+    # with every position sampled, the rows' refits without a group are every position's without it (the group's sums
+    # subtracted from the merged ones): the same leave-one-group-out AP, two implementations
+    reg = load_registry(tm.write_registry(tmp / "registry-groups-full.toml", {"m": {
+        "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,
+        "capture": {"per_bucket": 16, "heads": 100, "moment_dtype": "float64", "lw_intensity": "exact",
+                    "moment_groups": 2}}}, tmp / "corpus.jsonl"))
+    storage = Storage(tmp / "groups-full")
+    full = capture_model(reg.model("m"), setup["corpus"], storage, device="cpu")
+    heads = [(int(r.layer), int(r.q_head)) for r in full.heads.itertuples()]
+    by_rows = loo_headlines(*(lambda r: (r.heads, r.profiles))(
+        analyse_capture("m", storage, full.prefix, heads, opts, loo_groups=True)))
+    by_sums = loo_headlines(*(lambda r: (r.heads, r.profiles))(
+        analyse_capture("m", storage, full.prefix, heads, dataclasses.replace(opts, coverage="all"))))
+    assert by_rows["ap_overall"].shape == (len(heads), 2)
+    for name, values in by_rows.items():
+        np.testing.assert_allclose(values.to_numpy(), by_sums[name].to_numpy(), rtol=1e-8, atol=1e-10, err_msg=name)
     with pytest.raises(ValueError, match="moment_groups"):
         load_registry(tm.write_registry(tmp / "registry-groups1.toml", {"m": {
             "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,

@@ -102,7 +102,7 @@ def _pairs_columns() -> dict[str, list[np.ndarray]]:
 def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None = None,
                  W: np.ndarray | None = None, blas_threads: int | None = 1,
                  query_sums: dict[str, np.ndarray] | None = None,
-                 query_groups: QueryGroups | None = None) -> HeadResult:
+                 query_groups: QueryGroups | None = None, loo_groups: np.ndarray | None = None) -> HeadResult:
     """SPEC 4.1-4.9 for one head.
 
     doc_ids: the capture's document ids (sorted), the clusters of the bootstrap; default: documents
@@ -113,14 +113,17 @@ def analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | 
     is fitted from them (SPEC 12.2) instead of from the sampled queries. query_groups: the same sums per
     document group, (G, J, ...), and the group of each of ``doc_ids`` (:class:`QueryGroups`): the leave-one-out
     refits of interval ``jackknife_t`` (4.6) leave one group out (needed with query_sums and that interval).
+    loo_groups: without query_sums, the group of each of ``doc_ids``: the refits of the sampled queries' model then
+    leave one group out too (the units of coverage ``all``'s refits, which :mod:`qk_core.plasticity.coverage` pairs
+    with them); by default each document is its own unit.
     """
     with limit_blas(blas_threads):
-        return _analyse_head(head, opts, doc_ids, W, query_sums, query_groups)
+        return _analyse_head(head, opts, doc_ids, W, query_sums, query_groups, loo_groups)
 
 
 def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray | None,
                   W: np.ndarray | None, query_sums: dict[str, np.ndarray] | None = None,
-                  query_groups: QueryGroups | None = None) -> HeadResult:
+                  query_groups: QueryGroups | None = None, loo_groups: np.ndarray | None = None) -> HeadResult:
     L, B = int(head.window), int(head.bucket)
     J = n_buckets(L, B)
     tau = agg.bucket_tau(L, B)
@@ -232,8 +235,13 @@ def _analyse_head(head: HeadData, opts: PlasticityOptions, doc_ids: np.ndarray |
         jk_pairs = (pa_["bucket"][in_jk].astype(np.int64), np.concatenate(jk_delta) if jk_delta
                     else np.zeros((0, head.d)))
         if query_sums is None:
+            units = len(doc_ids)
+            if loo_groups is not None:  # a group of documents left out at once
+                unit_of = np.asarray(loo_groups, dtype=np.int64)
+                qdoc = np.where(qdoc >= 0, unit_of[np.maximum(qdoc, 0)], -1)
+                pdoc, units = unit_of[pdoc], int(unit_of.max()) + 1 if len(unit_of) else 0
             lo_out = loo_profiles(q_sorted, np.asarray(head.q_pos, dtype=np.float64)[q_order], qdoc, q_counts, L, B,
-                                  opts.covariance, opts.min_queries_per_bucket, *jk_pairs, pdoc, len(doc_ids))
+                                  opts.covariance, opts.min_queries_per_bucket, *jk_pairs, pdoc, units)
         elif query_groups is None:
             raise ValueError("interval 'jackknife_t' with the query model of every position needs the document "
                              "groups' query sums (query_groups)")
@@ -401,7 +409,8 @@ class ModelResult:
 
 def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   opts: PlasticityOptions, doc_ids: np.ndarray, W: np.ndarray, L: int, B: int,
-                  workers: int, sums_of: QuerySums | None = None) -> Iterator[HeadResult]:
+                  workers: int, sums_of: QuerySums | None = None,
+                  loo_groups: np.ndarray | None = None) -> Iterator[HeadResult]:
     """Each head read and analysed, in the order of ``heads``; ``workers`` > 1 runs that many heads at once.
 
     Threads suffice: the heavy steps (Parquet decoding, BLAS products, NumPy reductions) release the GIL.
@@ -424,7 +433,7 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
             groups = sums_of.groups(int(layer), int(q_head)) if sums_of is not None and _jackknife(opts) else None
         except (CaptureError, StorageError, KeyError) as exc:
             return unread(f"moments: {exc}")
-        return _analyse_head(head, opts, doc_ids, W, sums, groups)
+        return _analyse_head(head, opts, doc_ids, W, sums, groups, loo_groups)
 
     if workers <= 1:
         for layer, q_head in heads:
@@ -443,23 +452,26 @@ def _head_results(heads: Iterable[tuple[int, int]], read_head: Callable[[int, in
 def analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                   doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
                   progress: Callable[[int, HeadResult], None] | None = None,
-                  blas_threads: int | None = 1, workers: int = 2, sums_of: QuerySums | None = None) -> ModelResult:
+                  blas_threads: int | None = 1, workers: int = 2, sums_of: QuerySums | None = None,
+                  loo_groups: np.ndarray | None = None) -> ModelResult:
     """SPEC 4 over every (layer, q_head), ``workers`` heads analysed at once (identical results for any count).
 
     The bootstrap resamples the capture's documents (doc_ids) with one weight matrix shared by all
     heads, so the model-level interval of a metric is the percentile interval of the mean over heads.
     ``read_head`` must be safe to call from several threads (:class:`CaptureReader` is). ``sums_of(layer,
     q_head)``: the head's query moments (SPEC 12.1) for a query model of every position (SPEC 12.2).
+    ``loo_groups``: the group of each document, the units of the sampled queries' leave-one-out refits
+    (:func:`analyse_head`).
     """
     with limit_blas(blas_threads):
         return _analyse_model(model_key, heads, read_head, doc_ids, L, B, opts, progress, max(1, int(workers)),
-                              sums_of)
+                              sums_of, loo_groups)
 
 
 def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: Callable[[int, int], HeadData],
                    doc_ids: np.ndarray, L: int, B: int, opts: PlasticityOptions,
                    progress: Callable[[int, HeadResult], None] | None, workers: int,
-                   sums_of: QuerySums | None = None) -> ModelResult:
+                   sums_of: QuerySums | None = None, loo_groups: np.ndarray | None = None) -> ModelResult:
     doc_ids = np.unique(np.asarray(doc_ids, dtype=np.int64))
     W = doc_weights(len(doc_ids), opts.bootstrap, opts.seed)
     record = opts.record(L, B)
@@ -473,7 +485,7 @@ def _analyse_model(model_key: str, heads: Iterable[tuple[int, int]], read_head: 
     jk_nan = np.full((units, n_buckets(L, B)), np.nan)
     heads = list(heads)
     pair_cols = PairColumns(len(heads) * max(n_buckets(L, B) - 1, 0) * opts.pairs_per_bucket)
-    for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers, sums_of)):
+    for n, res in enumerate(_head_results(heads, read_head, opts, doc_ids, W, L, B, workers, sums_of, loo_groups)):
         rows.append(res.row)
         profiles.append(res.profile)
         bins.append(res.bins)
@@ -640,10 +652,12 @@ def model_metrics(model_key: str, heads_df: pd.DataFrame, ap_profiles: np.ndarra
 
 
 def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[tuple[int, int]],
-                    opts: PlasticityOptions, progress: Callable[[int, HeadResult], None] | None = None) -> ModelResult:
+                    opts: PlasticityOptions, progress: Callable[[int, HeadResult], None] | None = None,
+                    loo_groups: bool = False) -> ModelResult:
     """:func:`analyse_model` over the capture stored at ``prefix``: self-contained (reader opened here), so
     it can run as one task on any worker that reaches the storage root
-    (:func:`qk_core.runtime.cluster.on_cpu_worker`)."""
+    (:func:`qk_core.runtime.cluster.on_cpu_worker`). ``loo_groups``: coverage ``sampled``'s leave-one-out refits
+    leave out the capture's document groups (``capture.moment_groups``), as coverage ``all``'s do."""
     reader = CaptureReader(storage, prefix)
     doc_ids = reader.doc_tokens()["example_id"].to_numpy()
     sums_of = None
@@ -656,8 +670,11 @@ def analyse_capture(model_key: str, storage: Storage, prefix: str, heads: list[t
                                "'jackknife_t' with coverage 'all' refits the query model without each group (SPEC "
                                "4.6); capture it again, or use interval 'percentile'")
         sums_of = CaptureQuerySums(reader)
+    groups = None
+    if loo_groups and sums_of is None and reader.moment_groups():
+        groups = document_groups(len(np.unique(doc_ids)), reader.moment_groups())
     result = analyse_model(model_key, heads, reader.read_head, doc_ids, reader.window, reader.bucket, opts, progress,
-                           sums_of=sums_of)
+                           sums_of=sums_of, loo_groups=groups)
     if sums_of is not None:  # SPEC 12.2: the query model of every eligible head, not only of the sampled ones
         result.query_heads = query_model_heads(model_key, reader, opts, heads)
         result.metrics = _every_head_drift(result.metrics, result.query_heads, model_key, result.options)

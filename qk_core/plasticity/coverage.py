@@ -8,9 +8,10 @@ tables (one coverage), refits the other coverage from the same capture with the 
 compares per metric (:func:`qk_core.stats.sampling_gap.compare_coverages`).
 
 AP's position part gets a standard error from this one capture where both analyses left each document out in turn
-(interval ``jackknife_t``, SPEC 4.6; ``plasticity_profiles``' ``ap_loo``) over the same units: the documents, which
-coverage ``all`` leaves out one by one while there are no more of them than ``capture.moment_groups`` (beyond that it
-leaves out groups, coverage ``sampled`` documents, and the error is not formed).
+(interval ``jackknife_t``, SPEC 4.6; ``plasticity_profiles``' ``ap_loo``) over the same units: the documents while
+there are no more of them than ``capture.moment_groups``, the document groups beyond (coverage ``all`` keeps no
+finer sums; coverage ``sampled``'s refits then leave the same groups out: ``analyse_capture(loo_groups=True)``, a
+second refit when the published table is the sampled one, whose refits left documents out).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def loo_headlines(heads: pd.DataFrame, profiles: pd.DataFrame | None) -> dict[st
     return {name: pd.DataFrame(values, index=index) for name, values in agg.headline(loo, L, B).items()}
 
 
+def _units(loo: dict[str, pd.DataFrame]) -> int:
+    """The documents (groups) of :func:`loo_headlines`' frames."""
+    return next(iter(loo.values())).shape[1]
+
+
 def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: list[tuple[int, int]],
                             plasticity_heads: pd.DataFrame, query_heads: pd.DataFrame,
                             profiles: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
@@ -77,12 +83,17 @@ def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: li
                 "the capture holds no moments (capture.moments = false), so coverage 'all' cannot be formed")
     other = other_coverage(published)
     opts = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, other), keep_pairs=False)
-    refit = analyse_capture(model, storage, prefix, heads, opts)
+    refit = analyse_capture(model, storage, prefix, heads, opts, loo_groups=True)
     ap = {published: plasticity_heads, other: refit.heads}
     query = {published: query_heads, other: refit.query_heads}
     loo = {published: loo_headlines(plasticity_heads, profiles), other: loo_headlines(refit.heads, refit.profiles)}
     n_docs = int(reader.doc_tokens().shape[0])
-    units = {c: next(iter(v.values())).shape[1] for c, v in loo.items() if v is not None}  # documents (groups)
+    groups = min(n_docs, reader.moment_groups())  # the units of coverage all's refits
+    if published == "sampled" and loo["sampled"] is not None and _units(loo["sampled"]) != groups:
+        again = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, "sampled"), keep_pairs=False)
+        regrouped = analyse_capture(model, storage, prefix, heads, again, loo_groups=True)
+        loo["sampled"] = loo_headlines(regrouped.heads, regrouped.profiles)
+    units = {c: _units(v) for c, v in loo.items() if v is not None}  # documents (groups)
     paired = None
     if len(units) < 2:
         why = "AP's position part has no error: no leave-one-out values (interval 'jackknife_t' with resamples)"
@@ -90,7 +101,8 @@ def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: li
         why = (f"AP's position part has no error: coverage 'sampled' left out {units['sampled']} documents, 'all' "
                f"{units['all']} document groups")
     else:
-        why = f"AP's position part with its jackknife error over the {n_docs} documents"
+        what = f"{n_docs} documents" if units["all"] == n_docs else f"{units['all']} groups of the {n_docs} documents"
+        why = f"AP's position part with its jackknife error over the {what}"
         paired = {m: (loo["sampled"][m], loo["all"][m]) for m in AP_GAP_METRICS}
     rows = (compare_coverages(ap["sampled"], ap["all"], AP_GAP_METRICS, "plasticity", loo=paired,
                               inflation=float(opts.interval_inflation))
