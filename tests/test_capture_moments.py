@@ -353,7 +353,8 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     exists for the 5 heads under both coverages (same key pairs), so its gap is the position part alone, the AP
     difference of the two analyses, whose jackknife standard error is that of the mean over heads of the two analyses'
     leave-one-document-out AP; the query model's head part compares the 5 heads with all 16; published either way
-    round, the same table. Without leave-one-out values (interval percentile) no error, and the note says why."""
+    round, the same table. Without leave-one-out values (interval percentile, or a capture from before the document
+    groups) no error, and the note says why."""
     from qk_core.config.options import PlasticityOptions
     from qk_core.plasticity import aggregates as agg
     from qk_core.plasticity.analysis import analyse_capture
@@ -412,6 +413,18 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     none, why = plasticity_coverage_gap("m", storage, res.prefix, heads, flat.heads, flat.query_heads, flat.profiles)
     assert "no leave-one-out values" in why and none["se_positions"].isna().all()
     assert none["positions_beyond_95"].isna().all()
+    # a capture from before the document groups: coverage 'all' cannot be refitted without a group, so no error
+    import shutil
+
+    old = Storage(setup["tmp"] / "before-groups")
+    shutil.copytree(storage.full(res.prefix), old.full(res.prefix))
+    complete = old.read_json(f"{res.prefix}/complete.json")
+    complete["moments"]["groups"] = 0
+    old.write_json(f"{res.prefix}/complete.json", complete)
+    assert CaptureReader(old, res.prefix).moment_groups() == 0
+    legacy, why = plasticity_coverage_gap("m", old, res.prefix, heads, rows.heads, rows.query_heads, rows.profiles)
+    assert "no leave-one-out values" in why and legacy["se_positions"].isna().all()
+    pd.testing.assert_series_equal(legacy["gap_positions"], back["gap_positions"])
     beta = every.query_heads.set_index(["layer", "q_head"])["beta_norm_per_token"]
     row = got.loc[("query model", "beta_norm_per_token")]
     assert row["heads_all"] == 16 and row["heads_sampled"] == 5

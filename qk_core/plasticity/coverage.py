@@ -83,13 +83,15 @@ def plasticity_coverage_gap(model: str, storage: Storage, prefix: str, heads: li
                 "the capture holds no moments (capture.moments = false), so coverage 'all' cannot be formed")
     other = other_coverage(published)
     opts = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, other), keep_pairs=False)
+    if other == "all" and not reader.moment_groups():  # a capture from before the groups: no refits without one
+        opts = dataclasses.replace(opts, interval="percentile")
     refit = analyse_capture(model, storage, prefix, heads, opts, loo_groups=True)
     ap = {published: plasticity_heads, other: refit.heads}
     query = {published: query_heads, other: refit.query_heads}
     loo = {published: loo_headlines(plasticity_heads, profiles), other: loo_headlines(refit.heads, refit.profiles)}
     n_docs = int(reader.doc_tokens().shape[0])
     groups = min(n_docs, reader.moment_groups())  # the units of coverage all's refits
-    if published == "sampled" and loo["sampled"] is not None and _units(loo["sampled"]) != groups:
+    if published == "sampled" and groups and loo["sampled"] is not None and _units(loo["sampled"]) != groups:
         again = dataclasses.replace(recorded_options(plasticity_heads, PlasticityOptions, "sampled"), keep_pairs=False)
         regrouped = analyse_capture(model, storage, prefix, heads, again, loo_groups=True)
         loo["sampled"] = loo_headlines(regrouped.heads, regrouped.profiles)
