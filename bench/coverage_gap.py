@@ -14,8 +14,10 @@ the standard error chance gives it (``qk_core.stats.sampling_gap``; the ``geomet
 the same per model partition, without the position draws). Model-level plasticity metrics (SPEC 4.5) are compared with
 their intervals (the platform's jackknife-t rule for both, SPEC 4.6: the query model refitted without each document,
 from the rows or from every position's sums less the document's). AP's position part also gets the document jackknife
-standard error the ``plasticity_coverage_gap`` asset reports (``qk_core.stats.sampling_gap.position_jackknife``), set
-beside its spread over the position draws: is one capture's error the size of the draws' noise?
+standard error the ``plasticity_coverage_gap`` asset reports (``qk_core.stats.sampling_gap.position_jackknife``), and
+so does geometry's (``geometry_coverage_gap``: both coverages refitted without each document,
+``qk_core.geometry.jackknife``), set beside the part's spread over the position draws: is one capture's error the size
+of the draws' noise?
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
     .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
@@ -71,6 +73,23 @@ def _geometry(model: str, storage: Any, heads: pd.DataFrame, coverage: str) -> d
     out = geometry_of_capture(model, storage, heads, PCAOptions(coverage=coverage),
                               RotationOptions(coverage=coverage, capture_floor="beta"))
     return {"pca": out["pca"][0], "rotation": out["rotation"][0]}
+
+
+def _geometry_loo(storage: Any, heads: pd.DataFrame) -> dict[str, dict[str, tuple[pd.DataFrame, pd.DataFrame]]]:
+    """Both coverages' geometry with each document left out (what ``geometry_coverage_gap`` jackknifes; the options of
+    :func:`_geometry`); none when the capture keeps no document's own moments."""
+    from qk_core.capture.store import CaptureReader
+    from qk_core.config.options import PCAOptions, RotationOptions
+    from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
+
+    reader = CaptureReader(storage, str(heads["capture_prefix"].iloc[0]))
+    if not reader.documents_kept():
+        return {}
+    metrics = {"pca": PCA_GAP_METRICS, "rotation": ROTATION_GAP_METRICS}
+    docs, every = loo_of_moments(reader, PCAOptions(), RotationOptions(capture_floor="beta"), metrics)
+    rows = loo_of_rows(storage, heads, docs, PCAOptions(coverage="sampled"),
+                       RotationOptions(coverage="sampled", capture_floor="beta"), metrics)
+    return {a: {m: (rows[a][m], every[a][m]) for m in metrics[a]} for a in every}
 
 
 def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, coverage: str,
@@ -147,10 +166,13 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
                 sampled = (geo, plast)
             else:
                 every = (geo, plast)
+        t = time.perf_counter()
+        geo_loo = _geometry_loo(storage, heads)
+        cost["geometry_loo_s"] = time.perf_counter() - t
         other = _redraws(entry, docs, storage, heads, draws, cost)
         for analysis, cols in (("pca", PCA_GAP_METRICS), ("rotation", ROTATION_GAP_METRICS)):
             rows += compare_coverages(sampled[0][analysis], every[0][analysis], cols, analysis,
-                                      tuple(g[analysis] for g, _, _ in other))
+                                      tuple(g[analysis] for g, _, _ in other), loo=geo_loo.get(analysis))
         loo_s, loo_a = (loo_headlines(r.heads, r.profiles) for r in (sampled[1], every[1]))
         paired = ({m: (loo_s[m], loo_a[m]) for m in AP_GAP_METRICS}
                   if loo_s is not None and loo_a is not None else None)
@@ -208,16 +230,23 @@ def _reading(run: dict[str, Any]) -> list[str]:
 
 
 def _jackknife_reading(run: dict[str, Any]) -> list[str]:
-    """AP's one-capture jackknife error against the spread over the draws, and whether the two verdicts agree."""
-    rows = [r for r in run["heads"] if np.isfinite(r.get("se_positions") or np.nan) and r.get("draws", 0) >= 2]
-    if not rows:
-        return []
-    ratios = [f"{r['metric']} {r['se_positions'] / r['positions_sd']:.2f}" for r in rows]
-    agree = sum(bool(r["positions_beyond_95"]) == bool(r["positions_biased"]) for r in rows)
-    return [f"AP's position part from this one capture (`position_jackknife`, what `plasticity_coverage_gap` reports): "
-            f"its document jackknife standard error over the sd of the part over the {run['draws'] + 1} draws: "
-            f"{', '.join(ratios)}; its flag (beyond the jackknife bound) and the draws' bias verdict agree for "
-            f"{agree} of {len(rows)} metrics.", ""]
+    """The position part's one-capture jackknife error against its spread over the draws, and whether the two verdicts
+    agree, per analysis."""
+    out = []
+    for analyses, asset in ((("pca", "rotation"), "geometry_coverage_gap"),
+                            (("plasticity",), "plasticity_coverage_gap")):
+        rows = [r for r in run["heads"] if r["analysis"] in analyses and np.isfinite(r.get("se_positions") or np.nan)
+                and r.get("draws", 0) >= 2 and (r.get("positions_sd") or 0) > 0]
+        if not rows:
+            continue
+        ratios = np.array([r["se_positions"] / r["positions_sd"] for r in rows])
+        agree = sum(bool(r["positions_beyond_95"]) == bool(r["positions_biased"]) for r in rows)
+        each = ", ".join(f"{r['metric']} {x:.2f}" for r, x in zip(rows, ratios, strict=True))
+        out += [f"{' and '.join(analyses)}: the position part from this one capture (`position_jackknife`, what "
+                f"`{asset}` reports): its document jackknife standard error over the sd of the part over the "
+                f"{run['draws'] + 1} draws: {each} (median {np.median(ratios):.2f}); its flag (beyond the jackknife "
+                f"bound) and the draws' bias verdict agree for {agree} of {len(rows)} metrics.", ""]
+    return out
 
 
 def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, name: str = "coverage_gap") -> None:
@@ -241,7 +270,9 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                   f"{run['per_bucket']} sampled positions per bucket and document. Capture "
                   f"{run['cost_s']['capture_s']:.0f} s; analysis all / sampled: geometry "
                   f"{run['cost_s']['geometry_all_s']:.1f} / {run['cost_s']['geometry_sampled_s']:.1f} s, plasticity "
-                  f"{run['cost_s']['plasticity_all_s']:.1f} / {run['cost_s']['plasticity_sampled_s']:.1f} s.", "",
+                  f"{run['cost_s']['plasticity_all_s']:.1f} / {run['cost_s']['plasticity_sampled_s']:.1f} s; "
+                  f"geometry refits without each document, both coverages: "
+                  f"{run['cost_s'].get('geometry_loo_s', float('nan')):.1f} s.", "",
                   *_reading(run),
                   "| analysis | metric | unit | mean sampled | mean all | IQR sampled | IQR all | median abs diff "
                   "| p90 abs diff | heads (sampled / all / both) | Q positions per head (sampled / all) |",
@@ -286,7 +317,7 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
 
 
 def _jk(r: dict[str, Any]) -> str:
-    """AP's position-part jackknife standard error and its units, bold where the part is beyond its bound."""
+    """The position part's jackknife standard error and its units, bold where the part is beyond its bound."""
     se = r.get("se_positions")
     if se is None or not np.isfinite(se):
         return ""

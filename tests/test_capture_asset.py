@@ -225,6 +225,14 @@ def test_coverage_gaps_compare_the_published_analyses_with_the_sampled_protocol(
     assert "published with coverage 'all'" in meta["compared"].value and meta["metrics"].value == len(gap)
     flagged = {f"{r.analysis} {r.metric}" for r in gap.itertuples() if r.heads_beyond_95}
     assert {f.split(" (")[0] for f in meta["head_part_beyond_1.96_se"].value} == flagged
+    # the position part's document jackknife error: both coverages refitted without each document
+    assert f"jackknife error over the {int(gap['n_docs'].iloc[0])} documents" in meta["compared"].value
+    # (with 3 documents, leaving out the 2nd empties its split-half: split_half_cos keeps 2 units)
+    full = defined[defined["metric"] != "split_half_cos"]
+    assert (full["units_positions"] == full["n_docs"]).all() and (defined["se_positions"] > 0).all()
+    assert (defined["units_positions"] >= 2).all()
+    beyond = {f"{r.analysis} {r.metric}" for r in gap.itertuples() if r.positions_beyond_95}
+    assert {f.split(" (")[0] for f in meta["position_part_beyond_jackknife_bound"].value} == beyond
 
     pgap = result.output_for_node("plasticity_coverage_gap").set_index(["analysis", "metric"])
     ap = result.output_for_node("plasticity", "plasticity_heads").set_index(["layer", "q_head"])["ap_overall"]

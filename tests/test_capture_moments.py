@@ -320,6 +320,81 @@ def test_coverage_gap_splits_the_sampled_heads_gap_either_way_round(setup: dict[
     assert empty.empty and "no moments" in why
 
 
+def _drift_axis(head: Any, docs: list[int]) -> np.ndarray:
+    """The unit drift axis Cov(x, t) of a head's pooled Q and K rows of ``docs`` (SPEC 3), by hand."""
+    mq, mk = np.isin(head.q_doc, docs), np.isin(head.k_doc, docs)
+    x = np.vstack([head.q[mq], head.k[mk]]).astype(np.float64)
+    t = np.concatenate([head.q_pos[mq], head.k_pos[mk]]).astype(np.float64)
+    c = (t - t.mean()) @ (x - x.mean(axis=0))
+    return c / np.linalg.norm(c)
+
+
+def test_geometry_position_part_is_jackknifed_over_documents_each_refit_a_capture_without_it(
+        setup: dict[str, Any]) -> None:
+    """The geometry gap's position error (SPEC 12.3 with SPEC 4.6's delete-a-document jackknife): each refit without
+    document 12 equals the analysis of a capture of the corpus without it, taken anew, under both coverages (rows
+    without its rows; every other document's moments merged again); every other document keeps its split-half; with
+    every position sampled the two coverages' refits agree to rounding, so the error is 0 and nothing is flagged; 5
+    of 16 heads at 2 positions: the error is the jackknife of the mean over heads of the refits' difference."""
+    from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS, geometry_coverage_gap
+    from qk_core.geometry.driver import geometry_of_capture
+    from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
+    from qk_core.stats.jackknife import jackknife
+
+    metrics = {"pca": PCA_GAP_METRICS, "rotation": ROTATION_GAP_METRICS}
+    pca_o, rot_o = PCAOptions(), RotationOptions(capture_floor="beta")
+    opts = {c: (dataclasses.replace(pca_o, coverage=c), dataclasses.replace(rot_o, coverage=c))
+            for c in ("sampled", "all")}
+    corpus = setup["corpus"]
+    for name, reg in (("full", _registry(setup["tmp"], 16, 100)), ("sampled", setup["sampled_reg"])):
+        storage = setup["full_storage"] if name == "full" else setup["storage"]
+        res = setup[name]
+        reader = CaptureReader(storage, res.prefix)
+        docs, every = loo_of_moments(reader, *opts["all"], metrics)
+        rows = loo_of_rows(storage, res.heads, docs, *opts["sampled"], metrics)
+        assert docs == [3, 5, 7, 9, 12] and reader.documents_kept()
+        # independent: the corpus without document 12, captured again (the sampler draws per document and bucket)
+        without = Storage(setup["tmp"] / f"without-12-{name}")
+        again = capture_model(reg.model("m"), corpus[corpus["example_id"] != 12], without, device="cpu")
+        for coverage, loo in (("all", every), ("sampled", rows)):
+            fresh = geometry_of_capture("m", without, again.heads, *opts[coverage])
+            for analysis, cols in metrics.items():
+                table = fresh[analysis][0]
+                table = table[table["status"] == "ok"].set_index(["layer", "q_head"])
+                assert len(table) == (16 if coverage == "all" else len(res.heads))
+                for col in cols:
+                    want = pd.to_numeric(table[col], errors="coerce").astype(float).dropna()
+                    got = loo[analysis][col][docs.index(12)].dropna()
+                    assert got.index.equals(want.sort_index().index), (coverage, col)
+                    np.testing.assert_allclose(got, want.sort_index(), rtol=1e-9, atol=1e-12,
+                                               err_msg=f"{coverage} {col}")
+        every_tables = geometry_of_capture("m", storage, res.heads, *opts["all"])
+        gap, note = geometry_coverage_gap("m", storage, res.heads, every_tables["pca"][0],
+                                          every_tables["rotation"][0])
+        assert "jackknife error over the 5 documents" in note
+        gap = gap.set_index(["analysis", "metric"])
+        assert (gap["units_positions"].isin([0, 5])).all() and (gap["units_positions"] == 5).sum() >= 15
+        if name == "full":
+            scale = np.maximum(gap["mean_all"].abs(), 1e-3)
+            assert (gap["se_positions"].fillna(0) <= 1e-9 * scale).all()
+            assert not gap["positions_beyond_95"].fillna(False).astype(bool).any()  # rounding is not a part
+            # without document 7 (rank 2) the others keep their halves, {3, 12} and {5, 9} (ranked anew they would be
+            # {3, 9} and {5, 12}): |cos| of the halves' drift axes, by hand from the rows
+            layer, q_head = 1, 2
+            head = reader.read_head(layer, q_head)
+            cos = abs(_drift_axis(head, [3, 12]) @ _drift_axis(head, [5, 9]))
+            for loo in (rows, every):
+                assert np.isclose(loo["rotation"]["split_half_cos"].loc[(layer, q_head), docs.index(7)], cos,
+                                  rtol=1e-9)
+            continue
+        for analysis, col in (("pca", "pc1_evr"), ("rotation", "separation_strength"), ("rotation", "r2_full")):
+            heads = rows[analysis][col].index.intersection(every[analysis][col].index)
+            per_doc = (rows[analysis][col].loc[heads] - every[analysis][col].loc[heads]).mean(axis=0)
+            want = jackknife(gap.loc[(analysis, col), "gap_positions"], per_doc.to_numpy())
+            assert np.isclose(gap.loc[(analysis, col), "se_positions"], want.se, rtol=1e-10), (analysis, col)
+        assert gap["positions_beyond_95"].dropna().astype(bool).any()  # a sample of 2 positions per bucket shows
+
+
 def test_plasticity_coverage_all_fits_the_query_model_on_every_position(setup: dict[str, Any]) -> None:
     """SPEC 4.6 / 12.2: with coverage 'all' (the default) the query model rests on every position of every
     document, while key pairs stay the sampled ones; the jackknife leaves out one document at a time (5 documents,
@@ -529,6 +604,17 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
                  - loo_headlines(every.heads, every.profiles)["ap_overall"]).mean(axis=0).to_numpy()
     assert row["units_positions"] == 2 and np.isclose(row["se_positions"], abs(per_group[0] - per_group[1]) / 2,
                                                       rtol=1e-10)
+    # geometry has no group refits (a group file keeps only query sums): its position part has no error, and says why
+    from qk_core.geometry.coverage import geometry_coverage_gap
+    from qk_core.geometry.driver import geometry_of_capture
+
+    geo = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions(capture_floor="beta"))
+    geo_gap, geo_note = geometry_coverage_gap("m", storage, res.heads, geo["pca"][0], geo["rotation"][0])
+    assert not CaptureReader(storage, res.prefix).documents_kept()
+    assert "past capture.moment_groups (2) documents (5 here)" in geo_note and len(geo_gap) >= 15
+    assert (geo_gap["units_positions"] == 0).all() and geo_gap["positions_beyond_95"].isna().all()
+    with pytest.raises(CaptureError, match="no per-document moments"):
+        CaptureReader(storage, res.prefix).read_document_moments(0)
     # with every position sampled, the rows' refits without a group are every position's without it (the group's sums
     # subtracted from the merged ones): the same leave-one-group-out AP, two implementations
     reg = load_registry(tm.write_registry(tmp / "registry-groups-full.toml", {"m": {

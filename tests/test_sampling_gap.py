@@ -101,6 +101,12 @@ def test_position_jackknife_is_the_t_test_of_a_mean_over_documents() -> None:
     assert np.mean(planted) > 0.95
     wider = sampling_gap.position_jackknife(0.01, sampled, every, heads, inflation=1e6)
     assert wider["se_positions"] == out["se_positions"] and wider["positions_beyond_95"] is False
+    # two coverages on the same rows differ by rounding alone: however large its t, that is no position part
+    same = pd.DataFrame(np.ones((H, D)), index=heads)
+    rounding = sampling_gap.position_jackknife(1e-12, same + 1e-12 + rng.normal(0.0, 1e-14, (H, D)), same, heads)
+    assert abs(rounding["t_positions"]) > 10 and rounding["positions_beyond_95"] is False
+    assert sampling_gap.position_jackknife(1e-8, same + 1e-8 + rng.normal(0.0, 1e-14, (H, D)), same,
+                                           heads)["positions_beyond_95"] is True
     assert sampling_gap.position_jackknife(point, sampled, every.iloc[:, :-1], heads) == sampling_gap.NO_POSITION_SE
     rows = sampling_gap.compare_coverages(pd.DataFrame({"layer": 0, "q_head": range(H), "m": 1.0}),
                                           pd.DataFrame({"layer": 0, "q_head": range(H), "m": 1.0}), {"m": "u"}, "a")

@@ -13,7 +13,8 @@ column / JSON) with L, B and the skipped heads.
 
 How far the sampled protocol is from every head at every position (SPEC 12.3): ``geometry_coverage_gap``, per
 model partition, compares the published ``pca_heads`` / ``rotation_heads`` with the other coverage computed from
-the same capture (:func:`qk_core.geometry.coverage.geometry_coverage_gap`), per metric.
+the same capture (:func:`qk_core.geometry.coverage.geometry_coverage_gap`), per metric, the position part with its
+document jackknife error (:mod:`qk_core.geometry.jackknife`).
 
 Cross-model geometry figures (SPEC 7): ``geometry_figures``, unpartitioned, over every model partition.
 
@@ -253,9 +254,11 @@ class CoverageGapConfig(Config):
         "How far the sampled protocol (the sampled heads' sampled positions, the thesis's) is from every eligible "
         "head at every position (SPEC 12.3), per PCA and rotation metric: the model mean under each coverage, the "
         "spread over heads, per-head differences, and the gap of the means split into head sampling (± its "
-        "finite-population standard error, flagged beyond 1.96 of them) and position sampling (one draw's; "
-        "bench/coverage_gap.py measures its noise over other draws). The other coverage is computed from the same "
-        "capture with the options the published tables record; empty when the capture holds no moments."),
+        "finite-population standard error, flagged beyond 1.96 of them) and position sampling (± its "
+        "delete-a-document jackknife standard error, both coverages refitted without each document, up to "
+        "capture.moment_groups documents; bench/coverage_gap.py measures its noise over other draws). The other "
+        "coverage is computed from the same capture with the options the published tables record; empty when the "
+        "capture holds no moments."),
 )
 def geometry_coverage_gap(context: AssetExecutionContext, config: CoverageGapConfig, storage: StorageResource,
                           ray: RayClusterResource, qk_capture: pd.DataFrame, pca_heads: pd.DataFrame,

@@ -928,10 +928,8 @@ class CaptureReader:
         if not self.moment_groups() or int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group moments of layer {layer}")
         cut, layer = len(self.prefix) + 1, int(layer)
-        if (self.complete.get("moments") or {}).get("groups_in") == "documents":
-            names = sorted((n for n in self.files if n.startswith("moments/docs/doc-") and n.endswith(".npz")),
-                           key=lambda n: int(n.rsplit("doc-", 1)[1].split(".")[0]))
-            return stack_groups([self._verified_layer(name, layer) for name in names])
+        if self.documents_kept():
+            return stack_groups(list(self.read_document_moments(layer)))
         legacy = legacy_moment_groups_file(self.prefix, layer)[cut:]
         if legacy in self.files:
             return moments_from_bytes(self._verified_bytes(legacy))[layer]
@@ -940,6 +938,22 @@ class CaptureReader:
             data = self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:])
             groups.append(moments_from_bytes(data)[layer])
         return stack_groups(groups)
+
+    def documents_kept(self) -> bool:
+        """Whether every document's own moments file is kept (every document its own group): all its sums, so the
+        merge of any subset of the documents can be formed again (:meth:`read_document_moments`)."""
+        return (self.complete.get("moments") or {}).get("groups_in") == "documents"
+
+    def read_document_moments(self, layer: int) -> Iterator[LayerMoments]:
+        """Every document's own moments of one layer (every sum, float64), in sorted example-id order, one at a time,
+        each layer's range verified; kept while the capture has no more documents than ``capture.moment_groups``
+        (:meth:`documents_kept`), else a :class:`CaptureError` (raised before anything is read)."""
+        if not self.documents_kept() or int(layer) not in self.moment_layers():
+            raise CaptureError(f"{self.storage.uri(self.prefix)}: no per-document moments of layer {layer} (kept "
+                               "only while every document is its own group)")
+        names = sorted((n for n in self.files if n.startswith("moments/docs/doc-") and n.endswith(".npz")),
+                       key=lambda n: int(n.rsplit("doc-", 1)[1].split(".")[0]))
+        return (self._verified_layer(name, int(layer)) for name in names)
 
     def _verified_layer(self, name: str, layer: int) -> LayerMoments:
         """One layer of the moments file ``<prefix>/<name>`` (every sum float64), read alone: its byte range and that

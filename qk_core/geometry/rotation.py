@@ -131,7 +131,7 @@ def circular_linear_r(theta: np.ndarray, x: np.ndarray) -> float:
 
 
 def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
-                         k_doc: np.ndarray) -> tuple[float, int, int]:
+                         k_doc: np.ndarray, halves_of: np.ndarray | None = None) -> tuple[float, int, int]:
     """SPEC 3 diagnostic (i): |cos(a_1, a_2)| of the drift axes fitted on alternate documents.
 
     The halves are the 1st, 3rd, ... and the 2nd, 4th, ... documents in sorted id order (the parity of a
@@ -140,9 +140,10 @@ def split_half_stability(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k:
     pooled Q+K Cov(x, t) (centred within the half), as for a itself. Returns (|cos|, rows in the first
     half, rows in the second); |cos| is NaN when a half has fewer than 3 rows, no position spread or no
     position covariance. Near 1: a stable axis; near 0: noise (for a random axis in d dimensions |cos| is
-    about sqrt(2 / (pi d))).
+    about sqrt(2 / (pi d))). ``halves_of``: the documents whose ranks give the halves (default: the head's own; a
+    refit without one document keeps every other document in its half, :mod:`qk_core.geometry.jackknife`).
     """
-    ids = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]))
+    ids = np.unique(np.concatenate([np.asarray(q_doc), np.asarray(k_doc)]) if halves_of is None else halves_of)
     q_rank, k_rank = np.searchsorted(ids, q_doc), np.searchsorted(ids, k_doc)
     axes, counts = [], []
     for parity in (0, 1):
@@ -321,11 +322,13 @@ def centroid_axis(m: PooledMoments, a: np.ndarray, notes: list[str]) -> np.ndarr
 
 def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.ndarray, k_pos: np.ndarray,
                      k_doc: np.ndarray, *, window: int, options: RotationOptions | None = None,
-                     moments: PooledMoments | None = None, keep_points: int = 0) -> RotationResult:
+                     moments: PooledMoments | None = None, keep_points: int = 0,
+                     halves_of: np.ndarray | None = None) -> RotationResult:
     """Planar rotation of one head (SPEC 3). Raises :class:`HeadInputError` for a head it cannot analyse.
 
     ``moments`` (from :func:`pooled_moments` of the same rows) saves recomputing them when the PCA ran
     first. ``keep_points`` > 0 keeps up to that many evenly spaced Q and K rows' {a, b} projections for figures.
+    ``halves_of``: as :func:`split_half_stability` takes it.
     """
     options = options or RotationOptions()
     validate_head(q, q_pos, k, k_pos, options.min_rows)
@@ -383,7 +386,7 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
         if not energy > 0:
             notes.append("same-position pairs have q = k exactly: separation_strength undefined")
 
-    stability, n_even, n_odd = split_half_stability(q, q_pos, q_doc, k, k_pos, k_doc)
+    stability, n_even, n_odd = split_half_stability(q, q_pos, q_doc, k, k_pos, k_doc, halves_of)
     if not np.isfinite(stability):
         notes.append(f"split-half stability undefined ({n_even} rows on the 1st, 3rd, ... documents, {n_odd} on the "
                      "2nd, 4th, ...)")
@@ -628,13 +631,15 @@ def rotation_record(result: RotationResult | None, *, error: HeadInputError | No
 
 
 def rotation_head(head: HeadData | HeadInputError, options: RotationOptions, moments: PooledMoments | None = None,
-                  keep_points: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
-    """The rotation record of one head (SPEC 3) and its plane points, or its status and reason."""
+                  keep_points: int = 0, halves_of: np.ndarray | None = None
+                  ) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
+    """The rotation record of one head (SPEC 3) and its plane points, or its status and reason (``halves_of``: as
+    :func:`split_half_stability` takes it)."""
     try:
         if isinstance(head, HeadInputError):
             raise head
         res = analyse_rotation(head.q, head.q_pos, head.q_doc, head.k, head.k_pos, head.k_doc, window=head.window,
-                               options=options, moments=moments, keep_points=keep_points)
+                               options=options, moments=moments, keep_points=keep_points, halves_of=halves_of)
         return rotation_record(res), res.points
     except HeadInputError as err:
         return rotation_record(None, error=err), None

@@ -654,7 +654,7 @@ def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str
                  caption="How far the thesis's sampled protocol is from every head at every position (SPEC 12.3), "
                          "both from the same capture: the gap of the model means = head sampling (± its "
                          "finite-population standard error; bold beyond 1.96 of them) + position sampling (this "
-                         "capture's one draw; AP's ± its delete-a-document jackknife standard error, SPEC 4.6, bold "
-                         "beyond the 95% Student-t bound; bench/coverage_gap.py measures the noise of the others "
-                         "over other draws). "
+                         "capture's one draw; ± its delete-a-document jackknife standard error where the capture "
+                         "allows one, SPEC 4.6, bold beyond the 95% Student-t bound; bench/coverage_gap.py "
+                         "measures its noise over other draws). "
                          "Every metric: geometry_coverage_gap, plasticity_coverage_gap.")

@@ -102,6 +102,8 @@ def position_draws(parts: np.ndarray) -> dict[str, float]:
             "positions_biased": bool(np.isfinite(t) and abs(t) > stats.t.ppf(0.975, r - 1)), "draws": r}
 
 
+#: relative agreement of the two coverages on identical rows (SPEC 12.2): a position part within it is not flagged
+SAME_ROWS = 1e-10
 #: :func:`position_jackknife`'s columns for a metric without leave-one-out values
 NO_POSITION_SE: dict[str, Any] = {"se_positions": float("nan"), "units_positions": 0, "t_positions": float("nan"),
                                   "positions_beyond_95": None}
@@ -119,7 +121,8 @@ def position_jackknife(point: float, sampled_loo: pd.DataFrame, every_loo: pd.Da
     jackknife's variance holds the position draws' and the documents' own variation of the difference (a document
     whose sampled positions happen to sit far from its every-position moments moves it). ``positions_beyond_95``:
     ``|point| / se`` beyond Student's t with U - 1 degrees of freedom times ``inflation`` (the analysis's calibrated
-    interval inflation, SPEC 4.6)."""
+    interval inflation, SPEC 4.6), unless the part is within :data:`SAME_ROWS` of the metric's mean size (rounding).
+    """
     none = dict(NO_POSITION_SE)
     if sampled_loo.shape[1] != every_loo.shape[1]:
         return none
@@ -135,7 +138,10 @@ def position_jackknife(point: float, sampled_loo: pd.DataFrame, every_loo: pd.Da
     if not np.isfinite(se):
         return {**none, "units_positions": units}
     t = point / se if se > 0 else float("nan")
-    beyond = bool(np.isfinite(t) and abs(t) > inflation * float(t_quantile(0.95, units - 1)))
+    # two coverages on the same rows agree to rounding (SPEC 12.2): a part at that level is no part, whatever its t
+    scale = float(np.nanmean(np.abs(every_loo.loc[common].to_numpy(np.float64))))
+    beyond = bool(np.isfinite(t) and abs(t) > inflation * float(t_quantile(0.95, units - 1))
+                  and not abs(point) <= SAME_ROWS * scale)
     return {"se_positions": se, "units_positions": units, "t_positions": t, "positions_beyond_95": beyond}
 
 
