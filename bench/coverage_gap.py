@@ -21,6 +21,7 @@ of the draws' noise?
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
     .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
+    .venv/bin/python bench/coverage_gap.py --groups 4   # one-capture errors over 4 document groups, not 8 documents
 
 The position-sampling part of each gap is also measured under ``--draws`` more position draws: captures of the same
 heads with the next sampler seeds, analysed with coverage "sampled". Every head of a capture reads the same sampled
@@ -76,18 +77,16 @@ def _geometry(model: str, storage: Any, heads: pd.DataFrame, coverage: str) -> d
 
 
 def _geometry_loo(storage: Any, heads: pd.DataFrame) -> dict[str, dict[str, tuple[pd.DataFrame, pd.DataFrame]]]:
-    """Both coverages' geometry with each document left out (what ``geometry_coverage_gap`` jackknifes; the options of
-    :func:`_geometry`); none when the capture keeps no document's own moments."""
+    """Both coverages' geometry with each document (group) left out (what ``geometry_coverage_gap`` jackknifes; the
+    options of :func:`_geometry`)."""
     from qk_core.capture.store import CaptureReader
     from qk_core.config.options import PCAOptions, RotationOptions
     from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
 
     reader = CaptureReader(storage, str(heads["capture_prefix"].iloc[0]))
-    if not reader.documents_kept():
-        return {}
     metrics = {"pca": PCA_GAP_METRICS, "rotation": ROTATION_GAP_METRICS}
-    docs, every = loo_of_moments(reader, PCAOptions(), RotationOptions(capture_floor="beta"), metrics)
-    rows = loo_of_rows(storage, heads, docs, PCAOptions(coverage="sampled"),
+    units, every = loo_of_moments(reader, PCAOptions(), RotationOptions(capture_floor="beta"), metrics)
+    rows = loo_of_rows(storage, heads, units, PCAOptions(coverage="sampled"),
                        RotationOptions(coverage="sampled", capture_floor="beta"), metrics)
     return {a: {m: (rows[a][m], every[a][m]) for m in metrics[a]} for a in every}
 
@@ -101,7 +100,8 @@ def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, cover
     opts = resolve_options("plasticity", entry.analysis, {"coverage": coverage, "interval": interval})
     prefix = str(heads["capture_prefix"].iloc[0])
     pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
-    return analyse_capture(model, storage, prefix, pairs, opts)
+    # the sampled protocol's refits leave out the capture's document groups, as the coverage-gap asset's do
+    return analyse_capture(model, storage, prefix, pairs, opts, loo_groups=True)
 
 
 def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, n: int,
@@ -134,7 +134,7 @@ def _redraws(entry: Any, docs: pd.DataFrame, storage: Any, heads: pd.DataFrame, 
 
 
 def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4,
-            per_bucket: int | None = None) -> dict[str, Any]:
+            per_bucket: int | None = None, groups: int | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -146,7 +146,8 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
     entry = reg.model(model)
     entry = dataclasses.replace(entry, capture=dataclasses.replace(entry.capture, moments=True,
                                                                   heads=n_heads or entry.capture.heads,
-                                                                  per_bucket=per_bucket or entry.capture.per_bucket))
+                                                                  per_bucket=per_bucket or entry.capture.per_bucket,
+                                                                  moment_groups=groups or entry.capture.moment_groups))
     corpus_name = entry.corpora[0]
     docs, _ = build_corpus(reg.corpus(corpus_name))
     if entry.capture.max_docs:
@@ -188,9 +189,17 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
     eligible = len(every[0]["pca"])
     return {"model": model, "corpus": corpus_name, "window": entry.window, "bucket": entry.bucket,
             "documents": len(docs), "sampled_heads": len(heads), "eligible_heads": eligible,
-            "per_bucket": entry.capture.per_bucket, "seed": entry.capture.seed, "draws": draws, "cost_s": cost,
+            "per_bucket": entry.capture.per_bucket, "moment_groups": entry.capture.moment_groups,
+            "seed": entry.capture.seed, "draws": draws, "cost_s": cost,
             "heads": rows,
             "model_metrics": json.loads(model_metrics.to_json(orient="records"))}
+
+
+def _units(run: dict[str, Any]) -> str:
+    """What the one-capture errors leave out in turn: the documents, or the capture's document groups."""
+    groups = run.get("moment_groups") or run["documents"]
+    return ("the one-capture errors leave out each document in turn" if groups >= run["documents"] else
+            f"the one-capture errors leave out each of {groups} document groups in turn (capture.moment_groups)")
 
 
 def _f(x: Any, digits: int = 4) -> str:
@@ -267,11 +276,11 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
         lines += [f"## {run['model']} on {run['corpus']}", "",
                   f"Window {run['window']} tokens, bucket {run['bucket']}, {run['documents']} documents; "
                   f"{run['sampled_heads']} sampled heads of {run['eligible_heads']} eligible, "
-                  f"{run['per_bucket']} sampled positions per bucket and document. Capture "
+                  f"{run['per_bucket']} sampled positions per bucket and document; {_units(run)}. Capture "
                   f"{run['cost_s']['capture_s']:.0f} s; analysis all / sampled: geometry "
                   f"{run['cost_s']['geometry_all_s']:.1f} / {run['cost_s']['geometry_sampled_s']:.1f} s, plasticity "
                   f"{run['cost_s']['plasticity_all_s']:.1f} / {run['cost_s']['plasticity_sampled_s']:.1f} s; "
-                  f"geometry refits without each document, both coverages: "
+                  f"geometry refits without each unit, both coverages: "
                   f"{run['cost_s'].get('geometry_loo_s', float('nan')):.1f} s.", "",
                   *_reading(run),
                   "| analysis | metric | unit | mean sampled | mean all | IQR sampled | IQR all | median abs diff "
@@ -335,6 +344,9 @@ def main() -> None:
     p.add_argument("--per-bucket", type=int, default=None,
                    help="sample this many positions per bucket and document instead of the entry's "
                         "capture.per_bucket (SPEC 1.6); results go to coverage_gap[_heads<N>]_pb<M>.*")
+    p.add_argument("--groups", type=int, default=None,
+                   help="keep this many document groups (capture.moment_groups) instead of the entry's: fewer than the "
+                        "documents, the one-capture errors leave out groups; results go to ..._groups<G>.*")
     p.add_argument("--draws", type=int, default=4,
                    help="captures of the same heads with other sampler seeds, for the position-sampling part's noise "
                         "and bias (position_draws)")
@@ -343,9 +355,10 @@ def main() -> None:
 
     models = args.models or load_registry().in_group("demo")
     t = time.perf_counter()
-    runs = [measure(m, args.threads, args.heads, args.draws, args.per_bucket) for m in models]
+    runs = [measure(m, args.threads, args.heads, args.draws, args.per_bucket, args.groups) for m in models]
     name = ("coverage_gap" + ("" if args.heads is None else f"_heads{args.heads}")
-            + ("" if args.per_bucket is None else f"_pb{args.per_bucket}"))
+            + ("" if args.per_bucket is None else f"_pb{args.per_bucket}")
+            + ("" if args.groups is None else f"_groups{args.groups}"))
     write(runs, args, time.perf_counter() - t, name)
     print((RESULTS / f"{name}.md").read_text())
 

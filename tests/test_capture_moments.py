@@ -350,9 +350,9 @@ def test_geometry_position_part_is_jackknifed_over_documents_each_refit_a_captur
         storage = setup["full_storage"] if name == "full" else setup["storage"]
         res = setup[name]
         reader = CaptureReader(storage, res.prefix)
-        docs, every = loo_of_moments(reader, *opts["all"], metrics)
-        rows = loo_of_rows(storage, res.heads, docs, *opts["sampled"], metrics)
-        assert docs == [3, 5, 7, 9, 12] and reader.documents_kept()
+        units, every = loo_of_moments(reader, *opts["all"], metrics)
+        rows = loo_of_rows(storage, res.heads, units, *opts["sampled"], metrics)
+        assert units == [[3], [5], [7], [9], [12]] and reader.documents_kept()
         # independent: the corpus without document 12, captured again (the sampler draws per document and bucket)
         without = Storage(setup["tmp"] / f"without-12-{name}")
         again = capture_model(reg.model("m"), corpus[corpus["example_id"] != 12], without, device="cpu")
@@ -364,7 +364,7 @@ def test_geometry_position_part_is_jackknifed_over_documents_each_refit_a_captur
                 assert len(table) == (16 if coverage == "all" else len(res.heads))
                 for col in cols:
                     want = pd.to_numeric(table[col], errors="coerce").astype(float).dropna()
-                    got = loo[analysis][col][docs.index(12)].dropna()
+                    got = loo[analysis][col][units.index([12])].dropna()
                     assert got.index.equals(want.sort_index().index), (coverage, col)
                     np.testing.assert_allclose(got, want.sort_index(), rtol=1e-9, atol=1e-12,
                                                err_msg=f"{coverage} {col}")
@@ -384,7 +384,7 @@ def test_geometry_position_part_is_jackknifed_over_documents_each_refit_a_captur
             head = reader.read_head(layer, q_head)
             cos = abs(_drift_axis(head, [3, 12]) @ _drift_axis(head, [5, 9]))
             for loo in (rows, every):
-                assert np.isclose(loo["rotation"]["split_half_cos"].loc[(layer, q_head), docs.index(7)], cos,
+                assert np.isclose(loo["rotation"]["split_half_cos"].loc[(layer, q_head), units.index([7])], cos,
                                   rtol=1e-9)
             continue
         for analysis, col in (("pca", "pc1_evr"), ("rotation", "separation_strength"), ("rotation", "r2_full")):
@@ -604,17 +604,39 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
                  - loo_headlines(every.heads, every.profiles)["ap_overall"]).mean(axis=0).to_numpy()
     assert row["units_positions"] == 2 and np.isclose(row["se_positions"], abs(per_group[0] - per_group[1]) / 2,
                                                       rtol=1e-10)
-    # geometry has no group refits (a group file keeps only query sums): its position part has no error, and says why
-    from qk_core.geometry.coverage import geometry_coverage_gap
+    # geometry leaves out the same 2 groups (their files keep the key and pair sums and their split-half shares): each
+    # refit without a group equals the analysis of the corpus without its documents, captured anew, both coverages
+    from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS, geometry_coverage_gap
     from qk_core.geometry.driver import geometry_of_capture
+    from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
 
-    geo = geometry_of_capture("m", storage, res.heads, PCAOptions(), RotationOptions(capture_floor="beta"))
-    geo_gap, geo_note = geometry_coverage_gap("m", storage, res.heads, geo["pca"][0], geo["rotation"][0])
-    assert not CaptureReader(storage, res.prefix).documents_kept()
-    assert "past capture.moment_groups (2) documents (5 here)" in geo_note and len(geo_gap) >= 15
-    assert (geo_gap["units_positions"] == 0).all() and geo_gap["positions_beyond_95"].isna().all()
+    reader = CaptureReader(storage, res.prefix)
+    assert not reader.documents_kept()
     with pytest.raises(CaptureError, match="no per-document moments"):
-        CaptureReader(storage, res.prefix).read_document_moments(0)
+        reader.read_document_moments(0)
+    metrics = {"pca": PCA_GAP_METRICS, "rotation": ROTATION_GAP_METRICS}
+    geo_opts = {c: (PCAOptions(coverage=c), RotationOptions(coverage=c, capture_floor="beta"))
+                for c in ("sampled", "all")}
+    units, by_sums = loo_of_moments(reader, *geo_opts["all"], metrics)
+    by_rows = loo_of_rows(storage, res.heads, units, *geo_opts["sampled"], metrics)
+    assert units == [[3, 5, 7], [9, 12]]
+    corpus = setup["corpus"]
+    without = Storage(tmp / "groups-without-9-12")
+    again = capture_model(reg.model("m"), corpus[~corpus["example_id"].isin([9, 12])], without, device="cpu")
+    for coverage, loo in (("all", by_sums), ("sampled", by_rows)):
+        fresh = geometry_of_capture("m", without, again.heads, *geo_opts[coverage])
+        for analysis, cols in metrics.items():
+            table = fresh[analysis][0]
+            table = table[table["status"] == "ok"].set_index(["layer", "q_head"]).sort_index()
+            for col in cols:
+                want = pd.to_numeric(table[col], errors="coerce").astype(float).dropna()
+                got = loo[analysis][col][1].dropna()
+                assert got.index.equals(want.index), (coverage, col)
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=f"{coverage} {col}")
+    geo = geometry_of_capture("m", storage, res.heads, *geo_opts["all"])
+    geo_gap, geo_note = geometry_coverage_gap("m", storage, res.heads, geo["pca"][0], geo["rotation"][0])
+    assert "jackknife error over the 2 groups of the 5 documents" in geo_note and len(geo_gap) >= 15
+    assert set(geo_gap["units_positions"]) <= {0, 2} and (geo_gap["units_positions"] == 2).sum() >= 15
     # with every position sampled, the rows' refits without a group are every position's without it (the group's sums
     # subtracted from the merged ones): the same leave-one-group-out AP, two implementations
     reg = load_registry(tm.write_registry(tmp / "registry-groups-full.toml", {"m": {
@@ -631,6 +653,14 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
     assert by_rows["ap_overall"].shape == (len(heads), 2)
     for name, values in by_rows.items():
         np.testing.assert_allclose(values.to_numpy(), by_sums[name].to_numpy(), rtol=1e-8, atol=1e-10, err_msg=name)
+    # and so are geometry's group refits (the merge less a group's file; the rows without its documents)
+    units, geo_sums = loo_of_moments(CaptureReader(storage, full.prefix), *geo_opts["all"], metrics)
+    geo_rows = loo_of_rows(storage, full.heads, units, *geo_opts["sampled"], metrics)
+    for analysis, cols in metrics.items():
+        for col in cols:
+            assert geo_rows[analysis][col].shape == (16, 2), col
+            np.testing.assert_allclose(geo_rows[analysis][col].to_numpy(), geo_sums[analysis][col].to_numpy(),
+                                       rtol=1e-8, atol=1e-10, err_msg=col)
     with pytest.raises(ValueError, match="moment_groups"):
         load_registry(tm.write_registry(tmp / "registry-groups1.toml", {"m": {
             "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,

@@ -255,8 +255,9 @@ class CoverageGapConfig(Config):
         "head at every position (SPEC 12.3), per PCA and rotation metric: the model mean under each coverage, the "
         "spread over heads, per-head differences, and the gap of the means split into head sampling (± its "
         "finite-population standard error, flagged beyond 1.96 of them) and position sampling (± its "
-        "delete-a-document jackknife standard error, both coverages refitted without each document, up to "
-        "capture.moment_groups documents; bench/coverage_gap.py measures its noise over other draws). The other "
+        "delete-a-document (group) jackknife standard error, both coverages refitted without each document, or "
+        "each document group past capture.moment_groups documents; bench/coverage_gap.py measures its noise over "
+        "other draws). The other "
         "coverage is computed from the same capture with the options the published tables record; empty when the "
         "capture holds no moments."),
 )

@@ -31,7 +31,9 @@ layer (:class:`GroupSum`): the per-bucket query sums (``Q_KEYS``, and the exact 
 each of G contiguous groups of the documents in sorted id order (:func:`document_groups`; one document per group
 when the capture has at most ``capture.moment_groups`` documents), read back as one layer's (G, Hq, J, ...)
 (:func:`stack_groups`): the leave-one-out refits of the query model subtract one group from the merged sums
-(:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`).
+(:func:`qk_core.plasticity.jackknife.loo_profiles_from_moments`). A group file also keeps the group's pooled key and
+pair sums and its share of the merge's split-half sums, so PCA and rotation refit without it by subtraction too
+(:mod:`qk_core.geometry.jackknife`).
 
 Accumulation dtype (SPEC 12.1, issue 22; ``capture.moment_dtype``): position-only sums (n, t, t^2, s^k) are
 formed on the host in float64 (exact for integers below 2^53). Sums involving vectors are formed on the
@@ -356,21 +358,30 @@ def keep_common_lw_terms(merged: dict[str, np.ndarray], doc: dict[str, np.ndarra
         del merged[key]
 
 
-class GroupSum:
-    """One document group's file of one layer (module doc): the query sums of the group's ``size`` documents, added
-    in sorted id order as a moments file stores them (:func:`stored_layer`). A group of one document keeps that
-    document's query sums as they are (the arrays given, uncopied: write it before they change); a larger group
-    their float64 sum in that order, rounded once to the capture's accumulation ``dtype`` (the position sums stay
-    float64). ``keys``: the query sums every document of the capture has (as the merge keeps them)."""
+#: sums a group file keeps that count or add positions only: float64 whatever the accumulation dtype (exact)
+_EXACT_KEYS = (*POSITION_KEYS, "k_n", "k_t", "k_tt", "p_n")
 
-    def __init__(self, layer: int, keys: Iterable[str], dtype: str, size: int) -> None:
+
+class GroupSum:
+    """One document group's file of one layer (module doc): the sums of the group's ``size`` documents, added in
+    sorted id order as a moments file stores them (:func:`stored_layer`): the per-bucket query sums (SPEC 4.6's
+    refits of the query model), the pooled key and pair sums and the group's share of the merge's split-half sums
+    (``qh_*``, ``kh_*``, by each document's rank in the whole capture from ``first_rank``; what SPEC 2-3's refits
+    without the group subtract). A group of one document keeps that document's sums as they are (the arrays given,
+    uncopied: write it before they change); a larger group their float64 sum in that order, rounded once to the
+    capture's accumulation ``dtype`` (the position sums and the split-half sums stay float64). ``keys``: the sums
+    every document of the capture has (as the merge keeps them)."""
+
+    def __init__(self, layer: int, keys: Iterable[str], dtype: str, size: int, first_rank: int = 0) -> None:
         self.layer = layer
-        self.keys = [k for k in (*Q_KEYS, *LW_KEYS) if k in set(keys)]
+        self.keys = [k for k in (*Q_KEYS, *LW_KEYS, *K_KEYS, *P_KEYS) if k in set(keys)]
         self.dtype = dtype
         self.size = int(size)
+        self.first_rank = int(first_rank)
         self.layout: dict[str, np.ndarray] = {}
         self.docs: list[int] = []
         self._sums: dict[str, np.ndarray] = {}
+        self._halves: dict[str, np.ndarray] = {}
 
     @property
     def closed(self) -> bool:
@@ -383,6 +394,12 @@ class GroupSum:
             raise ValueError(f"layer {self.layer}: a group of {self.size} documents given another")
         if not self.layout:
             self.layout = {k: np.asarray(stored[k]) for k in ("q_heads", "kv_heads", "kv_index", "layout")}
+        parity = (self.first_rank + len(self.docs)) % 2  # as the merge's split halves (MomentMerger)
+        for k in HALF_KEYS:
+            for kind, v in (("q", np.asarray(stored[f"q_{k}"]).sum(axis=1, dtype=np.float64)),
+                            ("k", np.asarray(stored[f"k_{k}"], dtype=np.float64))):
+                half = self._halves.setdefault(f"{kind}h_{k}", np.zeros((2, *v.shape)))
+                half[parity] += v
         self.docs += [int(e) for e in stored["docs"]]
         if self.size == 1:  # alone: its own numbers, in their stored dtypes
             self._sums = {k: np.asarray(stored[k]) for k in self.keys}
@@ -401,7 +418,8 @@ class GroupSum:
         yield p + "docs", np.asarray(self.docs, np.int64)
         for k in self.keys:
             v = self._sums[k]
-            yield p + k, v if self.size == 1 else v.astype(np.float64 if k in POSITION_KEYS else self.dtype)
+            yield p + k, v if self.size == 1 else v.astype(np.float64 if k in _EXACT_KEYS else self.dtype)
+        yield from ((p + k, v) for k, v in self._halves.items())
 
 
 def stack_groups(groups: Sequence[LayerMoments]) -> LayerMoments:
@@ -456,7 +474,7 @@ class RunningMerge:
         for m in layers:  # every layer's state, before the layers are added on several threads
             self.mergers.setdefault(m.layer, MomentMerger())
             if not self.lone and m.layer not in self._open:
-                self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]))
+                self._open[m.layer] = GroupSum(m.layer, m.sums, self.dtype, int(self._sizes[g]), rank)
 
         def add_layer(m: LayerMoments) -> None:
             stored = stored_form(m)

@@ -16,8 +16,9 @@ determines the captured values, so a changed option never mixes with an older ca
     moments/L<layer>.npz              the moments of a layer merged over all documents in sorted example-id
                                       order (:func:`qk_core.capture.moments.merge_documents`), written by
                                       finalize() (merged as they committed, or from their files)
-    moments/groups/L<layer>_G<g>.npz  the per-bucket query sums of group g of G contiguous groups of those
-                                      documents, for the leave-one-out intervals (SPEC 4.6; qk_core.capture.moments;
+    moments/groups/L<layer>_G<g>.npz  the per-bucket query sums (and pooled key, pair and split-half sums) of group
+                                      g of G contiguous groups of those documents, for the leave-one-out refits
+                                      (SPEC 4.6; qk_core.capture.moments.GroupSum;
                                       written as the group's last document commits when merged as they commit);
                                       none when every document is its own group: its moments file is kept as the
                                       group's, each layer's byte range checksummed in complete.json
@@ -703,7 +704,7 @@ class CaptureWriter:
                             continue
                         g = int(group_of[rank])
                         if group is None:
-                            group = GroupSum(layer, keys, plan.get("dtype", "float64"), int(sizes[g]))
+                            group = GroupSum(layer, keys, plan.get("dtype", "float64"), int(sizes[g]), rank)
                         group.add(own)
                         if group.closed:
                             rel, out[rel] = self._write_group(g, group)
@@ -769,7 +770,7 @@ def moments_file(prefix: str, layer: int) -> str:
 
 
 def moment_group_file(prefix: str, layer: int, group: int) -> str:
-    """One document group's query sums of one layer (SPEC 4.6 with coverage ``all``; moments module doc)."""
+    """One document group's sums of one layer (SPEC 4.6 with coverage ``all``; :class:`GroupSum`)."""
     return f"{prefix}/moments/groups/L{layer:03d}_G{group:03d}.npz"
 
 
@@ -933,11 +934,18 @@ class CaptureReader:
         legacy = legacy_moment_groups_file(self.prefix, layer)[cut:]
         if legacy in self.files:
             return moments_from_bytes(self._verified_bytes(legacy))[layer]
-        groups = []
-        for g in range(self.moment_groups()):
-            data = self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:])
-            groups.append(moments_from_bytes(data)[layer])
-        return stack_groups(groups)
+        return stack_groups(list(self.read_group_files(layer)))
+
+    def read_group_files(self, layer: int) -> Iterator[LayerMoments]:
+        """Each document group's file of one layer (every sum it keeps, float64: :class:`GroupSum`), in group order,
+        one at a time, verified; a capture whose groups are its documents' own files, or are kept in one file per
+        layer (finalized before group files), has none (:class:`CaptureError`, raised before anything is read)."""
+        if (not self.moment_groups() or self.documents_kept() or int(layer) not in self.moment_layers()
+                or legacy_moment_groups_file(self.prefix, int(layer))[len(self.prefix) + 1:] in self.files):
+            raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group files of layer {layer}")
+        cut, layer = len(self.prefix) + 1, int(layer)
+        return (moments_from_bytes(self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:]))[layer]
+                for g in range(self.moment_groups()))
 
     def documents_kept(self) -> bool:
         """Whether every document's own moments file is kept (every document its own group): all its sums, so the

@@ -4,7 +4,7 @@ A capture with moments holds both: the sampled heads' sampled rows (SPEC 1.5-1.6
 over every position (SPEC 12.1). :func:`geometry_coverage_gap` takes the published per-head PCA and rotation tables
 (one coverage), computes the other coverage from the same capture with the same recorded options, and compares them
 per metric (:func:`qk_core.stats.sampling_gap.compare_coverages`), the position part with its delete-a-document
-jackknife error where the capture keeps every document's own moments (:mod:`qk_core.geometry.jackknife`).
+jackknife error over the capture's documents (document groups) (:mod:`qk_core.geometry.jackknife`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.capture.store import CaptureReader
+from qk_core.capture.store import CaptureError, CaptureReader
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.driver import geometry_of_capture
 from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
@@ -52,8 +52,8 @@ def geometry_coverage_gap(model: str, storage: Storage, capture: pd.DataFrame, p
     the same capture with the options they record (:func:`recorded_options`). An empty table (and the reason) when
     the capture holds no moments, so coverage ``all`` cannot be formed, or when nothing was analysed. The position
     part of each gap is this capture's position draw; its standard error comes from refitting both coverages with
-    each document left out (:mod:`qk_core.geometry.jackknife`) where the capture keeps every document's own moments,
-    and its noise over other draws from ``bench/coverage_gap.py --draws``."""
+    each document (document group) left out (:mod:`qk_core.geometry.jackknife`), and its noise over other draws from
+    ``bench/coverage_gap.py --draws``."""
     published = {a: recorded_coverage(t) for a, t in (("pca", pca_heads), ("rotation", rotation_heads))}
     if all(c is None for c in published.values()):
         return pd.DataFrame(columns=TABLE_COLUMNS), "no per-head values to compare"
@@ -86,18 +86,15 @@ def geometry_coverage_gap(model: str, storage: Storage, capture: pd.DataFrame, p
 def _leave_one_out(storage: Storage, capture: pd.DataFrame, readers: list[CaptureReader],
                    published: dict[str, str | None], pca_heads: pd.DataFrame, rotation_heads: pd.DataFrame
                    ) -> tuple[dict[str, dict[str, tuple[pd.DataFrame, pd.DataFrame]]], str]:
-    """Per analysis and metric, (coverage sampled's, coverage all's) values of each head with each document left out
-    (:mod:`qk_core.geometry.jackknife`), with the recorded options of each coverage; and a phrase saying what the
-    position part's error rests on, or why there is none."""
+    """Per analysis and metric, (coverage sampled's, coverage all's) values of each head with each document (group)
+    left out (:mod:`qk_core.geometry.jackknife`), with the recorded options of each coverage; and a phrase saying what
+    the position part's error rests on, or why there is none."""
     if len(readers) != 1:
         return {}, "the position part has no error: the heads come from more than one capture"
     reader = readers[0]
     n_docs = int(reader.doc_tokens().shape[0])
-    if not reader.documents_kept():
-        return {}, (f"the position part has no error: past capture.moment_groups ({reader.moment_groups()}) "
-                    f"documents ({n_docs} here) the capture keeps no document's own moments, only its group's query "
-                    "sums" if reader.moment_groups() else
-                    "the position part has no error: the capture keeps no document's own moments")
+    if not reader.moment_groups():
+        return {}, "the position part has no error: the capture keeps no document (group) moments"
     if n_docs < 2:
         return {}, "the position part has no error: one document cannot be left out"
     metrics = {"pca": PCA_GAP_METRICS, "rotation": ROTATION_GAP_METRICS}
@@ -107,7 +104,11 @@ def _leave_one_out(storage: Storage, capture: pd.DataFrame, readers: list[Captur
             "pca": None if published["pca"] is None else recorded_options(pca_heads, PCAOptions, coverage),
             "rotation": (None if published["rotation"] is None
                          else recorded_options(rotation_heads, RotationOptions, coverage))}
-    docs, every = loo_of_moments(reader, opts["all"]["pca"], opts["all"]["rotation"], metrics)
-    sampled = loo_of_rows(storage, capture, docs, opts["sampled"]["pca"], opts["sampled"]["rotation"], metrics)
+    try:
+        units, every = loo_of_moments(reader, opts["all"]["pca"], opts["all"]["rotation"], metrics)
+    except CaptureError as exc:  # group files from before they kept the key sums
+        return {}, f"the position part has no error: {exc}"
+    sampled = loo_of_rows(storage, capture, units, opts["sampled"]["pca"], opts["sampled"]["rotation"], metrics)
     paired = {a: {m: (sampled[a][m], every[a][m]) for m in metrics[a]} for a in every}
-    return paired, f"the position part with its jackknife error over the {len(docs)} documents"
+    what = f"{n_docs} documents" if len(units) == n_docs else f"{len(units)} groups of the {n_docs} documents"
+    return paired, f"the position part with its jackknife error over the {what}"

@@ -1,17 +1,18 @@
-"""Geometry with each document left out in turn (SPEC 2, 3 refitted as SPEC 4.6 refits AP): the units of the position
-part's standard error in the geometry coverage gap (SPEC 12.3, :func:`qk_core.stats.sampling_gap.position_jackknife`).
+"""Geometry with each document (group) left out in turn (SPEC 2, 3 refitted as SPEC 4.6 refits AP): the units of the
+position part's standard error in the geometry coverage gap (SPEC 12.3,
+:func:`qk_core.stats.sampling_gap.position_jackknife`).
 
-Both coverages leave out the same documents of one capture: coverage ``sampled`` refits each sampled head on its rows
-without the document's (:func:`loo_of_rows`); coverage ``all`` refits every eligible head on the merge of every other
-document's own moments (:func:`loo_of_moments`; each document's query sums pooled over the buckets first, which is
-all geometry reads of them), which the capture keeps while every document is its own group
-(``capture.moment_groups``; :meth:`~qk_core.capture.store.CaptureReader.documents_kept`). Past that the group files
-keep only the query sums, so geometry has no leave-one-out values there.
+Both coverages leave out the same units of one capture: its documents while it has no more of them than
+``capture.moment_groups``, else its document groups (:func:`capture_units`). Coverage ``sampled`` refits each sampled
+head on its rows without the unit's documents (:func:`loo_of_rows`); coverage ``all`` refits every eligible head on the
+merged moments less the unit's own (:func:`loo_of_moments`): a document's moments file, or its group's file
+(:class:`~qk_core.capture.moments.GroupSum`, which keeps the pooled key and pair sums and its share of the split-half
+sums for this). The query sums are pooled over the buckets first: geometry reads nothing finer.
 
 The refits keep the published options but for the rotation's noise floor, taken analytic (``capture_floor = "beta"``):
 no compared metric depends on it, and the permutation floor would cost each refit its permutations. Every other
-document keeps its split-half (SPEC 3 (i): its rank's parity in the whole capture), so a refit drops the document from
-its half: ranked anew, every later document would change halves, a different split rather than a perturbation of this
+document keeps its split-half (SPEC 3 (i): its rank's parity in the whole capture), so a refit drops the unit from its
+half: ranked anew, every later document would change halves, a different split rather than a perturbation of this
 one, and the jackknife of split_half_cos would hold the spread over splits (on SmolLM2 at 8 documents its error was
 4.0 times the part's spread over position draws ranked anew, 2.6 times with the halves kept; bench/coverage_gap.py).
 """
@@ -25,8 +26,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.moments import DOC_KEYS, HALF_KEYS, Q_KEYS, LayerMoments, merge_documents
-from qk_core.capture.store import CaptureReader, HeadData
+from qk_core.capture.moments import DOC_KEYS, HALF_KEYS, Q_KEYS, LayerMoments, document_groups
+from qk_core.capture.store import CaptureError, CaptureReader, HeadData
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.from_moments import layer_geometry
 from qk_core.geometry.heads import HeadInputError, iter_capture_heads, validate_head
@@ -36,8 +37,8 @@ from qk_core.geometry.rotation import rotation_head
 from qk_core.io.storage import Storage
 from qk_core.stats.sampling_gap import KEYS
 
-#: per analysis ("pca", "rotation"), per metric: each head's value (rows indexed by (layer, q_head)) with each
-#: document left out (one column per document, in sorted example-id order)
+#: per analysis ("pca", "rotation"), per metric: each head's value (rows indexed by (layer, q_head)) with each unit
+#: left out (one column per unit of :func:`capture_units`, in order)
 LooFrames = dict[str, dict[str, pd.DataFrame]]
 
 
@@ -48,7 +49,7 @@ def _refit_options(pca: PCAOptions | None, rotation: RotationOptions | None
 
 def _frames(records: Mapping[str, Sequence[list[dict[str, Any]]]], metrics: Mapping[str, Mapping[str, str]]
             ) -> LooFrames:
-    """Per analysis and metric, the heads' values (status ok; else absent, NaN) under each left-out document."""
+    """Per analysis and metric, the heads' values (status ok; else absent, NaN) under each left-out unit."""
     out: LooFrames = {}
     for analysis, per_unit in records.items():
         cols = list(metrics[analysis])
@@ -61,29 +62,24 @@ def _frames(records: Mapping[str, Sequence[list[dict[str, Any]]]], metrics: Mapp
     return out
 
 
-def _pooled(m: LayerMoments) -> LayerMoments:
-    """One document's layer with its query sums pooled over the buckets: all PCA and rotation read of them (SPEC 12.2,
-    :meth:`LayerMoments.q_pooled`), so a document held for the refits costs a bucket's bytes, not the window's."""
-    return dataclasses.replace(m, n_buckets=1, sums={k: v.sum(axis=1, keepdims=True) if k in Q_KEYS else v
-                                                      for k, v in m.sums.items() if k in DOC_KEYS})
-
-
-def loo_of_rows(storage: Storage, capture: pd.DataFrame, docs: Sequence[int], pca_options: PCAOptions | None,
-                rotation_options: RotationOptions | None, metrics: Mapping[str, Mapping[str, str]]) -> LooFrames:
-    """Coverage ``sampled``: each head a ``qk_capture`` table lists, read once, refitted on its rows without each of
-    ``docs`` in turn (SPEC 2, 3 as :func:`qk_core.geometry.driver.run_geometry` fits them)."""
+def loo_of_rows(storage: Storage, capture: pd.DataFrame, units: Sequence[Sequence[int]],
+                pca_options: PCAOptions | None, rotation_options: RotationOptions | None,
+                metrics: Mapping[str, Mapping[str, str]]) -> LooFrames:
+    """Coverage ``sampled``: each head a ``qk_capture`` table lists, read once, refitted on its rows without each unit's
+    documents in turn (``units``: :func:`capture_units`; SPEC 2, 3 as :func:`qk_core.geometry.driver.run_geometry`
+    fits them)."""
     pca, rot = _refit_options(pca_options, rotation_options)
     analyses = {"pca": pca, "rotation": rot}
-    records: dict[str, list[list[dict[str, Any]]]] = {a: [[] for _ in docs] for a, o in analyses.items()
+    records: dict[str, list[list[dict[str, Any]]]] = {a: [[] for _ in units] for a, o in analyses.items()
                                                       if o is not None}
     mins = [o.min_rows for o in analyses.values() if o is not None]
-    halves = np.asarray(sorted(docs), np.int64)  # every document keeps its split-half (module doc)
+    halves = np.asarray(sorted(e for unit in units for e in unit), np.int64)  # every document keeps its half
     for meta, head in iter_capture_heads(storage, capture):
         if not isinstance(head, HeadData):
             continue
         key = {"layer": int(meta["layer"]), "q_head": int(meta["q_head"])}
-        for j, doc in enumerate(docs):
-            q, k = head.q_doc != doc, head.k_doc != doc
+        for j, unit in enumerate(units):
+            q, k = ~np.isin(head.q_doc, unit), ~np.isin(head.k_doc, unit)
             part = dataclasses.replace(head, q=head.q[q], q_pos=head.q_pos[q], q_doc=head.q_doc[q],
                                        k=head.k[k], k_pos=head.k_pos[k], k_doc=head.k_doc[k])
             moments = None
@@ -99,34 +95,62 @@ def loo_of_rows(storage: Storage, capture: pd.DataFrame, docs: Sequence[int], pc
     return _frames(records, metrics)
 
 
+#: the sums of a layer PCA and rotation read (SPEC 12.2): per document, and the merge's split halves
+GEOMETRY_KEYS = (*DOC_KEYS, *(f"{kind}h_{k}" for kind in ("q", "k") for k in HALF_KEYS))
+
+
+def capture_units(reader: CaptureReader) -> list[list[int]]:
+    """The units a capture's refits leave out, each its documents in sorted example-id order: every document alone
+    while the capture keeps their own moments (:meth:`~qk_core.capture.store.CaptureReader.documents_kept`), else its
+    document groups (:func:`~qk_core.capture.moments.document_groups`)."""
+    docs = sorted(int(e) for e in reader.doc_tokens()["example_id"])
+    if reader.documents_kept():
+        return [[e] for e in docs]
+    group_of = document_groups(len(docs), reader.moment_groups())
+    return [[e for e, g in zip(docs, group_of, strict=True) if g == u] for u in range(int(group_of.max()) + 1)]
+
+
+def _geometry_sums(m: LayerMoments, rank: int | None = None) -> dict[str, np.ndarray]:
+    """:data:`GEOMETRY_KEYS` of a layer, the query sums pooled over the buckets; ``rank``: of a document's own moments,
+    its rank in the capture, whose parity puts its sums in one split half (a merge or a group file has its halves)."""
+    out = {k: v.sum(axis=1, keepdims=True) if k in Q_KEYS else v for k, v in m.sums.items() if k in DOC_KEYS}
+    if rank is not None:
+        for kind in ("q", "k"):
+            for k in HALF_KEYS:
+                v = out[f"{kind}_{k}"][:, 0] if kind == "q" else out[f"{kind}_{k}"]
+                half = np.zeros((2, *v.shape))
+                half[rank % 2] = v
+                out[f"{kind}h_{k}"] = half
+    else:
+        out.update({k: v for k, v in m.sums.items() if k in GEOMETRY_KEYS and k not in out})
+    missing = [k for k in GEOMETRY_KEYS if k not in out]
+    if missing:
+        raise CaptureError(f"layer {m.layer}: no {', '.join(missing)} sums of documents {m.docs[:3]}... (a group file "
+                           "written before group files kept the key and pair sums)")
+    return out
+
+
 def loo_of_moments(reader: CaptureReader, pca_options: PCAOptions | None, rotation_options: RotationOptions | None,
-                   metrics: Mapping[str, Mapping[str, str]]) -> tuple[list[int], LooFrames]:
-    """Coverage ``all``: every eligible head refitted on the merge of every document's own moments but one's, for each
-    document in turn (SPEC 12.1-12.2; one layer in memory at a time); (the documents, in sorted example-id order, and
-    the frames). A capture that keeps no per-document moments is a :class:`~qk_core.capture.store.CaptureError`."""
+                   metrics: Mapping[str, Mapping[str, str]]) -> tuple[list[list[int]], LooFrames]:
+    """Coverage ``all``: every eligible head refitted on the merged moments less each unit's (:func:`capture_units`) in
+    turn (SPEC 12.1-12.2; one layer, and one unit's sums, in memory at a time); (the units, and the frames). A capture
+    whose groups keep no key sums (finalized before they did) is a :class:`~qk_core.capture.store.CaptureError`."""
     pca, rot = _refit_options(pca_options, rotation_options)
-    records: dict[str, list[list[dict[str, Any]]]] = {}
-    docs: list[int] = []
+    units = capture_units(reader)
+    records = {a: [[] for _ in units] for a, o in (("pca", pca), ("rotation", rot)) if o is not None}
     for layer in reader.moment_layers():
-        own = [_pooled(m) for m in reader.read_document_moments(layer)]
-        docs = [int(m.docs[0]) for m in own]
-        for a, o in (("pca", pca), ("rotation", rot)):
-            if o is not None:
-                records.setdefault(a, [[] for _ in own])
-        # each document's split-half sums (SPEC 3 (i)): a refit keeps every other document in its own half
-        half = [{f"{kind}h_{k}": m.sums[f"{kind}_{k}"][:, 0] if kind == "q" else m.sums[f"{kind}_{k}"]
-                 for kind in ("q", "k") for k in HALF_KEYS} for m in own]
-        for j in range(len(own)):
-            rest = own[:j] + own[j + 1:]
-            if not rest:
-                continue
-            merged = merge_documents(rest)
-            for name, like in half[0].items():
-                merged.sums[name] = np.stack([sum((half[i][name] for i in range(p, len(own), 2) if i != j),
-                                                  np.zeros_like(like)) for p in (0, 1)])
-            for rec in layer_geometry(merged, reader.window, pca, rot):
+        merged = reader.read_moments(layer)
+        whole = _geometry_sums(merged)
+        own = (reader.read_document_moments(layer) if reader.documents_kept() else reader.read_group_files(layer))
+        for j, m in enumerate(own):
+            if sorted(m.docs) != units[j]:
+                raise CaptureError(f"layer {layer}: unit {j} holds documents {m.docs}, the capture's order gives "
+                                   f"{units[j]}")
+            part = _geometry_sums(m, j if reader.documents_kept() else None)
+            rest = [e for e in merged.docs if e not in set(units[j])]
+            lm = dataclasses.replace(merged, n_buckets=1, docs=rest, sums={k: whole[k] - part[k] for k in whole})
+            for rec in layer_geometry(lm, reader.window, pca, rot):
                 key = {"layer": int(layer), "q_head": int(rec["q_head"])}
                 for a in records:
                     records[a][j].append({**key, **rec[a]})
-    return docs, _frames(records, metrics)
-
+    return units, _frames(records, metrics)
