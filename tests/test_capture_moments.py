@@ -748,6 +748,26 @@ def test_group_sums_of_a_capture_finalized_before_group_files_are_still_read(set
         assert a.docs == b.docs and set(a.sums) == set(b.sums) and a.sums["q_n"].shape[0] == reader.moment_groups() == 3
         assert all(np.array_equal(a.sums[k], b.sums[k]) for k in b.sums), layer
 
+    # geometry's group refits need the key and pair sums the group files keep now: without them its position part has
+    # no error, and the note says why; a damaged group file is no such case, it fails
+    from qk_core.geometry.coverage import geometry_coverage_gap
+    from qk_core.geometry.driver import geometry_of_capture
+
+    heads = capture_model(reg.model("m"), setup["corpus"], src, device="cpu").heads  # committed: read back as it is
+    geo = geometry_of_capture("m", src, heads, PCAOptions(), RotationOptions(capture_floor="beta"))
+    tables = (geo["pca"][0], geo["rotation"][0])
+    gap, note = geometry_coverage_gap("m", src, heads, *tables)
+    assert "jackknife error over the 3 groups of the 5 documents" in note and (gap["units_positions"] == 3).sum() >= 15
+    gap, note = geometry_coverage_gap("m", old, heads, *tables)
+    assert "the position part has no error" in note and "no document-group files" in note
+    assert (gap["units_positions"] == 0).all() and len(gap) >= 15
+    rel = moment_group_file(prefix, reader.moment_layers()[0], 1)
+    data = bytearray(src.read_bytes(rel))
+    data[len(data) // 2] ^= 0xFF
+    src.write_bytes(rel, bytes(data))
+    with pytest.raises(CaptureError, match="G001"):
+        geometry_coverage_gap("m", src, heads, *tables)
+
 
 def test_documents_that_are_their_own_groups_serve_as_the_group_files_layer_by_layer(setup: dict[str, Any]) -> None:
     """At most ``capture.moment_groups`` documents: every document is its own group and its moments file, kept, is

@@ -13,10 +13,10 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.capture.store import CaptureError, CaptureReader
+from qk_core.capture.store import CaptureReader
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.driver import geometry_of_capture
-from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
+from qk_core.geometry.jackknife import NoUnitSumsError, loo_of_moments, loo_of_rows
 from qk_core.geometry.pca import PCA_UNITS
 from qk_core.geometry.rotation import ROTATION_UNITS
 from qk_core.io.storage import Storage
@@ -106,7 +106,7 @@ def _leave_one_out(storage: Storage, capture: pd.DataFrame, readers: list[Captur
                          else recorded_options(rotation_heads, RotationOptions, coverage))}
     try:
         units, every = loo_of_moments(reader, opts["all"]["pca"], opts["all"]["rotation"], metrics)
-    except CaptureError as exc:  # group files from before they kept the key sums
+    except NoUnitSumsError as exc:  # group files from before they kept the key sums
         return {}, f"the position part has no error: {exc}"
     sampled = loo_of_rows(storage, capture, units, opts["sampled"]["pca"], opts["sampled"]["rotation"], metrics)
     paired = {a: {m: (sampled[a][m], every[a][m]) for m in metrics[a]} for a in every}

@@ -95,6 +95,11 @@ def loo_of_rows(storage: Storage, capture: pd.DataFrame, units: Sequence[Sequenc
     return _frames(records, metrics)
 
 
+class NoUnitSumsError(CaptureError):
+    """The capture keeps no sums a refit could leave out (finalized before its group files kept them): no error, not
+    a damaged capture (damage stays a plain :class:`~qk_core.capture.store.CaptureError`)."""
+
+
 #: the sums of a layer PCA and rotation read (SPEC 12.2): per document, and the merge's split halves
 GEOMETRY_KEYS = (*DOC_KEYS, *(f"{kind}h_{k}" for kind in ("q", "k") for k in HALF_KEYS))
 
@@ -125,8 +130,8 @@ def _geometry_sums(m: LayerMoments, rank: int | None = None) -> dict[str, np.nda
         out.update({k: v for k, v in m.sums.items() if k in GEOMETRY_KEYS and k not in out})
     missing = [k for k in GEOMETRY_KEYS if k not in out]
     if missing:
-        raise CaptureError(f"layer {m.layer}: no {', '.join(missing)} sums of documents {m.docs[:3]}... (a group file "
-                           "written before group files kept the key and pair sums)")
+        raise NoUnitSumsError(f"layer {m.layer}: no {', '.join(missing)} sums of documents {m.docs[:3]}... (a group "
+                              "file written before group files kept the key and pair sums)")
     return out
 
 
@@ -134,14 +139,17 @@ def loo_of_moments(reader: CaptureReader, pca_options: PCAOptions | None, rotati
                    metrics: Mapping[str, Mapping[str, str]]) -> tuple[list[list[int]], LooFrames]:
     """Coverage ``all``: every eligible head refitted on the merged moments less each unit's (:func:`capture_units`) in
     turn (SPEC 12.1-12.2; one layer, and one unit's sums, in memory at a time); (the units, and the frames). A capture
-    whose groups keep no key sums (finalized before they did) is a :class:`~qk_core.capture.store.CaptureError`."""
+    whose groups keep no key sums (finalized before they did) is a :class:`NoUnitSumsError`."""
     pca, rot = _refit_options(pca_options, rotation_options)
     units = capture_units(reader)
     records = {a: [[] for _ in units] for a, o in (("pca", pca), ("rotation", rot)) if o is not None}
     for layer in reader.moment_layers():
         merged = reader.read_moments(layer)
         whole = _geometry_sums(merged)
-        own = (reader.read_document_moments(layer) if reader.documents_kept() else reader.read_group_files(layer))
+        try:  # (both check what the capture keeps before reading anything)
+            own = reader.read_document_moments(layer) if reader.documents_kept() else reader.read_group_files(layer)
+        except CaptureError as exc:
+            raise NoUnitSumsError(str(exc)) from exc
         for j, m in enumerate(own):
             if sorted(m.docs) != units[j]:
                 raise CaptureError(f"layer {layer}: unit {j} holds documents {m.docs}, the capture's order gives "
