@@ -13,11 +13,12 @@ on, and the gap of the means split into what drawing the heads and what sampling
 the standard error chance gives it (``qk_core.stats.sampling_gap``; the ``geometry_coverage_gap`` asset reports
 the same per model partition, without the position draws). Model-level plasticity metrics (SPEC 4.5) are compared with
 their intervals (the platform's jackknife-t rule for both, SPEC 4.6: the query model refitted without each document,
-from the rows or from every position's sums less the document's). AP's position part also gets the document jackknife
-standard error the ``plasticity_coverage_gap`` asset reports (``qk_core.stats.sampling_gap.position_jackknife``), and
-so does geometry's (``geometry_coverage_gap``: both coverages refitted without each document,
-``qk_core.geometry.jackknife``), set beside the part's spread over the position draws: is one capture's error the size
-of the draws' noise?
+from the rows or from every position's sums less the document's). AP's position part also gets the delete-a-document
+(group) jackknife standard error the ``plasticity_coverage_gap`` asset reports
+(``qk_core.stats.sampling_gap.position_jackknife``), and so do the query model's drift (the same asset: its regression
+on position refitted without each unit, ``qk_core.plasticity.coverage.loo_drift_of_moments`` / ``..._of_rows``) and
+geometry's (``geometry_coverage_gap``: both coverages refitted without each unit, ``qk_core.geometry.jackknife``), set
+beside the part's spread over the position draws: is one capture's error the size of the draws' noise?
 
     .venv/bin/python bench/coverage_gap.py [--models smollm2-135m gemma3-270m] [--threads 2]
     .venv/bin/python bench/coverage_gap.py --models smollm2-135m --heads 90   # head sampling too
@@ -89,6 +90,19 @@ def _geometry_loo(storage: Any, heads: pd.DataFrame) -> dict[str, dict[str, tupl
     rows = loo_of_rows(storage, heads, units, PCAOptions(coverage="sampled"),
                        RotationOptions(coverage="sampled", capture_floor="beta"), metrics)
     return {a: {m: (rows[a][m], every[a][m]) for m in metrics[a]} for a in every}
+
+
+def _query_loo(storage: Any, heads: pd.DataFrame) -> dict[str, tuple[pd.DataFrame, pd.DataFrame]]:
+    """Both coverages' query-model drift with each document (group) left out (what ``plasticity_coverage_gap``
+    jackknifes)."""
+    from qk_core.capture.store import CaptureReader
+    from qk_core.plasticity.coverage import loo_drift_of_moments, loo_drift_of_rows
+
+    reader = CaptureReader(storage, str(heads["capture_prefix"].iloc[0]))
+    units, every = loo_drift_of_moments(reader)
+    pairs = [(int(la), int(h)) for la, h in zip(heads["layer"], heads["q_head"], strict=True)]
+    rows = loo_drift_of_rows(reader, pairs, units)
+    return {m: (rows[m], every[m]) for m in QUERY_GAP_METRICS}
 
 
 def _plasticity(model: str, storage: Any, heads: pd.DataFrame, entry: Any, coverage: str,
@@ -170,6 +184,9 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
         t = time.perf_counter()
         geo_loo = _geometry_loo(storage, heads)
         cost["geometry_loo_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        query_loo = _query_loo(storage, heads)
+        cost["query_loo_s"] = time.perf_counter() - t
         other = _redraws(entry, docs, storage, heads, draws, cost)
         for analysis, cols in (("pca", PCA_GAP_METRICS), ("rotation", ROTATION_GAP_METRICS)):
             rows += compare_coverages(sampled[0][analysis], every[0][analysis], cols, analysis,
@@ -181,7 +198,7 @@ def measure(model: str, threads: int, n_heads: int | None = None, draws: int = 4
         rows += compare_coverages(sampled[1].heads, every[1].heads, AP_GAP_METRICS, "plasticity",
                                   tuple((p.heads, a.heads) for _, p, a in other), loo=paired, inflation=inflation)
         rows += compare_coverages(sampled[1].heads, every[1].query_heads, QUERY_GAP_METRICS, "query model",
-                                  tuple(p.heads for _, p, _ in other))
+                                  tuple(p.heads for _, p, _ in other), loo=query_loo)
         metric_cols = ["metric", "key", "value", "lo", "hi"]
         ms = sampled[1].metrics[[c for c in metric_cols if c in sampled[1].metrics]]
         ma = every[1].metrics[[c for c in metric_cols if c in every[1].metrics]]
@@ -242,8 +259,9 @@ def _jackknife_reading(run: dict[str, Any]) -> list[str]:
     """The position part's one-capture jackknife error against its spread over the draws, and whether the two verdicts
     agree, per analysis."""
     out = []
-    for analyses, asset in ((("pca", "rotation"), "geometry_coverage_gap"),
-                            (("plasticity",), "plasticity_coverage_gap")):
+    assets = ((("pca", "rotation"), "geometry_coverage_gap"), (("plasticity",), "plasticity_coverage_gap"),
+              (("query model",), "plasticity_coverage_gap"))
+    for analyses, asset in assets:
         rows = [r for r in run["heads"] if r["analysis"] in analyses and np.isfinite(r.get("se_positions") or np.nan)
                 and r.get("draws", 0) >= 2 and (r.get("positions_sd") or 0) > 0]
         if not rows:
@@ -252,7 +270,7 @@ def _jackknife_reading(run: dict[str, Any]) -> list[str]:
         agree = sum(bool(r["positions_beyond_95"]) == bool(r["positions_biased"]) for r in rows)
         each = ", ".join(f"{r['metric']} {x:.2f}" for r, x in zip(rows, ratios, strict=True))
         out += [f"{' and '.join(analyses)}: the position part from this one capture (`position_jackknife`, what "
-                f"`{asset}` reports): its document jackknife standard error over the sd of the part over the "
+                f"`{asset}` reports): its delete-a-unit jackknife standard error over the sd of the part over the "
                 f"{run['draws'] + 1} draws: {each} (median {np.median(ratios):.2f}); its flag (beyond the jackknife "
                 f"bound) and the draws' bias verdict agree for {agree} of {len(rows)} metrics.", ""]
     return out
@@ -280,8 +298,9 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                   f"{run['cost_s']['capture_s']:.0f} s; analysis all / sampled: geometry "
                   f"{run['cost_s']['geometry_all_s']:.1f} / {run['cost_s']['geometry_sampled_s']:.1f} s, plasticity "
                   f"{run['cost_s']['plasticity_all_s']:.1f} / {run['cost_s']['plasticity_sampled_s']:.1f} s; "
-                  f"geometry refits without each unit, both coverages: "
-                  f"{run['cost_s'].get('geometry_loo_s', float('nan')):.1f} s.", "",
+                  f"refits without each unit, both coverages: geometry "
+                  f"{run['cost_s'].get('geometry_loo_s', float('nan')):.1f} s, query model "
+                  f"{run['cost_s'].get('query_loo_s', float('nan')):.1f} s.", "",
                   *_reading(run),
                   "| analysis | metric | unit | mean sampled | mean all | IQR sampled | IQR all | median abs diff "
                   "| p90 abs diff | heads (sampled / all / both) | Q positions per head (sampled / all) |",
@@ -298,7 +317,7 @@ def write(runs: list[dict[str, Any]], args: argparse.Namespace, wall_s: float, n
                   f"deviation over {run['draws'] + 1} position draws (sampler seeds {run['seed']} to "
                   f"{run['seed'] + run['draws']}, the same heads), and its mean over them ± standard error, t:", "",
                   "| analysis | metric | gap | from head sampling | head-sampling SE / mean | from position sampling "
-                  "(sd over draws) | its document jackknife SE (units) | position bias over draws (t) |",
+                  "(sd over draws) | its delete-a-unit jackknife SE (units) | position bias over draws (t) |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in run["heads"]:
             rel = r["se_heads"] / abs(r["mean_all"]) if r["mean_all"] else float("nan")

@@ -453,7 +453,8 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     ap_rows = gap[gap["analysis"] == "plasticity"]
     assert (ap_rows["units_positions"] == res.doc_tokens.shape[0]).all()
     assert (ap_rows["se_positions"] <= 1e-8 * scale[ap_rows.index]).all()
-    assert gap.loc[gap["analysis"] == "query model", "se_positions"].isna().all()
+    assert (gap["units_positions"] == res.doc_tokens.shape[0]).all()  # the query model's drift too
+    assert (gap["se_positions"] <= 1e-8 * scale).all() and not gap["positions_beyond_95"].astype(bool).any()
 
     storage, res = setup["storage"], setup["sampled"]
     heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
@@ -486,8 +487,12 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     plain = dataclasses.replace(opts, interval="percentile")
     flat = analyse_capture("m", storage, res.prefix, heads, plain)
     none, why = plasticity_coverage_gap("m", storage, res.prefix, heads, flat.heads, flat.query_heads, flat.profiles)
-    assert "no leave-one-out values" in why and none["se_positions"].isna().all()
-    assert none["positions_beyond_95"].isna().all()
+    ap_none = none[none["analysis"] == "plasticity"]
+    assert "no leave-one-out values" in why and ap_none["se_positions"].isna().all()
+    assert ap_none["positions_beyond_95"].isna().all()
+    # the query model's refits do not depend on AP's interval
+    pd.testing.assert_series_equal(none.loc[none["analysis"] == "query model", "se_positions"],
+                                   back.loc[back["analysis"] == "query model", "se_positions"])
     # a capture from before the document groups: coverage 'all' cannot be refitted without a group, so no error
     import shutil
 
@@ -495,16 +500,70 @@ def test_plasticity_coverage_gap_vanishes_at_every_position_and_splits_the_query
     shutil.copytree(storage.full(res.prefix), old.full(res.prefix))
     complete = old.read_json(f"{res.prefix}/complete.json")
     complete["moments"]["groups"] = 0
+    del complete["moments"]["groups_in"]
     old.write_json(f"{res.prefix}/complete.json", complete)
     assert CaptureReader(old, res.prefix).moment_groups() == 0
     legacy, why = plasticity_coverage_gap("m", old, res.prefix, heads, rows.heads, rows.query_heads, rows.profiles)
     assert "no leave-one-out values" in why and legacy["se_positions"].isna().all()
+    assert "the query model's position part has no error" in why and "no document-group moments" in why
     pd.testing.assert_series_equal(legacy["gap_positions"], back["gap_positions"])
     beta = every.query_heads.set_index(["layer", "q_head"])["beta_norm_per_token"]
     row = got.loc[("query model", "beta_norm_per_token")]
     assert row["heads_all"] == 16 and row["heads_sampled"] == 5
     assert np.isclose(row["gap_heads"], beta[ap_all.index].mean() - beta.mean(), rtol=1e-12, atol=1e-15)
     assert np.isclose(row["se_heads"], np.sqrt(beta.var(ddof=1) / 5 * (1 - 5 / 16)), rtol=1e-12)
+
+
+def test_query_model_position_part_is_jackknifed_over_documents_each_refit_a_capture_without_it(
+        setup: dict[str, Any]) -> None:
+    """The query model's drift (SPEC 4.1) in the plasticity gap gets its position error as AP's does (SPEC 12.3, 4.6):
+    each refit without document 12 equals the query model of a capture of the corpus without it, taken anew, under
+    both coverages (every eligible head's from the merged moments, the sampled heads' from their rows); with nothing
+    left out the refit's regression gives the published values; the error is the jackknife of the mean over the sampled
+    heads of the refits' difference."""
+    from qk_core.config.options import PlasticityOptions
+    from qk_core.plasticity.analysis import analyse_capture
+    from qk_core.plasticity.coverage import (
+        QUERY_GAP_METRICS,
+        loo_drift_of_moments,
+        loo_drift_of_rows,
+        plasticity_coverage_gap,
+    )
+    from qk_core.stats.jackknife import jackknife
+
+    opts = PlasticityOptions(bootstrap=10, pairs_per_bucket=32, min_queries_per_bucket=5)
+    storage, res = setup["storage"], setup["sampled"]
+    reader = CaptureReader(storage, res.prefix)
+    heads = [(int(r.layer), int(r.q_head)) for r in res.heads.itertuples()]
+    units, every = loo_drift_of_moments(reader)
+    rows = loo_drift_of_rows(reader, heads, units)
+    assert units == [[3], [5], [7], [9], [12]]
+    assert all(len(every[m]) == 16 and len(rows[m]) == len(heads) for m in QUERY_GAP_METRICS)
+    without = Storage(setup["tmp"] / "without-12-query")
+    corpus = setup["corpus"]
+    again = capture_model(setup["sampled_reg"].model("m"), corpus[corpus["example_id"] != 12], without, device="cpu")
+    fresh_heads = [(int(r.layer), int(r.q_head)) for r in again.heads.itertuples()]
+    assert fresh_heads == heads
+    fresh_all = analyse_capture("m", without, again.prefix, heads, opts).query_heads.set_index(["layer", "q_head"])
+    fresh_rows = analyse_capture("m", without, again.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
+    fresh_rows = fresh_rows.heads.set_index(["layer", "q_head"])
+    for m in QUERY_GAP_METRICS:
+        for loo, fresh in ((every[m], fresh_all), (rows[m], fresh_rows)):
+            want = fresh[m].astype(float).sort_index()
+            assert loo.index.equals(want.index), m
+            np.testing.assert_allclose(loo[units.index([12])], want, rtol=1e-9, atol=1e-12, err_msg=m)
+    published = analyse_capture("m", storage, res.prefix, heads, opts)
+    gap, note = plasticity_coverage_gap("m", storage, res.prefix, heads, published.heads, published.query_heads,
+                                        published.profiles)
+    assert "the query model's position part with its jackknife error over the 5 documents" in note
+    gap = gap.set_index(["analysis", "metric"])
+    for m in QUERY_GAP_METRICS:
+        row = gap.loc[("query model", m)]
+        index = pd.MultiIndex.from_tuples(heads, names=["layer", "q_head"])
+        per_doc = (rows[m].loc[index] - every[m].loc[index]).mean(axis=0).to_numpy()
+        want = jackknife(row["gap_positions"], per_doc)
+        assert row["units_positions"] == 5 and np.isclose(row["se_positions"], want.se, rtol=1e-10), m
+        assert row["se_positions"] > 0
 
 
 def test_plasticity_query_model_of_every_eligible_head_equals_the_rows_of_every_position(
@@ -633,6 +692,18 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
                 got = loo[analysis][col][1].dropna()
                 assert got.index.equals(want.index), (coverage, col)
                 np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12, err_msg=f"{coverage} {col}")
+    # and so does the query model's drift (the merge's pooled query sums less a group file's; the rows without it)
+    from qk_core.plasticity.coverage import QUERY_GAP_METRICS, loo_drift_of_moments, loo_drift_of_rows
+
+    q_units, q_sums = loo_drift_of_moments(reader)
+    q_rows = loo_drift_of_rows(reader, heads, q_units)
+    assert q_units == units and "query model's position part with its jackknife error over the 2 groups" in note
+    fresh_all = analyse_capture("m", without, again.prefix, heads, dataclasses.replace(opts, coverage="all"))
+    fresh_rows = analyse_capture("m", without, again.prefix, heads, dataclasses.replace(opts, coverage="sampled"))
+    for m in QUERY_GAP_METRICS:
+        for loo, fresh in ((q_sums, fresh_all.query_heads), (q_rows, fresh_rows.heads)):
+            want = fresh.set_index(["layer", "q_head"])[m].astype(float).sort_index()
+            np.testing.assert_allclose(loo[m][1], want, rtol=1e-9, atol=1e-12, err_msg=m)
     geo = geometry_of_capture("m", storage, res.heads, *geo_opts["all"])
     geo_gap, geo_note = geometry_coverage_gap("m", storage, res.heads, geo["pca"][0], geo["rotation"][0])
     assert "jackknife error over the 2 groups of the 5 documents" in geo_note and len(geo_gap) >= 15
@@ -661,6 +732,11 @@ def test_document_groups_keep_the_query_sums_the_jackknife_leaves_out(setup: dic
             assert geo_rows[analysis][col].shape == (16, 2), col
             np.testing.assert_allclose(geo_rows[analysis][col].to_numpy(), geo_sums[analysis][col].to_numpy(),
                                        rtol=1e-8, atol=1e-10, err_msg=col)
+    q_units, q_sums = loo_drift_of_moments(CaptureReader(storage, full.prefix))
+    q_rows = loo_drift_of_rows(CaptureReader(storage, full.prefix), heads, q_units)
+    for m in QUERY_GAP_METRICS:
+        assert q_rows[m].shape == (16, 2), m
+        np.testing.assert_allclose(q_rows[m].to_numpy(), q_sums[m].to_numpy(), rtol=1e-8, atol=1e-10, err_msg=m)
     with pytest.raises(ValueError, match="moment_groups"):
         load_registry(tm.write_registry(tmp / "registry-groups1.toml", {"m": {
             "family": "qwen3", "source": {"local": str(tmp / "model")}, "window": 64, "bucket": 16,

@@ -103,6 +103,12 @@ class CaptureError(RuntimeError):
     """A capture is missing, incomplete or inconsistent; the message names the file or head."""
 
 
+class NoUnitSumsError(CaptureError):
+    """The capture keeps no sums a leave-one-out refit could leave out (:meth:`CaptureReader.read_unit_moments`:
+    finalized before its groups had files of their own, or before they kept the key sums): no error, not a damaged
+    capture (damage stays a plain :class:`CaptureError`)."""
+
+
 def fingerprint(identity: dict[str, Any]) -> str:
     """Short stable hash of the options and model identity that determine a capture's values."""
     blob = json.dumps(identity, sort_keys=True, default=str).encode()
@@ -946,6 +952,40 @@ class CaptureReader:
         cut, layer = len(self.prefix) + 1, int(layer)
         return (moments_from_bytes(self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:]))[layer]
                 for g in range(self.moment_groups()))
+
+    def units(self) -> list[list[int]]:
+        """What a leave-one-out refit of this capture leaves out in turn (SPEC 4.6, 12.3), each unit its documents in
+        sorted example-id order: every document alone while the capture keeps their own moments
+        (:meth:`documents_kept`), else its document groups (:func:`~qk_core.capture.moments.document_groups`);
+        :class:`NoUnitSumsError` for a capture that keeps no document-group sums."""
+        docs = sorted(int(e) for e in self.doc_tokens()["example_id"])
+        if self.documents_kept():
+            return [[e] for e in docs]
+        if not self.moment_groups():
+            raise NoUnitSumsError(f"{self.storage.uri(self.prefix)}: no document-group moments (a capture from "
+                                  "before them, or without moments)")
+        group_of = document_groups(len(docs), self.moment_groups())
+        return [[e for e, g in zip(docs, group_of, strict=True) if g == u] for u in range(int(group_of.max()) + 1)]
+
+    def read_unit_moments(self, layer: int) -> Iterator[LayerMoments]:
+        """Each unit's own moments of one layer (:meth:`units`, in their order; every sum float64), one at a time,
+        verified, each checked to hold its unit's documents: the documents' files (:meth:`read_document_moments`) or
+        the groups' (:meth:`read_group_files`). A capture without either is a :class:`NoUnitSumsError`, raised
+        before anything is read."""
+        units = self.units()
+        try:
+            own = self.read_document_moments(layer) if self.documents_kept() else self.read_group_files(layer)
+        except CaptureError as exc:
+            raise NoUnitSumsError(str(exc)) from exc
+
+        def checked() -> Iterator[LayerMoments]:
+            for j, m in enumerate(own):
+                if j >= len(units) or sorted(m.docs) != units[j]:
+                    raise CaptureError(f"{self.storage.uri(self.prefix)}: layer {layer}, unit {j} holds documents "
+                                       f"{m.docs}, the capture's order gives {units[j] if j < len(units) else []}")
+                yield m
+
+        return checked()
 
     def documents_kept(self) -> bool:
         """Whether every document's own moments file is kept (every document its own group): all its sums, so the

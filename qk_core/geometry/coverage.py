@@ -13,10 +13,10 @@ from typing import Any
 
 import pandas as pd
 
-from qk_core.capture.store import CaptureReader
+from qk_core.capture.store import CaptureReader, NoUnitSumsError
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.driver import geometry_of_capture
-from qk_core.geometry.jackknife import NoUnitSumsError, loo_of_moments, loo_of_rows
+from qk_core.geometry.jackknife import loo_of_moments, loo_of_rows
 from qk_core.geometry.pca import PCA_UNITS
 from qk_core.geometry.rotation import ROTATION_UNITS
 from qk_core.io.storage import Storage

@@ -3,11 +3,11 @@ position part's standard error in the geometry coverage gap (SPEC 12.3,
 :func:`qk_core.stats.sampling_gap.position_jackknife`).
 
 Both coverages leave out the same units of one capture: its documents while it has no more of them than
-``capture.moment_groups``, else its document groups (:func:`capture_units`). Coverage ``sampled`` refits each sampled
-head on its rows without the unit's documents (:func:`loo_of_rows`); coverage ``all`` refits every eligible head on the
-merged moments less the unit's own (:func:`loo_of_moments`): a document's moments file, or its group's file
-(:class:`~qk_core.capture.moments.GroupSum`, which keeps the pooled key and pair sums and its share of the split-half
-sums for this). The query sums are pooled over the buckets first: geometry reads nothing finer.
+``capture.moment_groups``, else its document groups (:meth:`~qk_core.capture.store.CaptureReader.units`). Coverage
+``sampled`` refits each sampled head on its rows without the unit's documents (:func:`loo_of_rows`); coverage ``all``
+refits every eligible head on the merged moments less the unit's own (:func:`loo_of_moments`): a document's moments
+file, or its group's file (:class:`~qk_core.capture.moments.GroupSum`, which keeps the pooled key and pair sums and its
+share of the split-half sums for this). The query sums are pooled over the buckets first: geometry reads nothing finer.
 
 The refits keep the published options but for the rotation's noise floor, taken analytic (``capture_floor = "beta"``):
 no compared metric depends on it, and the permutation floor would cost each refit its permutations. Every other
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qk_core.capture.moments import DOC_KEYS, HALF_KEYS, Q_KEYS, LayerMoments, document_groups
-from qk_core.capture.store import CaptureError, CaptureReader, HeadData
+from qk_core.capture.moments import DOC_KEYS, HALF_KEYS, Q_KEYS, LayerMoments
+from qk_core.capture.store import CaptureReader, HeadData, NoUnitSumsError
 from qk_core.config.options import PCAOptions, RotationOptions
 from qk_core.geometry.from_moments import layer_geometry
 from qk_core.geometry.heads import HeadInputError, iter_capture_heads, validate_head
@@ -38,7 +38,7 @@ from qk_core.io.storage import Storage
 from qk_core.stats.sampling_gap import KEYS
 
 #: per analysis ("pca", "rotation"), per metric: each head's value (rows indexed by (layer, q_head)) with each unit
-#: left out (one column per unit of :func:`capture_units`, in order)
+#: left out (one column per unit of :meth:`~qk_core.capture.store.CaptureReader.units`, in order)
 LooFrames = dict[str, dict[str, pd.DataFrame]]
 
 
@@ -66,8 +66,8 @@ def loo_of_rows(storage: Storage, capture: pd.DataFrame, units: Sequence[Sequenc
                 pca_options: PCAOptions | None, rotation_options: RotationOptions | None,
                 metrics: Mapping[str, Mapping[str, str]]) -> LooFrames:
     """Coverage ``sampled``: each head a ``qk_capture`` table lists, read once, refitted on its rows without each unit's
-    documents in turn (``units``: :func:`capture_units`; SPEC 2, 3 as :func:`qk_core.geometry.driver.run_geometry`
-    fits them)."""
+    documents in turn (``units``: :meth:`~qk_core.capture.store.CaptureReader.units`; SPEC 2, 3 as
+    :func:`qk_core.geometry.driver.run_geometry` fits them)."""
     pca, rot = _refit_options(pca_options, rotation_options)
     analyses = {"pca": pca, "rotation": rot}
     records: dict[str, list[list[dict[str, Any]]]] = {a: [[] for _ in units] for a, o in analyses.items()
@@ -95,24 +95,8 @@ def loo_of_rows(storage: Storage, capture: pd.DataFrame, units: Sequence[Sequenc
     return _frames(records, metrics)
 
 
-class NoUnitSumsError(CaptureError):
-    """The capture keeps no sums a refit could leave out (finalized before its group files kept them): no error, not
-    a damaged capture (damage stays a plain :class:`~qk_core.capture.store.CaptureError`)."""
-
-
 #: the sums of a layer PCA and rotation read (SPEC 12.2): per document, and the merge's split halves
 GEOMETRY_KEYS = (*DOC_KEYS, *(f"{kind}h_{k}" for kind in ("q", "k") for k in HALF_KEYS))
-
-
-def capture_units(reader: CaptureReader) -> list[list[int]]:
-    """The units a capture's refits leave out, each its documents in sorted example-id order: every document alone
-    while the capture keeps their own moments (:meth:`~qk_core.capture.store.CaptureReader.documents_kept`), else its
-    document groups (:func:`~qk_core.capture.moments.document_groups`)."""
-    docs = sorted(int(e) for e in reader.doc_tokens()["example_id"])
-    if reader.documents_kept():
-        return [[e] for e in docs]
-    group_of = document_groups(len(docs), reader.moment_groups())
-    return [[e for e, g in zip(docs, group_of, strict=True) if g == u] for u in range(int(group_of.max()) + 1)]
 
 
 def _geometry_sums(m: LayerMoments, rank: int | None = None) -> dict[str, np.ndarray]:
@@ -137,23 +121,17 @@ def _geometry_sums(m: LayerMoments, rank: int | None = None) -> dict[str, np.nda
 
 def loo_of_moments(reader: CaptureReader, pca_options: PCAOptions | None, rotation_options: RotationOptions | None,
                    metrics: Mapping[str, Mapping[str, str]]) -> tuple[list[list[int]], LooFrames]:
-    """Coverage ``all``: every eligible head refitted on the merged moments less each unit's (:func:`capture_units`) in
-    turn (SPEC 12.1-12.2; one layer, and one unit's sums, in memory at a time); (the units, and the frames). A capture
-    whose groups keep no key sums (finalized before they did) is a :class:`NoUnitSumsError`."""
+    """Coverage ``all``: every eligible head refitted on the merged moments less each unit's
+    (:meth:`~qk_core.capture.store.CaptureReader.read_unit_moments`) in turn (SPEC 12.1-12.2; one layer, and one unit's
+    sums, in memory at a time); (the units, and the frames). A capture whose groups keep no key sums (finalized before
+    they did) is a :class:`~qk_core.capture.store.NoUnitSumsError`."""
     pca, rot = _refit_options(pca_options, rotation_options)
-    units = capture_units(reader)
+    units = reader.units()
     records = {a: [[] for _ in units] for a, o in (("pca", pca), ("rotation", rot)) if o is not None}
     for layer in reader.moment_layers():
         merged = reader.read_moments(layer)
         whole = _geometry_sums(merged)
-        try:  # (both check what the capture keeps before reading anything)
-            own = reader.read_document_moments(layer) if reader.documents_kept() else reader.read_group_files(layer)
-        except CaptureError as exc:
-            raise NoUnitSumsError(str(exc)) from exc
-        for j, m in enumerate(own):
-            if sorted(m.docs) != units[j]:
-                raise CaptureError(f"layer {layer}: unit {j} holds documents {m.docs}, the capture's order gives "
-                                   f"{units[j]}")
+        for j, m in enumerate(reader.read_unit_moments(layer)):
             part = _geometry_sums(m, j if reader.documents_kept() else None)
             rest = [e for e in merged.docs if e not in set(units[j])]
             lm = dataclasses.replace(merged, n_buckets=1, docs=rest, sums={k: whole[k] - part[k] for k in whole})

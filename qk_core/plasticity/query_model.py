@@ -325,6 +325,16 @@ class PositionRegressions:
             return self.beta_norm * np.sqrt(self.stt / self.n) <= 1e-9 * np.sqrt(sst / self.n + 1e-300)
 
     @property
+    def r2(self) -> np.ndarray:
+        """(G, d) each coordinate's R^2 on position (SPEC 4.8), 0 for a coordinate without spread (below 1e-12 of the
+        largest)."""
+        sst = np.diagonal(self.S, axis1=-2, axis2=-1)
+        ssr = self.beta * self.beta * self.stt[:, None]
+        scale = np.maximum(sst.max(axis=-1, initial=0.0), 1e-300)[:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+
+    @property
     def bhat(self) -> np.ndarray:
         """(G, d) the first row of each fit's Householder matrix H (:func:`householder_vector`): beta / |beta|, or
         e_1 where the drift is negligible or |beta| is below the Householder's tolerance."""
@@ -332,6 +342,20 @@ class PositionRegressions:
         with np.errstate(invalid="ignore", divide="ignore"):
             flat = self.negligible | (norm <= 1e-12)
             return np.where(flat[:, None], e1, self.beta / np.where(norm > 0, norm, 1.0)[:, None])
+
+
+def drift_values(reg: PositionRegressions, L: int) -> dict[str, np.ndarray]:
+    """SPEC 4.1 / 4.9's drift summaries of G regressions at once, (G,) each, NaN where a set carries no regression:
+    beta_norm_per_token = |beta|, beta_norm_window = |beta| L, alpha_pos = bhat . alpha, sigma_pos = sqrt(bhat^T S_res
+    bhat / (n - 2)) and mean_coord_r2 (the mean of :attr:`PositionRegressions.r2`): what the query model fitted on the
+    same sums or rows reports (``qk_core.plasticity.analysis``), for leave-one-out refits of them alone."""
+    bhat = reg.bhat
+    with np.errstate(invalid="ignore"):
+        sigma2 = np.einsum("gi,gij,gj->g", bhat, reg.S_res, bhat) / np.maximum(reg.n - 2, 1)
+        values = {"beta_norm_per_token": reg.beta_norm, "beta_norm_window": reg.beta_norm * L,
+                  "alpha_pos": (bhat * reg.alpha).sum(axis=-1), "sigma_pos": np.sqrt(sigma2),
+                  "mean_coord_r2": reg.r2.mean(axis=-1)}
+    return {k: np.where(reg.fitted, v, np.nan) for k, v in values.items()}
 
 
 def position_regressions(sums: Mapping[str, np.ndarray]) -> PositionRegressions:
@@ -446,11 +470,8 @@ def fit_query_model_from_moments(sums: dict[str, np.ndarray], L: int, B: int, co
     reg = position_regressions({k: sums[k][None] for k in ("n", "t", "tt", "x", "xt", "xx")})
     if not reg.fitted[0]:
         raise QueryModelError("every query sits at one position: the slope on position is undefined")
-    stt, S, beta, alpha, S_res = reg.stt[0], reg.S[0], reg.beta[0], reg.alpha[0], reg.S_res[0]
-    sst = np.diag(S).copy()
-    ssr = beta * beta * stt
-    scale = max(float(sst.max()), 1e-300)
-    r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+    beta, alpha, S_res = reg.beta[0], reg.alpha[0], reg.S_res[0]
+    r2 = reg.r2[0]
     u, h = (np.zeros(d), 0.0) if reg.negligible[0] else householder_vector(beta)
     H = np.eye(d) - h * np.outer(u, u)
     bhat = H[0]

@@ -622,9 +622,9 @@ GAP_SHOWN = [("pca", "pc0_r_k"), ("pca", "pos_budget_q"), ("pca", "pos_budget_k"
 def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str | None]) -> Table | None:
     """Per (model, corpus), the headline metrics of the coverage-gap tables (SPEC 12.3, :data:`GAP_SHOWN`): the
     sampled protocol's model mean, every head's at every position, and the gap split into head sampling (± its
-    standard error, bold beyond 1.96 of them) and position sampling (one position draw; ± its document jackknife
-    standard error where the table has one, bold beyond its bound). ``order``: the partitions (the page's labels of
-    them), in page order."""
+    standard error, bold beyond 1.96 of them) and position sampling (one position draw; ± its delete-a-document
+    (group) jackknife standard error where the table has one, bold beyond its bound). ``order``: the partitions (the
+    page's labels of them), in page order."""
     rows = []
     for part in order:
         frames = [tables.get(a, {}).get(part) for a in GAP_TABLES]
@@ -654,7 +654,7 @@ def gap_table(tables: dict[str, dict[str | None, pd.DataFrame]], order: list[str
                  caption="How far the thesis's sampled protocol is from every head at every position (SPEC 12.3), "
                          "both from the same capture: the gap of the model means = head sampling (± its "
                          "finite-population standard error; bold beyond 1.96 of them) + position sampling (this "
-                         "capture's one draw; ± its delete-a-document jackknife standard error where the capture "
-                         "allows one, SPEC 4.6, bold beyond the 95% Student-t bound; bench/coverage_gap.py "
+                         "capture's one draw; ± its delete-a-document (group) jackknife standard error where the "
+                         "capture allows one, SPEC 4.6, bold beyond the 95% Student-t bound; bench/coverage_gap.py "
                          "measures its noise over other draws). "
                          "Every metric: geometry_coverage_gap, plasticity_coverage_gap.")
