@@ -876,6 +876,12 @@ def test_documents_that_are_their_own_groups_serve_as_the_group_files_layer_by_l
     bad.read_moment_groups(reader.moment_layers()[0])  # another layer's range is intact
     with pytest.raises(CaptureError, match=r"doc-9\.npz"):
         bad.verify()
+    # a reader parses a file's zip directory once; a file swapped after its first read is still refused
+    first = reader.moment_layers()[0]
+    bad.read_moment_groups(first)
+    shutil.copyfile(damaged.full(f"{prefix}/moments/docs/doc-5.npz"), path)
+    with pytest.raises(CaptureError, match=rf"doc-9\.npz: layer {first}'s bytes .* \(altered or swapped\)"):
+        bad.read_moment_groups(first)
 
 
 def test_finalize_hashes_the_documents_moments_files_its_merge_checked_once(

@@ -68,6 +68,11 @@ def test_reader_gives_numpys_arrays(writer: str) -> None:
     np.testing.assert_array_equal(part["L0.q_xx"], ARRAYS["L0.q_xx"])
     with pytest.raises(KeyError, match="nope"):
         NpzReader(io.BytesIO(data)).read(["nope"])
+    # a second reader of the same bytes given the first one's layout reads the same arrays without the zip directory
+    again = NpzReader(io.BytesIO(data), NpzReader(io.BytesIO(data)).layout)
+    assert sorted(again.files) == sorted(got)
+    for name, a in again.read(again.files).items():
+        np.testing.assert_array_equal(a, got[name], err_msg=name)
 
 
 def test_reader_serialises_reads_from_threads() -> None:

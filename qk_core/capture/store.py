@@ -822,6 +822,8 @@ class CaptureReader:
         self._check_owner()
         # the last K heads read (read-only arrays): query heads of one KV head (GQA) come one after another
         self._k_recent: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # each multi-layer moments file's central directory, parsed on its first read (:meth:`_verified_layer`)
+        self._npz_layouts: dict[str, dict[str, tuple[int, int, int]]] = {}
         self._k_lock = threading.Lock()
 
     def _check_owner(self) -> None:
@@ -1005,7 +1007,8 @@ class CaptureReader:
 
     def _verified_layer(self, name: str, layer: int) -> LayerMoments:
         """One layer of the moments file ``<prefix>/<name>`` (every sum float64), read alone: its byte range and that
-        range's SHA-256 checked against the file's committed record (:func:`moments_record`)."""
+        range's SHA-256 checked against the file's committed record (:func:`moments_record`). The file's zip directory
+        is parsed on its first read only (a document's file, read once per layer, holds some 20 members a layer)."""
         rel = f"{self.prefix}/{name}"
         uri = self.storage.uri(rel)
         want = ((self.files.get(name) or {}).get("layers") or {}).get(str(layer))
@@ -1019,7 +1022,9 @@ class CaptureReader:
 
         try:
             with self.storage.open_read(rel) as fh:
-                return decode_layer(layer, stored_layer(NpzReader(fh), layer, check))
+                z = NpzReader(fh, self._npz_layouts.get(name))
+                self._npz_layouts[name] = z.layout
+                return decode_layer(layer, stored_layer(z, layer, check))
         except StorageError as exc:
             raise CaptureError(str(exc)) from exc
         except (KeyError, ValueError, zipfile.BadZipFile) as exc:

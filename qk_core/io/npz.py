@@ -68,11 +68,17 @@ def _npy_header(text: bytes) -> tuple[np.dtype, tuple[int, ...], bool]:
 class NpzReader:
     """The arrays of an npz file by name (``.npy`` dropped), read by byte range from ``fh`` (a seekable binary
     file, kept open by the caller; reads from several threads are serialised). See the module doc for what is
-    and is not checked."""
+    and is not checked. ``layout``: another reader's :attr:`layout` of the same file, which skips parsing its central
+    directory again (a caller that checks each read's bytes against a committed range and digest, as a capture's
+    reader does, refuses the reads of a file rewritten since)."""
 
-    def __init__(self, fh: BinaryIO) -> None:
+    def __init__(self, fh: BinaryIO, layout: Mapping[str, tuple[int, int, int]] | None = None) -> None:
         self._fh = fh
         self._lock = threading.Lock()
+        self._grouped: dict[str, list[str]] | None = None
+        if layout is not None:
+            self._span = dict(layout)
+            return
         fh.seek(0, os.SEEK_END)
         size = fh.tell()
         fh.seek(0)
@@ -80,7 +86,7 @@ class NpzReader:
             infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
         # a member's bytes end where the next one starts (the last one's: before the central directory, at most the
         # file's end)
-        self._span: dict[str, tuple[int, int, int]] = {}
+        self._span = {}
         for i, info in enumerate(infos):
             if not info.filename.endswith(".npy"):
                 raise ValueError(f"{info.filename}: not a .npy member")
@@ -89,7 +95,10 @@ class NpzReader:
             end = infos[i + 1].header_offset if i + 1 < len(infos) else size
             self._span[info.filename[:-4]] = (info.header_offset, end, info.file_size)
 
-        self._grouped: dict[str, list[str]] | None = None
+    @property
+    def layout(self) -> dict[str, tuple[int, int, int]]:
+        """Each member's (first byte, end, size): what the central directory says, for another reader of the file."""
+        return self._span
 
     @property
     def files(self) -> list[str]:
