@@ -158,6 +158,14 @@ class QueryModel:
         return self.r2 / total if total > 0 else np.zeros_like(self.r2)
 
 
+def coordinate_r2(sst: np.ndarray, ssr: np.ndarray) -> np.ndarray:
+    """Each coordinate's R^2 on position (SPEC 4.8) from its total and regression sums of squares (last axis: the
+    coordinates), clipped to [0, 1]; 0 for a coordinate whose spread is below 1e-12 of the largest."""
+    scale = np.maximum(np.max(sst, axis=-1, keepdims=True, initial=0.0), 1e-300)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+
+
 def fit_query_model(q: np.ndarray, t: np.ndarray, L: int, B: int, covariance: str = "full",
                     min_queries: int = 10) -> QueryModel:
     """Fit the SPEC 4.1 query model to queries q (n, d) at raw token positions t (n,)."""
@@ -200,9 +208,7 @@ def fit_sorted_queries(q: np.ndarray, t: np.ndarray, counts: np.ndarray, L: int,
         sst += np.einsum("ij,ij->j", Qc, Qc)
     beta = xty / stt
     alpha = qbar - beta * t.mean()
-    ssr = beta * beta * stt
-    scale = max(float(sst.max()), 1e-300)
-    r2 = np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+    r2 = coordinate_r2(sst, beta * beta * stt)
 
     beta_norm = float(np.linalg.norm(beta))
     # |beta| ~ 0: drift across the queries' span negligible next to their spread -> H = identity
@@ -328,11 +334,7 @@ class PositionRegressions:
     def r2(self) -> np.ndarray:
         """(G, d) each coordinate's R^2 on position (SPEC 4.8), 0 for a coordinate without spread (below 1e-12 of the
         largest)."""
-        sst = np.diagonal(self.S, axis1=-2, axis2=-1)
-        ssr = self.beta * self.beta * self.stt[:, None]
-        scale = np.maximum(sst.max(axis=-1, initial=0.0), 1e-300)[:, None]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(sst > 1e-12 * scale, np.clip(ssr / np.where(sst > 0, sst, 1.0), 0.0, 1.0), 0.0)
+        return coordinate_r2(np.diagonal(self.S, axis1=-2, axis2=-1), self.beta * self.beta * self.stt[:, None])
 
     @property
     def bhat(self) -> np.ndarray:
