@@ -501,11 +501,21 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
              check_heads: int, docs: int = 1) -> dict[str, Any]:
     """Speed, memory and correctness of one shape x backend x length; returns one result record.
 
+    Its captures go to a temporary folder removed when the case ends, failed or not: the real shapes' moments at
+    128K are gigabytes a case, and the device machine's disk holds 64 GiB for every case of a lease.
+
     ``docs``: the captures run over that many documents of ``n_tokens`` tokens each (ids 1 .. docs; the checks read
     document 1, the moments check sums over all of them); ratios are against ``docs`` plain forwards, and from two
     documents on the record also holds the steady-state cost of one document (the time between two commits, from
     the second document on, with the commit of one document beside the next one's forward on an accelerator) and
     ``finalize()`` apart."""
+    with tempfile.TemporaryDirectory(prefix=f"gpu-capture-{shape.name}-") as folder:
+        return _run_case(shape, backend, n_tokens, device, dtype, tiny, repeats, check_heads, docs, Path(folder))
+
+
+def _run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str, tiny: bool, repeats: int,
+              check_heads: int, docs: int, tmp: Path) -> dict[str, Any]:
+    """:func:`run_case` with its captures under ``tmp``."""
     import tiny_models as tm
     import torch
 
@@ -518,7 +528,6 @@ def run_case(shape: Shape, backend: str, n_tokens: int, device: str, dtype: str,
     meter = Meter(device)
     rec: dict[str, Any] = {"shape": shape.name, "backend": backend, "tokens": n_tokens, "docs": docs, "dtype": dtype,
                            "device": device, "status": "ok", "failures": []}
-    tmp = Path(tempfile.mkdtemp(prefix=f"gpu-capture-{shape.name}-"))
     doc_ids = list(range(1, docs + 1))
     texts = ["".join(np.random.default_rng(n_tokens if i == 1 else (n_tokens, i))
                      .choice(list("abcdefghij klmnopqrstuvwxyz.,"), n_tokens - 1)) for i in doc_ids]

@@ -62,8 +62,10 @@ def test_family_factors_are_the_expected_ones(smoke: dict) -> None:
     assert r["gemma3-4b"]["sliding_layer_masks"] == ["Tensor(1, 1, 192, 192)"]  # sdpa materialises sliding masks
 
 
-def test_moments_check_fails_for_shifted_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: the brute force over query rows shifted by one position disagrees with the stored sums."""
+def test_moments_check_fails_for_shifted_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Negative control: the brute force over query rows shifted by one position disagrees with the stored sums.
+    The failed case leaves no capture behind (on the device its folder holds gigabytes)."""
+    monkeypatch.setattr(gpu_capture.tempfile, "tempdir", str(tmp_path))
     real = gpu_capture.QueryTap.read
 
     def shifted(self: gpu_capture.QueryTap, *args: object) -> None:
@@ -74,6 +76,7 @@ def test_moments_check_fails_for_shifted_rows(monkeypatch: pytest.MonkeyPatch) -
     rec = gpu_capture.run_case(gpu_capture.SHAPES["llama-3.2-1b"], "sdpa", 128, "cpu", "float32", True, 1, 2)
     assert rec["status"] == "failed" and any("moments differ" in f for f in rec["failures"])
     assert all(not c["ok"] and c["xx_rel_err"] > 100 * c["bound"] for c in rec["moments_check"])
+    assert list(tmp_path.glob("gpu-capture-*")) == []
 
 
 def test_logit_check_fails_for_wrong_rows() -> None:
