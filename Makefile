@@ -54,6 +54,7 @@ bench: setup
 	$(BIN)/python bench/capture_phases.py
 	$(BIN)/python bench/accumulate_cpu.py
 	$(BIN)/python bench/moment_host.py
+	$(BIN)/python bench/analysis_shapes.py
 	$(BIN)/python bench/pca_rotation.py
 	$(BIN)/python bench/plasticity.py
 	$(BIN)/python bench/study_scale.py

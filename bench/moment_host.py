@@ -30,9 +30,7 @@ merge under the system temp folder)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import record  # noqa: E402 - this folder: the record's command, machine and raw numbers
 
 #: (layers with moments, query heads, KV heads, head dim): the shapes of bench/gpu_capture.py and the demo's SmolLM2
 SHAPES = {"qwen3-8b": (36, 32, 8, 128), "llama-3.2-1b": (16, 32, 8, 64), "smollm2-135m": (30, 9, 3, 64)}
@@ -121,15 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(f"{name} (merged {r['merge']}): commit {r['commit_s_median']:.2f} s/doc ({r['doc_moments_mb']:.0f} "
                   f"MB), finalize {r['finalize_s']:.2f} s for {a.docs} docs", flush=True)
-    load1 = os.getloadavg()
-    cmd = "python bench/moment_host.py" + "".join(
-        f" --{k} {v}" for k, v in (("shapes", a.shapes), ("docs", a.docs), ("threads", a.threads))
-        if v != ap.get_default(k))
-    meta = {"command": cmd, "started": started, "cpus": os.cpu_count(), "load_avg_start": load0,
-            "load_avg_end": load1, "python": platform.python_version()}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    meta = record.meta(record.command("moment_host.py", ap, a, ("shapes", "docs", "threads")), started, load0)
+    load1 = meta["load_avg_end"]
+    out = record.write_json(a.out, a.name, meta, results).parent
     table = "\n".join(
         f"| {r['shape']} | {r['layers']} x {r['q_heads']}/{r['kv_heads']} x {r['d']} | {r['merge']} | "
         f"{r['doc_moments_mb']:.0f} | "
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['host_threads']} |" for r in results)
     md = f"""# Host cost of the every-head moments on the real shapes, CPU (SPEC 12.1; issue 22, item 4)
 
-Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {started}.
+Command: `{meta['command']}` (from the repository root, with `.venv/bin/python`), started {started}.
 Machine: {os.cpu_count()} CPUs; load average {[round(x, 2) for x in load0]} at start, {[round(x, 2) for x in load1]}
 at end (a shared machine: other jobs may have run beside this one).
 

@@ -389,6 +389,32 @@ def test_moments_round_trip_through_bytes() -> None:
         np.testing.assert_allclose(back.sums[key], arr, rtol=1e-15, atol=1e-13 * np.abs(arr).max(), err_msg=key)
 
 
+def test_pooled_decode_gives_the_bits_of_the_decoded_layer_pooled() -> None:
+    """What PCA, rotation and the drift refits read (``decode_layer(pooled=True)``): each per-bucket query sum added
+    over the buckets before its d x d unpacking is the decoded layer's bucket sum to the last bit, for a document's
+    float32 sums (exact Ledoit-Wolf terms, a bucket without a position) and for a float64 merge; nothing else
+    changes."""
+    from qk_core.capture.accumulation import to_host
+    from qk_core.capture.moments import PER_BUCKET, moments_from_bytes, moments_to_bytes
+
+    rng = np.random.default_rng(4)
+    pos = np.concatenate([np.arange(0, 30), np.arange(48, 75)])  # bucket 2 (32-47) holds no position
+    q, k = (torch.as_tensor(rng.normal(size=(h, len(pos), 8)) * 3.7, dtype=torch.float32) for h in (4, 2))
+    sums = to_host({5: accumulate(q, pos, k, pos, np.array([0, 0, 1, 1]), 16, 5, torch.float32, "exact")})[5]
+    doc = LayerMoments(5, np.arange(4), np.arange(2), np.array([0, 0, 1, 1]), 16, 5, sums, [11])
+    assert doc.sums["q_xx"].dtype == np.float32 and set(LW_KEYS) <= set(doc.sums)
+    for layer in (doc, merge_documents(random_documents(3))):
+        data = moments_to_bytes([layer])
+        whole, pooled = moments_from_bytes(data)[layer.layer], moments_from_bytes(data, pooled=True)[layer.layer]
+        assert (pooled.n_buckets, pooled.bucket, pooled.docs) == (1, whole.bucket, whole.docs)
+        assert set(pooled.sums) == set(whole.sums)
+        for key, arr in whole.sums.items():
+            want = arr.sum(axis=1, keepdims=True) if key in PER_BUCKET else arr
+            assert pooled.sums[key].dtype == np.float64 and np.array_equal(pooled.sums[key], want), key
+        for key, arr in whole.q_pooled().items():
+            assert np.array_equal(pooled.q_pooled()[key], arr), key
+
+
 def test_permutation_floor_from_moments_matches_the_row_permutation() -> None:
     """SPEC 3 (ii) with every position (SPEC 12.2): the within-document permutation floor from the merged
     moments (exact permutation mean and covariance, Gaussian draws) agrees with permuting the rows themselves,

@@ -72,6 +72,8 @@ LW_INTENSITIES = ("gaussian", "exact")
 K_KEYS = ("k_n", "k_t", "k_tt", "k_x", "k_xt", "k_xx")
 #: sums over same-position pairs delta = q - k (SPEC 3 separation, 12.1)
 P_KEYS = ("p_n", "p_x", "p_xx")
+#: the sums with a bucket axis (Hq, J, ...): the query sums of either Ledoit-Wolf form
+PER_BUCKET = Q_KEYS + LW_KEYS
 #: the per-document keys of every capture (``LW_KEYS`` besides, when exact); the merge adds the parity sums below
 DOC_KEYS = Q_KEYS + K_KEYS + P_KEYS
 HALF_KEYS = ("n", "t", "tt", "x", "xt")
@@ -547,11 +549,21 @@ def _stored_moments(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoment
                         own, [int(e) for e in own.pop("docs")])
 
 
-def decode_layer(layer: int, stored: Mapping[str, np.ndarray]) -> LayerMoments:
-    """:class:`LayerMoments` of :func:`stored_layer`'s arrays: every sum float64, the symmetric ones unpacked."""
+def decode_layer(layer: int, stored: Mapping[str, np.ndarray], pooled: bool = False) -> LayerMoments:
+    """:class:`LayerMoments` of :func:`stored_layer`'s arrays: every sum float64, the symmetric ones unpacked.
+
+    ``pooled``: each per-bucket query sum (``Q_KEYS``, ``LW_KEYS``) added over the buckets first, as stored (in
+    float64, in bucket order: the bits :meth:`LayerMoments.q_pooled` gives of the whole layer), so only one d x d
+    matrix per head is unpacked instead of one per bucket: a layer of one bucket (``n_buckets`` 1) for what reads
+    the query sums pooled (PCA, rotation, the query model's drift and their refits, SPEC 12.2)."""
     m = _stored_moments(layer, stored)
+    sums = m.sums
+    if pooled:
+        sums = {k: np.sum(v, axis=1, dtype=np.float64, keepdims=True) if k in PER_BUCKET else v
+                for k, v in sums.items()}
+        m = replace(m, n_buckets=1)
     return replace(m, sums={k: _unpack(v, m.d) if k in SYMMETRIC else np.asarray(v, np.float64)
-                            for k, v in m.sums.items()})
+                            for k, v in sums.items()})
 
 
 def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
@@ -563,16 +575,17 @@ def moments_to_bytes(layers: Sequence[LayerMoments]) -> bytes:
     return buf.getvalue()
 
 
-def moments_from_bytes(data: bytes) -> dict[int, LayerMoments]:
-    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`, every sum float64."""
-    return {m.layer: m for m in iter_moments(data)}
+def moments_from_bytes(data: bytes, pooled: bool = False) -> dict[int, LayerMoments]:
+    """Inverse of :func:`moments_to_bytes`: layer -> :class:`LayerMoments`, every sum float64 (``pooled``:
+    :func:`decode_layer`'s)."""
+    return {m.layer: m for m in iter_moments(data, pooled)}
 
 
-def iter_moments(data: bytes) -> Iterator[LayerMoments]:
-    """The layers of :func:`moments_to_bytes`'s bytes one at a time, in layer order (every sum float64): only one
-    layer's arrays are decoded at once."""
+def iter_moments(data: bytes, pooled: bool = False) -> Iterator[LayerMoments]:
+    """The layers of :func:`moments_to_bytes`'s bytes one at a time, in layer order (every sum float64; ``pooled``:
+    :func:`decode_layer`'s): only one layer's arrays are decoded at once."""
     import io
 
     z = NpzReader(io.BytesIO(data))
     for layer in stored_layers(z):
-        yield decode_layer(layer, stored_layer(z, layer))
+        yield decode_layer(layer, stored_layer(z, layer), pooled)

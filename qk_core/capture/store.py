@@ -919,12 +919,13 @@ class CaptureReader:
         """Layers with merged SPEC 12.1 moments (every eligible layer; none for a capture without them)."""
         return [int(x) for x in (self.complete.get("moments") or {}).get("layers", [])]
 
-    def read_moments(self, layer: int) -> LayerMoments:
-        """The merged moments of one layer (SPEC 12.1), verified against their committed checksum."""
+    def read_moments(self, layer: int, pooled: bool = False) -> LayerMoments:
+        """The merged moments of one layer (SPEC 12.1), verified against their committed checksum; ``pooled``: the
+        query sums pooled over the buckets (:func:`~qk_core.capture.moments.decode_layer`)."""
         if int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no moments of layer {layer}")
         rel = moments_file(self.prefix, int(layer))
-        return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]))[int(layer)]
+        return moments_from_bytes(self._verified_bytes(rel[len(self.prefix) + 1:]), pooled)[int(layer)]
 
     def moment_groups(self) -> int:
         """Document groups whose query sums the capture keeps (0: none, a capture from before them)."""
@@ -944,15 +945,16 @@ class CaptureReader:
             return moments_from_bytes(self._verified_bytes(legacy))[layer]
         return stack_groups(list(self.read_group_files(layer)))
 
-    def read_group_files(self, layer: int) -> Iterator[LayerMoments]:
-        """Each document group's file of one layer (every sum it keeps, float64: :class:`GroupSum`), in group order,
-        one at a time, verified; a capture whose groups are its documents' own files, or are kept in one file per
-        layer (finalized before group files), has none (:class:`CaptureError`, raised before anything is read)."""
+    def read_group_files(self, layer: int, pooled: bool = False) -> Iterator[LayerMoments]:
+        """Each document group's file of one layer (every sum it keeps, float64: :class:`GroupSum`; ``pooled`` as
+        :meth:`read_moments`), in group order, one at a time, verified; a capture whose groups are its documents' own
+        files, or are kept in one file per layer (finalized before group files), has none (:class:`CaptureError`,
+        raised before anything is read)."""
         if (not self.moment_groups() or self.documents_kept() or int(layer) not in self.moment_layers()
                 or legacy_moment_groups_file(self.prefix, int(layer))[len(self.prefix) + 1:] in self.files):
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no document-group files of layer {layer}")
         cut, layer = len(self.prefix) + 1, int(layer)
-        return (moments_from_bytes(self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:]))[layer]
+        return (moments_from_bytes(self._verified_bytes(moment_group_file(self.prefix, layer, g)[cut:]), pooled)[layer]
                 for g in range(self.moment_groups()))
 
     def units(self) -> list[list[int]]:
@@ -969,14 +971,15 @@ class CaptureReader:
         group_of = document_groups(len(docs), self.moment_groups())
         return [[e for e, g in zip(docs, group_of, strict=True) if g == u] for u in range(int(group_of.max()) + 1)]
 
-    def read_unit_moments(self, layer: int) -> Iterator[LayerMoments]:
-        """Each unit's own moments of one layer (:meth:`units`, in their order; every sum float64), one at a time,
-        verified, each checked to hold its unit's documents: the documents' files (:meth:`read_document_moments`) or
-        the groups' (:meth:`read_group_files`). A capture without either is a :class:`NoUnitSumsError`, raised
-        before anything is read."""
+    def read_unit_moments(self, layer: int, pooled: bool = False) -> Iterator[LayerMoments]:
+        """Each unit's own moments of one layer (:meth:`units`, in their order; every sum float64; ``pooled`` as
+        :meth:`read_moments`), one at a time, verified, each checked to hold its unit's documents: the documents'
+        files (:meth:`read_document_moments`) or the groups' (:meth:`read_group_files`). A capture without either is
+        a :class:`NoUnitSumsError`, raised before anything is read."""
         units = self.units()
         try:
-            own = self.read_document_moments(layer) if self.documents_kept() else self.read_group_files(layer)
+            own = (self.read_document_moments(layer, pooled) if self.documents_kept()
+                   else self.read_group_files(layer, pooled))
         except CaptureError as exc:
             raise NoUnitSumsError(str(exc)) from exc
 
@@ -994,18 +997,19 @@ class CaptureReader:
         merge of any subset of the documents can be formed again (:meth:`read_document_moments`)."""
         return (self.complete.get("moments") or {}).get("groups_in") == "documents"
 
-    def read_document_moments(self, layer: int) -> Iterator[LayerMoments]:
-        """Every document's own moments of one layer (every sum, float64), in sorted example-id order, one at a time,
-        each layer's range verified; kept while the capture has no more documents than ``capture.moment_groups``
-        (:meth:`documents_kept`), else a :class:`CaptureError` (raised before anything is read)."""
+    def read_document_moments(self, layer: int, pooled: bool = False) -> Iterator[LayerMoments]:
+        """Every document's own moments of one layer (every sum, float64; ``pooled`` as :meth:`read_moments`), in
+        sorted example-id order, one at a time, each layer's range verified; kept while the capture has no more
+        documents than ``capture.moment_groups`` (:meth:`documents_kept`), else a :class:`CaptureError` (raised before
+        anything is read)."""
         if not self.documents_kept() or int(layer) not in self.moment_layers():
             raise CaptureError(f"{self.storage.uri(self.prefix)}: no per-document moments of layer {layer} (kept "
                                "only while every document is its own group)")
         names = sorted((n for n in self.files if n.startswith("moments/docs/doc-") and n.endswith(".npz")),
                        key=lambda n: int(n.rsplit("doc-", 1)[1].split(".")[0]))
-        return (self._verified_layer(name, int(layer)) for name in names)
+        return (self._verified_layer(name, int(layer), pooled) for name in names)
 
-    def _verified_layer(self, name: str, layer: int) -> LayerMoments:
+    def _verified_layer(self, name: str, layer: int, pooled: bool = False) -> LayerMoments:
         """One layer of the moments file ``<prefix>/<name>`` (every sum float64), read alone: its byte range and that
         range's SHA-256 checked against the file's committed record (:func:`moments_record`). The file's zip directory
         is parsed on its first read only (a document's file, read once per layer, holds some 20 members a layer)."""
@@ -1024,7 +1028,7 @@ class CaptureReader:
             with self.storage.open_read(rel) as fh:
                 z = NpzReader(fh, self._npz_layouts.get(name))
                 self._npz_layouts[name] = z.layout
-                return decode_layer(layer, stored_layer(z, layer, check))
+                return decode_layer(layer, stored_layer(z, layer, check), pooled)
         except StorageError as exc:
             raise CaptureError(str(exc)) from exc
         except (KeyError, ValueError, zipfile.BadZipFile) as exc:

@@ -80,7 +80,7 @@ def plane_points(storage: Storage, capture: pd.DataFrame, rotation_heads: pd.Dat
 
 def capture_moments(storage: Storage, capture: pd.DataFrame) -> Iterator[tuple[int, LayerMoments]]:
     """(window L, merged moments) of every layer of the captures a ``qk_capture`` table lists (SPEC 12.1), one
-    layer at a time.
+    layer at a time, the query sums pooled over the buckets (PCA and rotation read no bucket).
 
     A capture without moments (finalized before they were accumulated) is a :class:`CaptureError`."""
     for prefix in sorted(set(capture["capture_prefix"])) if len(capture) else []:
@@ -90,7 +90,7 @@ def capture_moments(storage: Storage, capture: pd.DataFrame) -> Iterator[tuple[i
             raise CaptureError(f"{storage.uri(str(prefix))}: the capture holds no moments (SPEC 12.1), so coverage "
                                "'all' cannot be computed; capture it again, or use coverage 'sampled'")
         for layer in layers:
-            yield reader.window, reader.read_moments(layer)
+            yield reader.window, reader.read_moments(layer, pooled=True)
 
 
 def geometry_of_moments(model: str, layers: Iterable[tuple[int, LayerMoments]], pca_options: PCAOptions | None,

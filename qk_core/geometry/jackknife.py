@@ -129,9 +129,9 @@ def loo_of_moments(reader: CaptureReader, pca_options: PCAOptions | None, rotati
     units = reader.units()
     records = {a: [[] for _ in units] for a, o in (("pca", pca), ("rotation", rot)) if o is not None}
     for layer in reader.moment_layers():
-        merged = reader.read_moments(layer)
+        merged = reader.read_moments(layer, pooled=True)
         whole = _geometry_sums(merged)
-        for j, m in enumerate(reader.read_unit_moments(layer)):
+        for j, m in enumerate(reader.read_unit_moments(layer, pooled=True)):
             part = _geometry_sums(m, j if reader.documents_kept() else None)
             rest = [e for e in merged.docs if e not in set(units[j])]
             lm = dataclasses.replace(merged, n_buckets=1, docs=rest, sums={k: whole[k] - part[k] for k in whole})

@@ -103,10 +103,10 @@ def loo_drift_of_moments(reader: CaptureReader) -> tuple[list[list[int]], dict[s
     units = reader.units()
     values: dict[tuple[int, int], dict[str, list[float]]] = {}
     for layer in reader.moment_layers():
-        merged = reader.read_moments(layer)
+        merged = reader.read_moments(layer, pooled=True)
         whole = merged.q_pooled()
         per_unit = []
-        for m in reader.read_unit_moments(layer):
+        for m in reader.read_unit_moments(layer, pooled=True):
             if not np.array_equal(m.q_heads, merged.q_heads):
                 raise CaptureError(f"{reader.storage.uri(reader.prefix)}: layer {layer}: documents {m.docs[:3]}... "
                                    f"hold query heads {m.q_heads.tolist()}, the merge {merged.q_heads.tolist()}")
