@@ -24,8 +24,8 @@ alone (after imports). Default options of each analysis, and OpenBLAS threads as
 (:data:`ASSET_BLAS`: one for geometry's stages, the ``blas_threads`` option of its assets, :mod:`qk_core.runtime.blas`;
 the libraries' default for the query model's); ``--blas N`` gives every stage N threads, ``--blas 0`` the libraries'
 default (on 2 cores geometry's stages, which alternate numpy's and scipy's OpenBLAS, then run several times slower at
-d = 128). Run on a quiet machine (about 6 minutes for the default
-shapes on 2 cores; a qwen3-8b capture of 8 documents takes about 7 GB under the system temp folder)::
+d = 128). Run on a quiet machine (about 3 minutes for the default shapes on 2 cores; a qwen3-8b capture of 8
+documents takes about 7 GB under the system temp folder)::
 
     .venv/bin/python bench/analysis_shapes.py                 # writes bench/results/analysis_shapes.{json,md}
     .venv/bin/python bench/analysis_shapes.py --shapes smollm2-135m --docs 4 --out /tmp/x
@@ -118,21 +118,22 @@ def run_stage(root: str, prefix: str, stage: str, blas: int, queue: Any) -> None
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         seen = current_threads()
     queue.put({"stage": stage, "wall_s": wall, "cpu_s": cpu, "rss_before_mb": rss0,
-               "peak_rss_mb": _peak_rss_mb(), "made": made, "blas_threads": blas,
-                   "openblas_threads_seen": seen})
+               "peak_rss_mb": _peak_rss_mb(), "made": made, "blas_threads": blas, "openblas_threads_seen": seen})
 
 
 def _stage(reader: Any, prefix: str, stage: str) -> str:
     """Run ``stage`` on the capture ``reader`` opens; what it made, in words."""
+    import pandas as pd
+
     from qk_core.config.options import PCAOptions, PlasticityOptions, RotationOptions
     from qk_core.geometry.coverage import PCA_GAP_METRICS, ROTATION_GAP_METRICS
-    from qk_core.geometry.driver import geometry_of_moments
+    from qk_core.geometry.driver import capture_moments, geometry_of_moments
     from qk_core.geometry.jackknife import loo_of_moments
     from qk_core.plasticity.analysis import query_model_heads
     from qk_core.plasticity.coverage import loo_drift_of_moments
 
-    if stage == "geometry":
-        out = geometry_of_moments(prefix, ((reader.window, reader.read_moments(la)) for la in reader.moment_layers()),
+    if stage == "geometry":  # the merged moments as the geometry asset reads them
+        out = geometry_of_moments(prefix, capture_moments(reader.storage, pd.DataFrame({"capture_prefix": [prefix]})),
                                   PCAOptions(), RotationOptions())
         made = f"{len(out['pca'][0])} pca_heads, {len(out['rotation'][0])} rotation_heads rows"
     elif stage == "query model":
