@@ -220,11 +220,8 @@ of every eligible head (`query_model_heads`); *geometry refits* and *query drift
 without each of the {a.docs} documents (`loo_of_moments`, `loo_drift_of_moments`: the coverage gaps' position error).
 *RSS before*: the stage's process once its imports are done and the capture's reader is open (the peak so far);
 *peak RSS*: its peak by the stage's end.
-
-Raw numbers: `{a.name}.json` beside this file.
 """
-    (out / f"{a.name}.md").write_text(md)
-    print(md)
+    record.write_markdown(out, a.name, md)
     return 0
 
 

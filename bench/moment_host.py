@@ -155,11 +155,8 @@ that closes a document group writes that group's files, and `finalize()` only wr
 half the cores up to 8): layers merged (or written) at once. A capture on a GPU host commits each document in a
 background thread beside the next forward (`overlap_commits`), merging it there as well, so a document's commit is
 hidden when its forward takes longer; `finalize()` runs after the last document.
-
-Raw numbers: `{a.name}.json` beside this file.
 """
-    (out / f"{a.name}.md").write_text(md)
-    print(md)
+    record.write_markdown(out, a.name, md)
     return 0
 
 

@@ -30,3 +30,10 @@ def write_json(out: str | Path, name: str, info: dict[str, Any], results: list[d
     path = folder / f"{name}.json"
     path.write_text(json.dumps({"meta": info, "results": results}, indent=2))
     return path
+
+
+def write_markdown(out: str | Path, name: str, text: str) -> None:
+    """``<out>/<name>.md``: ``text`` and a last line pointing at the raw numbers beside it; printed as well."""
+    md = f"{text.rstrip()}\n\nRaw numbers: `{name}.json` beside this file.\n"
+    (Path(out) / f"{name}.md").write_text(md)
+    print(md)

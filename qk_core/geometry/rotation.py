@@ -307,6 +307,19 @@ def even_indices(n: int, m: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, min(n, m)).astype(np.int64)) if n else np.zeros(0, np.int64)
 
 
+def drift_axis(m: PooledMoments) -> tuple[float, np.ndarray]:
+    """The pooled cloud's total scatter and its drift axis a = Cov(x, t) / |Cov(x, t)| (SPEC 3), from the pooled
+    moments of the rows or of every position. Raises :class:`HeadInputError` for a cloud of zero variance or one
+    whose vectors do not covary with position."""
+    total = m.total_scatter
+    if not total > 0:
+        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    c_norm = float(np.linalg.norm(m.s_xt))
+    if not np.isfinite(c_norm) or c_norm <= 1e-12 * np.sqrt(total * m.stt):
+        raise HeadInputError("no_position_covariance", "Cov(x, t) of the pooled cloud is zero: no drift axis")
+    return total, m.s_xt / c_norm
+
+
 def centroid_axis(m: PooledMoments, a: np.ndarray, notes: list[str]) -> np.ndarray:
     """SPEC 3 centroid separation axis b = P(mu_Q - mu_K) / |P(mu_Q - mu_K)|, P = I - a a^T; NaN-filled
     (and a note) when the centroids differ only along a."""
@@ -335,16 +348,8 @@ def analyse_rotation(q: np.ndarray, q_pos: np.ndarray, q_doc: np.ndarray, k: np.
     if moments is None:
         moments = pooled_moments(q, q_pos, k, k_pos)
     m = moments
-    total = m.total_scatter
-    if not total > 0:
-        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    total, a = drift_axis(m)
     notes: list[str] = []
-
-    # Drift axis: a = Cov(x, t) / |Cov(x, t)| over the pooled rows.
-    c_norm = float(np.linalg.norm(m.s_xt))
-    if not np.isfinite(c_norm) or c_norm <= 1e-12 * np.sqrt(total * m.stt):
-        raise HeadInputError("no_position_covariance", "Cov(x, t) of the pooled cloud is zero: no drift axis")
-    a = m.s_xt / c_norm
 
     # Same-position pairs (needed for separation_strength and the eigen axis).
     iq, ik = same_position_pairs(q_doc, q_pos, k_doc, k_pos)
@@ -497,14 +502,8 @@ def rotation_from_moments(m: PooledMoments, pairs: PairSums, split: tuple[float,
     """
     options = options or RotationOptions()
     validate_moments(m, options.min_rows)
-    total = m.total_scatter
-    if not total > 0:
-        raise HeadInputError("zero_variance", "the pooled Q+K cloud has zero variance")
+    total, a = drift_axis(m)
     notes: list[str] = []
-    c_norm = float(np.linalg.norm(m.s_xt))
-    if not np.isfinite(c_norm) or c_norm <= 1e-12 * np.sqrt(total * m.stt):
-        raise HeadInputError("no_position_covariance", "Cov(x, t) of the pooled cloud is zero: no drift axis")
-    a = m.s_xt / c_norm
     n_pairs = int(pairs.n)
     have_pairs = n_pairs >= options.min_pairs
     if not have_pairs:
