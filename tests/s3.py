@@ -13,7 +13,6 @@ a fresh ``s3://bucket/<prefix>`` root per call so tests never see each other's o
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -72,22 +71,18 @@ def start_server() -> tuple[object, str]:
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
     """One moto S3 server for the session, with credentials in the environment and a bucket."""
-    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "QK_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDENTIALS)
-    os.environ.pop("AWS_ENDPOINT_URL", None)
-    server, endpoint = start_server()
-    os.environ["QK_S3_ENDPOINT_URL"] = endpoint
-    s3 = MotoS3(endpoint)
-    s3.client().create_bucket(Bucket=s3.bucket)
-    try:
-        yield s3
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:  # the environment as it was, after the session
+        for k, v in CREDENTIALS.items():
+            env.setenv(k, v)
+        env.delenv("AWS_ENDPOINT_URL", raising=False)
+        server, endpoint = start_server()
+        env.setenv("QK_S3_ENDPOINT_URL", endpoint)
+        s3 = MotoS3(endpoint)
+        s3.client().create_bucket(Bucket=s3.bucket)
+        try:
+            yield s3
+        finally:
+            server.stop()
 
 
 class CountingProxy:

@@ -109,22 +109,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def moto() -> Iterator[MotoProcess]:
     """A moto S3 server in its own process (pausable, killable), credentials in the environment."""
-    saved = {k: os.environ.get(k) for k in [*CREDS, "QK_S3_TIMEOUT_S", "AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDS)
-    os.environ["QK_S3_TIMEOUT_S"] = "1"
-    os.environ.pop("AWS_ENDPOINT_URL", None)
-    server = MotoProcess()
-    server.start()
-    make_bucket(server)
-    try:
-        yield server
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:  # the environment as it was, after the module
+        for k, v in CREDS.items():
+            env.setenv(k, v)
+        env.setenv("QK_S3_TIMEOUT_S", "1")
+        env.delenv("AWS_ENDPOINT_URL", raising=False)
+        server = MotoProcess()
+        server.start()
+        make_bucket(server)
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 def make_bucket(server: MotoProcess) -> None:

@@ -40,6 +40,14 @@ def ok_mask(df: pd.DataFrame, status_col: str = "status") -> np.ndarray:
     return (df[status_col].astype(str) == OK).to_numpy()
 
 
+def _groups(df: pd.DataFrame, by: Sequence[str]) -> list[tuple[tuple[Any, ...], np.ndarray]]:
+    """(the ``by`` values, the row positions) of each group of ``df``, sorted; all rows in one without ``by``."""
+    if not by:
+        return [((), np.arange(len(df)))]
+    grouped = df.groupby(list(by), sort=True, dropna=False).indices
+    return [((k if isinstance(k, tuple) else (k,)), np.asarray(idx)) for k, idx in grouped.items()]
+
+
 def summarise(df: pd.DataFrame, quantities: Mapping[str, str], by: Sequence[str] = (),
               status_col: str = "status") -> pd.DataFrame:
     """Long summary table: one row per group (``by`` columns) and quantity.
@@ -48,14 +56,8 @@ def summarise(df: pd.DataFrame, quantities: Mapping[str, str], by: Sequence[str]
     value; ``n_skipped`` the other heads of the group (not ok, or a non-finite value).
     """
     good = ok_mask(df, status_col)
-    groups: list[tuple[tuple[Any, ...], np.ndarray]]
-    if by:
-        grouped = df.groupby(list(by), sort=True, dropna=False).indices
-        groups = [((k if isinstance(k, tuple) else (k,)), np.asarray(idx)) for k, idx in grouped.items()]
-    else:
-        groups = [((), np.arange(len(df)))]
     rows = []
-    for key, idx in groups:
+    for key, idx in _groups(df, by):
         for col, unit in quantities.items():
             vals = pd.to_numeric(df[col].iloc[idx], errors="coerce").to_numpy(dtype=float)
             vals = np.where(good[idx], vals, np.nan)
@@ -74,14 +76,9 @@ def shares(df: pd.DataFrame, column: str, categories: Sequence[str], by: Sequenc
     ``mean`` holds the share (a fraction of the group's ok heads); median and quartiles are NaN.
     """
     good = ok_mask(df, status_col)
-    if by:
-        grouped = df.groupby(list(by), sort=True, dropna=False).indices
-        groups = [((k if isinstance(k, tuple) else (k,)), np.asarray(idx)) for k, idx in grouped.items()]
-    else:
-        groups = [((), np.arange(len(df)))]
     rows = []
     nan = float("nan")
-    for key, idx in groups:
+    for key, idx in _groups(df, by):
         sel = idx[good[idx]]
         labels = df[column].iloc[sel].astype(str).to_numpy()
         for cat in categories:
