@@ -12,7 +12,8 @@ Each mode runs in a fresh child process (its own peak RSS), loads the model once
   ``smollm2-135m`` at window 8192 (bucket 512, per_bucket 8, all 270 heads): probe forward, one
   forward per document under the capture function (stopped once its last layer was read), one host transfer per
   document, per-document
-  Parquet commit, and ``finalize()`` (the fan-out into per-head files), into a temporary storage root.
+  Parquet commit, and ``finalize()`` (the fan-out into per-head files), into a scratch folder of the storage root
+  (:func:`storage_base`).
 
 Memory: the peak resident set size of the measured phase, read from ``VmHWM`` after resetting it
 (``/proc/self/clear_refs``) once the model is loaded, so the (shared) loading peak does not hide the
@@ -31,6 +32,7 @@ Run (on a quiet machine; about 35 s per 8K forward on 2 cores)::
     .venv/bin/python bench/capture_cpu.py                    # 2 docs x 8192 tokens, writes bench/results/capture_cpu.*
     .venv/bin/python bench/capture_cpu.py --tokens 1024 --out /tmp/x   # quick check
     .venv/bin/python bench/capture_cpu.py --moments --tokens 2048 --docs 4   # every head, every position
+    .venv/bin/python bench/capture_cpu.py --moments --tokens 2048 --docs 4 --storage /tmp   # captures in /tmp
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 MODEL = "smollm2-135m"
+
+
+def storage_base(given: str | None = None) -> Path:
+    """Where the captures are written (each in a scratch folder there, removed after): ``given``, else the product's
+    storage root (``QK_STORAGE_ROOT``, default ``<repo>/storage``), where a capture writes unless told otherwise.
+    Not the system temp folder by default: on the 2-core development machine, at times, creating a file in ``/tmp``
+    took 0.6-0.8 ms against 0.02-0.1 ms elsewhere on the same disk, and ``finalize()`` of a 4-document 2K capture,
+    which writes some 400 files, 1.05-1.25 s there against 0.78-0.86 s in ``/var/tmp`` (2026-12-01 04:50, 5 runs
+    each; an hour later the two folders were alike). Each record gives both folders' cost (:func:`create_ms`)."""
+    from qk_core.config.settings import Settings
+
+    root = given or Settings.from_env().storage_root
+    if "://" in root:
+        raise SystemExit(f"capture storage {root}: not a local folder; give one with --storage")
+    return Path(root)
+
+
+def create_ms(folder: Path, n: int = 200) -> float:
+    """Median milliseconds to create and close an empty file in a scratch folder of ``folder`` (``n`` files): what
+    each file of a capture pays before its first byte."""
+    from qk_core.io.temporaries import scratch_dir
+
+    spent = []
+    with scratch_dir("bench-create", folder) as d:
+        for i in range(n):
+            t = time.perf_counter()
+            os.close(os.open(d / f"f{i}", os.O_CREAT | os.O_WRONLY))
+            spent.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(spent)
 
 
 def _vm(field: str) -> float:
@@ -121,11 +152,13 @@ def _plain(loaded, texts: list[str], window: int, run=None) -> tuple[float, list
     return time.perf_counter() - t, per_doc, time.process_time() - c, _faults() - f
 
 
-def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
+def _capture(entry, docs, loaded, storage: Path | None = None) -> tuple[float, list[float], dict]:
+    """One capture pass into a scratch folder of ``storage`` (default :func:`storage_base`)."""
     from qk_core.capture import capture_model
     from qk_core.io.storage import Storage
+    from qk_core.io.temporaries import scratch_dir
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir("bench-capture", storage_base() if storage is None else storage) as tmp:
         t, c, f = time.perf_counter(), time.process_time(), _faults()
         marks, staged = [t], {}
 
@@ -134,7 +167,7 @@ def _capture(entry, docs, loaded) -> tuple[float, list[float], dict]:
             if entry.capture.moments and len(marks) == len(docs) + 1:  # every document committed, not yet merged
                 staged.update(doc_files_mb=_mb(Path(tmp), "/docs/"), moments_doc_mb=_mb(Path(tmp), "/moments/docs/"))
 
-        result = capture_model(entry, docs, Storage(tmp), loaded=loaded, on_document=on_document)
+        result = capture_model(entry, docs, Storage(str(tmp)), loaded=loaded, on_document=on_document)
         wall, cpu, faults = time.perf_counter() - t, time.process_time() - c, _faults() - f
         q_rows = int(result.heads["n_q_rows"].sum())
         k_rows = int(result.heads.drop_duplicates(["layer", "kv_head"])["n_k_rows"].sum())
@@ -149,7 +182,8 @@ def _mb(root: Path, part: str) -> float:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and part in f.as_posix()) / 2**20
 
 
-def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, moments: bool = False) -> dict:
+def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, moments: bool = False,
+          storage: Path | None = None) -> dict:
     """``timing``: plain and capture passes (and rows-only captures, with moments) rotated in one process;
     ``plain``/``capture``: one pass in a fresh process for its peak RSS."""
     entry, docs, loaded, ids, load_s = _setup(tokens, n_docs, threads, moments)
@@ -173,9 +207,11 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
                     rec["plain_s"], rec["plain_per_doc_s"], rec["plain_cpu_s"], rec["plain_faults"] = _plain(
                         loaded, texts, tokens)
                 elif m == "capture":
-                    rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded)
+                    rec["capture_s"], rec["capture_per_doc_s"], rec["capture_extra"] = _capture(entry, docs, loaded,
+                                                                                                storage)
                 else:
-                    rec["rows_s"], rec["rows_per_doc_s"], rec["rows_extra"] = _capture(rows_entry, docs, loaded)
+                    rec["rows_s"], rec["rows_per_doc_s"], rec["rows_extra"] = _capture(rows_entry, docs, loaded,
+                                                                                       storage)
             rec["ratio"] = rec["capture_s"] / rec["plain_s"]
             rec["cpu_ratio"] = rec["capture_extra"]["cpu_s"] / rec["plain_cpu_s"]
             if moments:
@@ -188,7 +224,7 @@ def child(mode: str, tokens: int, n_docs: int, threads: int, repeats: int, momen
         wall, per_doc, _, _ = _plain(loaded, texts, tokens)
         extra: dict = {}
     else:
-        wall, per_doc, extra = _capture(entry, docs, loaded)
+        wall, per_doc, extra = _capture(entry, docs, loaded, storage)
     return {**base, "wall_s": wall, "per_doc_s": per_doc,
             "peak_rss_phase_mb": _vm("VmHWM") if reset else float("nan"),
             "peak_rss_lifetime_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
@@ -201,7 +237,7 @@ MEMORY_KEYS = ("wall_s", "rss_after_load_mb", "peak_rss_phase_mb", "peak_rss_lif
 def _run_child(mode: str, a: argparse.Namespace, env: dict) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--tokens", str(a.tokens), "--docs",
                            str(a.docs), "--threads", str(a.threads), "--repeats", str(a.repeats),
-                           *(["--moments"] if a.moments else [])],
+                           "--storage", str(a.storage), *(["--moments"] if a.moments else [])],
                           env=env, cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
@@ -218,13 +254,17 @@ def main() -> None:
                          "of MB on one host: glibc's allocator)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--moments", action="store_true", help="the capture also accumulates every head's moments")
+    ap.add_argument("--storage", help="folder the captures are written in (default: the storage root, QK_STORAGE_ROOT "
+                                      "or <repo>/storage)")
     ap.add_argument("--child", choices=["timing", "plain", "capture"])
     a = ap.parse_args()
     if a.memory_repeats < 1:
         ap.error("--memory-repeats must be at least 1")
+    given, a.storage = a.storage, storage_base(a.storage)
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats, a.moments)))
+        print("RESULT " + json.dumps(child(a.child, a.tokens, a.docs, a.threads, a.repeats, a.moments, a.storage)))
         return
+    creating = {"storage_ms": create_ms(a.storage), "system_temp_ms": create_ms(Path(tempfile.gettempdir()))}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load0 = os.getloadavg()
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "HF_HUB_OFFLINE": "1"}
@@ -278,6 +318,7 @@ def main() -> None:
                                    ("threads", a.threads), ("memory-repeats", a.memory_repeats))
         if v != ap.get_default(k.replace("-", "_")))
     cmd += " --moments" if a.moments else ""
+    cmd += f" --storage {given}" if given else ""
     name = f"capture_cpu_moments_{a.tokens}" if a.moments else "capture_cpu"
     if timing["host_malloc"]["policy"] != "keep":  # glibc's defaults: the same run, named apart
         cmd = f"QK_HOST_MALLOC={timing['host_malloc']['policy']} {cmd}"
@@ -285,7 +326,8 @@ def main() -> None:
     meta = {"command": cmd, "moments": a.moments, "started": started, "model": MODEL, "tokens": a.tokens,
             "docs": a.docs, "threads": a.threads, "cpus": os.cpu_count(), "load_avg_start": load0,
             "load_avg_end": load1, "python": platform.python_version(),
-            "gpu": "not available in this task: GPU timings not measured", "host_malloc": timing["host_malloc"]}
+            "gpu": "not available in this task: GPU timings not measured", "host_malloc": timing["host_malloc"],
+            "storage": str(a.storage), "create_file_ms": creating}
     malloc = ("glibc's thresholds fixed at model load, so forwards reuse freed blocks (`QK_HOST_MALLOC=keep`, "
               "qk_core.runtime.host_memory; the plain passes too)" if timing["host_malloc"]["kept"] else
               f"glibc's adaptive defaults (`QK_HOST_MALLOC={timing['host_malloc']['policy']}`)")
@@ -338,6 +380,8 @@ Capture: all {extra['heads']} heads, bucket {a.tokens // 16}, 8 positions per bu
 ({extra['disk_mb']:.1f} MB on disk with the per-head fan-out).
 Target: capture <= 1.05x the plain forward in wall time and in peak memory.
 Host allocator: {malloc}; the minor page faults of each pass are in the table.
+Capture storage: scratch folders in `{a.storage}` (creating a file there took {creating['storage_ms']:.2f} ms, in the
+system temp folder `{tempfile.gettempdir()}` {creating['system_temp_ms']:.2f} ms; median of 200, before the run).
 {moments}
 ## Wall time (one process, the passes alternated)
 

@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--storage", help="folder the captures are written in (default: the storage root, QK_STORAGE_ROOT "
+                                      "or <repo>/storage; capture_cpu.storage_base)")
     a = ap.parse_args(argv)
     import capture_cpu as cc
+
+    storage = cc.storage_base(a.storage)
+    creating = {"storage_ms": cc.create_ms(storage), "system_temp_ms": cc.create_ms(Path(tempfile.gettempdir()))}
 
     started, load0 = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()
     spent: dict[str, float] = collections.defaultdict(float)
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped_s = _stopped_plain(loaded, texts, a.tokens, last)
         spent.clear()
         with _instrumented(spent):
-            capture_s, _, extra = cc._capture(entry, docs, loaded)
+            capture_s, _, extra = cc._capture(entry, docs, loaded, storage)
         phases = {p: spent.get(p, 0.0) for p in PHASES}
         phases["not run"] = stopped_s - plain_s
         phases["rest"] = capture_s - stopped_s - sum(phases[p] for p in ADDITIVE)
@@ -177,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     med = {p: statistics.median(x["phases"][p] for x in runs) for p in [*PHASES, "not run", "rest"]}
     over = statistics.median(x["capture_s"] - x["plain_s"] for x in runs)
     cmd = (f"python bench/capture_phases.py --tokens {a.tokens} --docs {a.docs} --repeats {a.repeats}"
-           + (f" --threads {a.threads}" if a.threads != 2 else ""))
+           + (f" --threads {a.threads}" if a.threads != 2 else "") + (f" --storage {a.storage}" if a.storage else ""))
     name = f"capture_phases_{a.tokens}"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": cmd, "started": started, "tokens": a.tokens, "docs": a.docs, "threads": a.threads,
-            "cpus": os.cpu_count(), "load_avg_start": load0, "load_avg_end": load1}
+            "cpus": os.cpu_count(), "load_avg_start": load0, "load_avg_end": load1, "storage": str(storage),
+            "create_file_ms": creating}
     (out / f"{name}.json").write_text(json.dumps({"meta": meta, "runs": runs, "median_s": med,
                                                   "products_s": products}, indent=2))
     labels = {"hook": "hook (in the forward)", "moments": "  of it: moments", "sums": "    of that: the sums",
@@ -197,6 +204,8 @@ Command: `{cmd}` (from the repository root, with `.venv/bin/python`), started {s
 Machine: {os.cpu_count()} CPUs, torch threads {a.threads}; load average {[round(x, 2) for x in load0]} at start,
 {[round(x, 2) for x in load1]} at end. Model: SmolLM2-135M (fp32, sdpa), {a.docs} SOTU documents x {a.tokens}
 tokens, every head, bucket {a.tokens // 16}, `capture.moments = true` (float32 per-bucket sums, Gaussian form).
+Capture storage: scratch folders in `{storage}` (creating a file there took {creating['storage_ms']:.2f} ms, in the
+system temp folder `{tempfile.gettempdir()}` {creating['system_temp_ms']:.2f} ms; median of 200, before the run).
 
 Plain pass (median of {a.repeats}): {plain:.2f} s; capture pass less plain pass: {over:.2f} s
 ({100 * over / plain:.1f}% of it; the target of 5% is {0.05 * plain:.2f} s).

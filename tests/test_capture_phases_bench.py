@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # real weights
 def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_path: Path) -> None:
     before = capture_phases.phase_functions()
     assert capture_phases.main(["--tokens", "256", "--docs", "2", "--repeats", "1", "--threads",
-                                str(torch.get_num_threads()), "--out", str(tmp_path)]) == 0
+                                str(torch.get_num_threads()), "--out", str(tmp_path),
+                                "--storage", str(tmp_path / "storage")]) == 0
     data = json.loads((tmp_path / "capture_phases_256.json").read_text())
     (r,) = data["runs"]
     p = r["phases"]
@@ -35,6 +36,8 @@ def test_capture_phases_bench_times_every_phase_and_restores_the_functions(tmp_p
     assert p["rest"] == pytest.approx(r["capture_s"] - r["stopped_s"] - named)
     assert named + p["not run"] + p["rest"] == pytest.approx(r["capture_s"] - r["plain_s"])
     assert data["products_s"] > 0
+    # the captures went where --storage said, each in a scratch folder removed after it
+    assert data["meta"]["storage"] == str(tmp_path / "storage") and not list((tmp_path / "storage").iterdir())
     md = (tmp_path / "capture_phases_256.md").read_text()
     assert "| commits |" in md and "| products (measured apart) |" in md and "| forward not run" in md
     assert capture_phases.phase_functions() == before  # the wrappers are gone
