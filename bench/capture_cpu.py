@@ -63,7 +63,7 @@ def storage_base(given: str | None = None) -> Path:
     Not the system temp folder by default: on the 2-core development machine, at times, creating a file in ``/tmp``
     took 0.6-0.8 ms against 0.02-0.1 ms elsewhere on the same disk, and ``finalize()`` of a 4-document 2K capture,
     which writes some 400 files, 1.05-1.25 s there against 0.78-0.86 s in ``/var/tmp`` (2026-12-01 04:50, 5 runs
-    each; an hour later the two folders were alike). Each record gives both folders' cost (:func:`create_ms`)."""
+    each; minutes later the two folders were alike). Each record gives both folders' cost (:func:`create_ms`)."""
     from qk_core.config.settings import Settings
 
     root = given or Settings.from_env().storage_root
